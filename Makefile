@@ -1,0 +1,30 @@
+# Everything a fresh Debian machine with Python 3.11 needs: `make test`.
+PYTHON ?= python3.11
+VENV   ?= .venv
+PY     := $(VENV)/bin/python
+PIP    := $(PY) -m pip
+STAMP  := $(VENV)/.installed
+
+.PHONY: test install system-deps clean
+
+test: $(STAMP)
+	$(PY) -m pytest $(PYTEST_ARGS)
+
+install: $(STAMP)
+
+# Mooncake's client library links against libibverbs even for TCP.
+system-deps:
+	@if ! ldconfig -p | grep -q 'libibverbs\.so\.1'; then \
+		apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq libibverbs1; \
+	fi
+
+# torch first, pinned: 2.13.0 is the CPU build on these machines, and pinning it
+# keeps any later requirement from pulling a CUDA build.
+$(STAMP): pyproject.toml | system-deps
+	$(PYTHON) -m venv $(VENV)
+	$(PIP) install -q torch==2.13.0
+	$(PIP) install -q -e '.[dev,mooncake]'
+	touch $@
+
+clean:
+	rm -rf $(VENV) .pytest_cache

@@ -1,0 +1,207 @@
+"""A local ``mooncake_master`` on free loopback ports, for tests, demos and ``master: spawn``.
+
+Mooncake's Python wheel is client-only: the master is a separate program
+(``mooncake_master``, installed beside the interpreter). :class:`LocalMaster`
+starts one bound to 127.0.0.1 on ports picked free at start (the admin/metrics
+port too: its default, 9003, clashes between masters), waits until it accepts
+connections, and stops it on exit. Only loopback: a spawned master is never
+reachable from another machine.
+
+:func:`wait_until_listening` is also how a configured master is checked before
+``setup()``: with no master listening, the client's setup retries for ~90 s before
+failing, and a serving engineer deserves a one-line error in seconds instead.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Self
+
+LOOPBACK = "127.0.0.1"
+
+
+class MasterError(RuntimeError):
+    """The master could not be found, started or reached."""
+
+
+@dataclass(frozen=True)
+class MasterEndpoints:
+    host: str
+    rpc_port: int
+    metadata_port: int
+    metrics_port: int
+
+    @property
+    def master_address(self) -> str:
+        return f"{self.host}:{self.rpc_port}"
+
+    @property
+    def metadata_server(self) -> str:
+        return f"http://{self.host}:{self.metadata_port}/metadata"
+
+
+def free_port(host: str = LOOPBACK) -> int:
+    """A port nothing listens on right now (the OS picks it)."""
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as probe:
+        probe.bind((host, 0))
+        return int(probe.getsockname()[1])
+
+
+def is_listening(host: str, port: int, timeout_s: float = 0.5) -> bool:
+    try:
+        with socket.create_connection((host, port), timeout=timeout_s):
+            return True
+    except OSError:
+        return False
+
+
+def wait_until_listening(host: str, port: int, timeout_s: float, what: str = "mooncake master") -> None:
+    """Return once ``host:port`` accepts a connection; MasterError after ``timeout_s``."""
+    deadline = time.monotonic() + timeout_s
+    while not is_listening(host, port):
+        if time.monotonic() >= deadline:
+            raise MasterError(f"{what} at {host}:{port} is not reachable (waited {timeout_s:g} s)")
+        time.sleep(0.05)
+
+
+def find_master_binary() -> Path:
+    """``mooncake_master`` beside this interpreter (a venv's bin) or on PATH."""
+    beside = Path(sys.executable).parent / "mooncake_master"
+    if beside.exists():
+        return beside
+    found = shutil.which("mooncake_master")
+    if found is None:
+        raise MasterError(
+            "mooncake_master not found beside the interpreter or on PATH; "
+            "install mooncake-transfer-engine-non-cuda (the 'mooncake' extra)"
+        )
+    return Path(found)
+
+
+class LocalMaster:
+    """A ``mooncake_master`` child process on loopback. Use as a context manager."""
+
+    def __init__(
+        self,
+        *,
+        lease_ttl_ms: int | None = None,
+        eviction_high_watermark: float | None = None,
+        eviction_ratio: float | None = None,
+        client_ttl_s: int | None = None,
+        startup_timeout_s: float = 20.0,
+    ) -> None:
+        self._flags: dict[str, str] = {}
+        if lease_ttl_ms is not None:
+            self._flags["default_kv_lease_ttl"] = str(lease_ttl_ms)
+        if eviction_high_watermark is not None:
+            self._flags["eviction_high_watermark_ratio"] = str(eviction_high_watermark)
+        if eviction_ratio is not None:
+            self._flags["eviction_ratio"] = str(eviction_ratio)
+        if client_ttl_s is not None:
+            self._flags["client_ttl"] = str(client_ttl_s)
+        self._startup_timeout_s = startup_timeout_s
+        self._process: subprocess.Popen[bytes] | None = None
+        self._log_path: Path | None = None
+        self.endpoints: MasterEndpoints | None = None
+
+    def __enter__(self) -> Self:
+        return self.start()
+
+    def __exit__(self, *exc: object) -> None:
+        self.stop()
+
+    @property
+    def pid(self) -> int | None:
+        return None if self._process is None else self._process.pid
+
+    def start(self, endpoints: MasterEndpoints | None = None) -> Self:
+        """Start on ``endpoints`` (e.g. the ports of a master that died) or on free ports."""
+        if self._process is not None:
+            raise MasterError("this master is already running")
+        self.endpoints = endpoints or MasterEndpoints(LOOPBACK, free_port(), free_port(), free_port())
+        e = self.endpoints
+        command = [
+            str(find_master_binary()),
+            f"--rpc_port={e.rpc_port}",
+            f"--rpc_address={e.host}",
+            "--enable_http_metadata_server=true",
+            f"--http_metadata_server_port={e.metadata_port}",
+            f"--http_metadata_server_host={e.host}",
+            f"--metrics_port={e.metrics_port}",
+            f"--metrics_host={e.host}",
+            *(f"--{name}={value}" for name, value in self._flags.items()),
+        ]
+        fd, log_name = tempfile.mkstemp(prefix="mooncake-master-", suffix=".log")
+        self._log_path = Path(log_name)
+        with os.fdopen(fd, "wb") as log:
+            self._process = subprocess.Popen(
+                command, stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL
+            )
+        try:
+            self._wait_ready()
+        except BaseException:
+            self.stop()
+            raise
+        return self
+
+    def _wait_ready(self) -> None:
+        assert self._process is not None and self.endpoints is not None
+        deadline = time.monotonic() + self._startup_timeout_s
+        for port in (self.endpoints.rpc_port, self.endpoints.metadata_port):
+            while not is_listening(self.endpoints.host, port, timeout_s=0.2):
+                if self._process.poll() is not None:
+                    raise MasterError(
+                        f"mooncake_master exited with {self._process.returncode}: {self.log_tail()}"
+                    )
+                if time.monotonic() >= deadline:
+                    raise MasterError(
+                        f"mooncake_master did not listen on port {port} within {self._startup_timeout_s:g} s"
+                    )
+                time.sleep(0.05)
+
+    def log_tail(self, lines: int = 5) -> str:
+        if self._log_path is None or not self._log_path.exists():
+            return ""
+        return " | ".join(self._log_path.read_text(errors="replace").strip().splitlines()[-lines:])
+
+    def pause(self) -> None:
+        """SIGSTOP: the master stalls (RPCs time out) but keeps its state."""
+        self._signal(signal.SIGSTOP)
+
+    def resume(self) -> None:
+        self._signal(signal.SIGCONT)
+
+    def kill(self) -> None:
+        """SIGKILL, as a crash would; its keys are gone with it."""
+        if self._process is not None:
+            self._process.kill()
+            self._process.wait()
+            self._process = None
+
+    def _signal(self, sig: signal.Signals) -> None:
+        if self._process is None:
+            raise MasterError("this master is not running")
+        self._process.send_signal(sig)
+
+    def stop(self) -> None:
+        process, self._process = self._process, None
+        if process is not None and process.poll() is None:
+            process.send_signal(signal.SIGCONT)  # a paused master cannot act on SIGTERM
+            process.terminate()
+            try:
+                process.wait(timeout=5)
+            except subprocess.TimeoutExpired:
+                process.kill()
+                process.wait()
+        if self._log_path is not None:
+            self._log_path.unlink(missing_ok=True)
+            self._log_path = None

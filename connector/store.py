@@ -1,0 +1,117 @@
+"""The store backends' contract: Mooncake Store's batch API, as kvpipe uses it.
+
+Every backend (the in-process model in :mod:`.memory`, the real Mooncake client)
+satisfies :class:`Store`. It is Mooncake's own Python API on purpose: the real
+client then needs no translation layer, and the model can be held to the real
+store by running one contract test suite against both.
+
+The primitives, and why each is here:
+
+``batch_is_exist(keys)``
+    1 / 0 / negative per key. The save path asks once per batch which objects
+    the store already has, so nothing is copied twice. A positive answer also
+    grants the object a read lease, so an object just found is not evicted
+    before a get reaches it. A negative code means "don't know", never "absent".
+``batch_put_from_multi_buffers(keys, ptrs, sizes, config)``
+    The object of a key is its buffers concatenated: a KV block is one buffer
+    per layer, and copying them into one staging buffer first would double the
+    traffic. Putting a key that exists returns 0 and keeps the first value, so
+    retries and racing writers are harmless.
+``batch_get_into_multi_buffers(keys, ptrs, sizes)``
+    The load path's mirror: bytes read or a negative code. The destination's
+    total size must equal the object's; its split into buffers is free.
+``batch_put_from`` / ``batch_get_into``
+    The one-buffer-per-object forms, for callers that already hold contiguous
+    objects.
+``get_size(key)``
+    An object's size without reading it (-704 if missing); a read, so it
+    leases the object too.
+``remove(key)`` / ``remove_all()``
+    Cleanup for tests, benchmarks and operators. Leased objects stay:
+    ``remove`` returns -706 on them and ``remove_all`` skips them (it returns
+    how many it removed).
+``register_buffer(addr, nbytes)`` / ``unregister_buffer(addr)``
+    The transfer engine may only touch registered memory, so the KV caches are
+    registered once at start-up, not per call.
+``new_replicate_config()``
+    A fresh config per put call; a shared, mutated one races when puts overlap.
+    Its ``group_ids`` (one per key, ``""`` for none) tie objects into groups
+    that are leased and evicted as one.
+``supports_group_ids``
+    Older Mooncake releases have no ``group_ids``. Backends compute this with
+    :func:`replicate_config_supports_group_ids`, so the probe exists once.
+``close()``
+    Releases the client; later calls fail with -900, as RPCs to a gone master do.
+
+Results are per key and never exceptions (see :mod:`kvpipe.stages.store` for
+the codes); the only raises are programming errors, such as a non-string group id.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any, Protocol, runtime_checkable
+
+from kvpipe.stages.store import ObjectStore
+
+__all__ = ["Store", "replicate_config_supports_group_ids"]
+
+
+@runtime_checkable
+class Store(ObjectStore, Protocol):
+    """The Mooncake Store batch API subset kvpipe uses: save, load and housekeeping."""
+
+    def batch_get_into_multi_buffers(
+        self,
+        keys: Sequence[str],
+        ptrs: Sequence[Sequence[int]],
+        sizes: Sequence[Sequence[int]],
+    ) -> list[int]:
+        """Read each object into its buffers. Per key: bytes read or negative."""
+        ...
+
+    def batch_put_from(
+        self, keys: Sequence[str], ptrs: Sequence[int], sizes: Sequence[int], config: Any
+    ) -> list[int]:
+        """Store each key from one contiguous buffer. Per key: 0 or negative."""
+        ...
+
+    def batch_get_into(self, keys: Sequence[str], ptrs: Sequence[int], sizes: Sequence[int]) -> list[int]:
+        """Read each object into one contiguous buffer. Per key: bytes read or negative."""
+        ...
+
+    def get_size(self, key: str) -> int:
+        """The object's size in bytes, or -704 if it is missing. Leases the object."""
+        ...
+
+    def remove(self, key: str) -> int:
+        """0 if removed, -704 if missing, -706 if leased (a reader may be copying it)."""
+        ...
+
+    def remove_all(self) -> int:
+        """Remove every object that is not leased; returns how many were removed."""
+        ...
+
+    def register_buffer(self, addr: int, nbytes: int) -> int:
+        """Make ``nbytes`` at ``addr`` usable by puts and gets. 0 or negative."""
+        ...
+
+    def unregister_buffer(self, addr: int) -> int:
+        """Forget a registration made at ``addr``. 0, or -600 if there is none."""
+        ...
+
+    def close(self) -> None:
+        """Release the client. Idempotent; later calls return -900."""
+        ...
+
+
+def replicate_config_supports_group_ids(config_cls: type, config_instance: object) -> bool:
+    """Whether this Mooncake build's replicate config has ``group_ids``.
+
+    Asked at run time because the attribute arrived in a later release than
+    some deployments run. The class is asked first (a pybind11 property lives
+    there); the instance covers configs that only set the attribute per object.
+    """
+    if hasattr(config_cls, "group_ids"):
+        return True
+    return hasattr(config_instance, "group_ids")

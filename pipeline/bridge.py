@@ -1,0 +1,316 @@
+"""Running a pipeline from ordinary threads: the sync bridge.
+
+An inference engine calls us from its model-step thread, which must never wait on
+our queues. :class:`SyncPipeline` runs the pipeline on an event loop in a thread
+of its own, and :meth:`SyncPipeline.submit` only appends the item to a deque and,
+if the loop is idle, pokes it awake (one ``call_soon_threadsafe``): a few
+microseconds, whatever the pipeline is doing.
+
+The entry is bounded by ``queue_capacity`` (a semaphore counts items that are
+submitted but not yet in the pipeline's entry queue). When it is full the policy
+decides: ``"wait"`` blocks the caller until there is room (for batch jobs that
+must not lose work), ``"drop"`` refuses the item at once and ends its job as
+``dropped`` (for a connector in the engine's hot loop: a lost save costs a cache
+miss later; a blocked step costs every request now).
+
+Completed jobs are handed back through :meth:`completed` (poll) or
+:meth:`Job.wait`. :meth:`stop` drains within a deadline and then cancels, and in
+every case ends every job it ever returned.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import concurrent.futures
+import math
+import queue
+import threading
+from collections import deque
+from collections.abc import Callable
+from enum import StrEnum
+from typing import Any, Self, TypeVar
+
+import anyio
+import structlog
+
+from .errors import PipelineClosed
+from .graph import Graph
+from .jobs import Job, Outcome
+from .metrics import StageSnapshot
+from .runtime import Pipeline
+
+R = TypeVar("R")
+log = structlog.get_logger("kvpipe.pipeline")
+
+
+class WhenFull(StrEnum):
+    WAIT = "wait"
+    DROP = "drop"
+
+
+class _State(StrEnum):
+    NEW = "new"
+    RUNNING = "running"
+    STOPPING = "stopping"
+    STOPPED = "stopped"
+
+
+class SyncPipeline:
+    """A pipeline on its own event-loop thread, fed from any thread."""
+
+    def __init__(
+        self,
+        graph: Graph,
+        *,
+        queue_capacity: int = 1024,
+        when_full: WhenFull | str = WhenFull.WAIT,
+        name: str = "pipeline",
+        keep_completed: bool = True,
+    ) -> None:
+        if queue_capacity <= 0:
+            raise ValueError(f"queue_capacity: must be > 0, got {queue_capacity}")
+        self.graph = graph
+        self.name = name
+        self.when_full = WhenFull(when_full)
+        self._keep_completed = keep_completed
+        self._slots = threading.Semaphore(queue_capacity)
+        self._inbox: deque[Job] = deque()
+        self._completed: queue.SimpleQueue[Job] = queue.SimpleQueue()
+        self._lock = threading.Lock()  # guards _state against submit/stop races
+        self._state = _State.NEW
+        self._dropped = 0
+        self._submitted = 0
+        self._thread: threading.Thread | None = None
+        self._started = threading.Event()
+        self._startup_error: BaseException | None = None
+        self._drain_deadline_s: float | None = None
+        self._drained = False
+        # Loop-side state, created on the loop thread.
+        self._loop: asyncio.AbstractEventLoop | None = None
+        self._pipeline: Pipeline | None = None
+        self._pump_idle = False
+        self._wakeup: anyio.Event | None = None
+        self._stop_requested: anyio.Event | None = None
+
+    # -- lifecycle ----------------------------------------------------------
+
+    def start(self, timeout_s: float = 60.0) -> Self:
+        with self._lock:
+            if self._state is not _State.NEW:
+                raise RuntimeError(f"{self.name} was already started")
+            self._state = _State.RUNNING
+        self._thread = threading.Thread(target=self._thread_main, name=f"kvpipe-{self.name}", daemon=True)
+        self._thread.start()
+        if not self._started.wait(timeout_s):
+            raise TimeoutError(f"{self.name} did not start within {timeout_s} s")
+        if self._startup_error is not None:
+            raise self._startup_error
+        return self
+
+    def stop(self, deadline_s: float | None = 10.0) -> bool:
+        """Drain what was submitted for at most ``deadline_s``, then cancel the rest.
+
+        Returns True if everything drained. Every job submitted is done afterwards.
+        """
+        with self._lock:
+            if self._state in (_State.NEW, _State.STOPPED):
+                self._state = _State.STOPPED
+                return True
+            self._state = _State.STOPPING
+        self._drain_deadline_s = deadline_s
+        self._call_soon(self._request_stop)
+        assert self._thread is not None
+        self._thread.join()
+        return self._drained
+
+    def __enter__(self) -> Self:
+        return self.start()
+
+    def __exit__(self, *exc: object) -> None:
+        self.stop()
+
+    # -- submitting ---------------------------------------------------------
+
+    def submit(self, item: Any, *, timeout_s: float | None = None) -> Job:
+        """Hand ``item`` to the pipeline without waiting for it to be processed.
+
+        Under ``when_full="drop"`` a full entry returns at once with a job that is
+        already done and ``dropped``. Under ``"wait"`` it waits for room, at most
+        ``timeout_s`` (then the job is ``dropped`` too).
+        """
+        if self.when_full is WhenFull.DROP:
+            admitted = self._slots.acquire(blocking=False)
+        else:
+            admitted = self._slots.acquire(timeout=timeout_s)
+        job = Job(item)
+        if not admitted:
+            return self._refuse(job)
+        with self._lock:
+            if self._state is not _State.RUNNING:
+                self._slots.release()
+                raise PipelineClosed(f"{self.name} is {self._state.value}; no new items")
+            self._submitted += 1
+            self._inbox.append(job)
+            wake = self._pump_idle
+            self._pump_idle = False
+        if wake:
+            self._call_soon(self._wake)
+        return job
+
+    def _refuse(self, job: Job) -> Job:
+        with self._lock:
+            self._dropped += 1
+        job.complete(Outcome.DROPPED)
+        self._hand_back(job)
+        return job
+
+    # -- completed jobs -----------------------------------------------------
+
+    def completed(self) -> list[Job]:
+        """Every job completed since the last call (never blocks)."""
+        jobs: list[Job] = []
+        while True:
+            try:
+                jobs.append(self._completed.get_nowait())
+            except queue.Empty:
+                return jobs
+
+    def next_completed(self, timeout_s: float | None = None) -> Job | None:
+        try:
+            return self._completed.get(timeout=timeout_s)
+        except queue.Empty:
+            return None
+
+    # -- observability ------------------------------------------------------
+
+    @property
+    def dropped(self) -> int:
+        return self._dropped
+
+    @property
+    def submitted(self) -> int:
+        return self._submitted
+
+    @property
+    def queued(self) -> int:
+        """Items submitted but not yet in the pipeline's entry queue."""
+        return len(self._inbox)
+
+    def metrics(self) -> dict[str, StageSnapshot]:
+        """Per-stage snapshots (taken on the loop thread while it runs)."""
+        pipeline = self._pipeline
+        return {} if pipeline is None else self._read(pipeline.metrics)
+
+    def outcomes(self) -> dict[str, int]:
+        """How many jobs ended with each outcome, refusals at the entry included."""
+        pipeline = self._pipeline
+        counts = {} if pipeline is None else self._read(lambda: dict(pipeline.jobs.outcomes))
+        counts = {str(k): v for k, v in counts.items()}
+        if self._dropped:
+            counts[Outcome.DROPPED.value] = counts.get(Outcome.DROPPED.value, 0) + self._dropped
+        return counts
+
+    # -- the loop thread ----------------------------------------------------
+
+    def _thread_main(self) -> None:
+        try:
+            anyio.run(self._main, backend="asyncio")
+        except BaseException as exc:  # the thread must not die silently
+            if self._started.is_set():
+                log.error("pipeline thread failed", pipeline=self.name, error=f"{type(exc).__name__}: {exc}")
+            else:
+                self._startup_error = exc  # raised by start()
+        finally:
+            self._end_leftovers()
+            self._started.set()
+
+    async def _main(self) -> None:
+        self._loop = asyncio.get_running_loop()
+        self._wakeup = anyio.Event()
+        self._stop_requested = anyio.Event()
+        on_done = self._hand_back if self._keep_completed else None
+        async with Pipeline(self.graph, name=self.name, on_job_done=on_done) as pipeline:
+            self._pipeline = pipeline
+            async with anyio.create_task_group() as pumps:
+                pump_done = anyio.Event()
+                pumps.start_soon(self._pump, pipeline, pump_done)
+                self._started.set()
+                await self._stop_requested.wait()
+                self._wake()
+                deadline = math.inf if self._drain_deadline_s is None else self._drain_deadline_s
+                with anyio.move_on_after(deadline):
+                    await pump_done.wait()
+                    await pipeline.close()
+                    self._drained = True
+                pumps.cancel_scope.cancel()
+            if not self._drained:
+                pipeline.cancel()
+
+    async def _pump(self, pipeline: Pipeline, done: anyio.Event) -> None:
+        """Move submitted jobs into the pipeline's entry queue, waiting for room there."""
+        try:
+            while True:
+                while self._inbox:
+                    job = self._inbox.popleft()
+                    pipeline.adopt(job)
+                    await pipeline.submit_job(job)
+                    self._slots.release()
+                if self._stop_requested is not None and self._stop_requested.is_set():
+                    return
+                with self._lock:
+                    self._pump_idle = not self._inbox
+                if self._pump_idle:
+                    assert self._wakeup is not None
+                    await self._wakeup.wait()
+                    self._wakeup = anyio.Event()
+        finally:
+            done.set()
+
+    def _wake(self) -> None:
+        if self._wakeup is not None:
+            self._wakeup.set()
+
+    def _request_stop(self) -> None:
+        assert self._stop_requested is not None
+        self._stop_requested.set()
+
+    def _end_leftovers(self) -> None:
+        """Jobs accepted but never handed to the pipeline end as failed."""
+        with self._lock:
+            self._state = _State.STOPPED
+            leftovers = list(self._inbox)
+            self._inbox.clear()
+        for job in leftovers:
+            job.record_failure("pipeline stopped before the item was processed", units=0)
+            job.complete(Outcome.FAILED)
+            self._hand_back(job)
+
+    def _hand_back(self, job: Job) -> None:
+        if self._keep_completed:
+            self._completed.put(job)
+
+    def _call_soon(self, fn: Callable[[], None]) -> None:
+        loop = self._loop
+        if loop is not None and not loop.is_closed():
+            try:
+                loop.call_soon_threadsafe(fn)
+            except RuntimeError:  # the loop closed in between: nothing left to wake
+                pass
+
+    def _read(self, fn: Callable[[], R]) -> R:
+        """Run ``fn`` where the pipeline's state is safe to read: on its loop, or here once it ended."""
+        if self._thread is not None and self._thread.is_alive():
+            return self._call_on_loop(fn)
+        return fn()
+
+    def _call_on_loop(self, fn: Callable[[], R], timeout_s: float = 5.0) -> R:
+        future: concurrent.futures.Future[R] = concurrent.futures.Future()
+
+        def run() -> None:
+            try:
+                future.set_result(fn())
+            except BaseException as exc:
+                future.set_exception(exc)
+
+        self._call_soon(run)
+        return future.result(timeout_s)

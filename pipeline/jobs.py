@@ -1,0 +1,187 @@
+"""Jobs: knowing when everything that came of one submitted item is finished.
+
+Every submitted item opens a :class:`Job`. The runtime keeps one number per job,
+``pending``: how many items derived from it are queued or being processed. A
+submit makes it 1; each emit adds one per destination *before* the item is queued;
+the end of each item's processing (forwarded, dropped, failed or raised) takes one
+away. The job completes when it reaches zero, which is exactly when no work
+derived from it can happen any more, across fan-out, batches mixing jobs, drops
+and errors. A KV connector uses that moment to release a request's blocks.
+
+All bookkeeping happens on the pipeline's event-loop thread, so it needs no locks;
+other threads only wait on the job (:meth:`Job.wait`) or read it once done.
+"""
+
+from __future__ import annotations
+
+import itertools
+import threading
+import time
+from collections import Counter
+from collections.abc import Callable
+from enum import StrEnum
+from typing import Any
+
+import anyio
+
+
+class Outcome(StrEnum):
+    OK = "ok"  # every unit of work succeeded (or was deliberately dropped)
+    PARTIAL = "partial"  # some units failed, some succeeded or were dropped
+    FAILED = "failed"  # units failed and none succeeded
+    DROPPED = "dropped"  # refused at the entry (queue full under the drop policy)
+
+
+_job_ids = itertools.count(1)  # next() on a count is atomic under the GIL
+# Guards the lazy creation of a job's threading.Event against its completion:
+# most jobs are never waited on by a thread, and an Event per job costs more than
+# the rest of a job's bookkeeping.
+_waiters_lock = threading.Lock()
+
+
+class Job:
+    """One submitted item and the outcome of all work derived from it."""
+
+    __slots__ = (
+        "id",
+        "item",
+        "submitted_at",
+        "finished_at",
+        "outcome",
+        "counts",
+        "first_error",
+        "failed_units",
+        "succeeded_units",
+        "dropped_items",
+        "pending",
+        "_finished",
+        "_async_finished",
+        "_callbacks",
+    )
+
+    def __init__(self, item: Any) -> None:
+        self.id: int = next(_job_ids)
+        self.item = item
+        self.submitted_at = time.monotonic()
+        self.finished_at: float | None = None
+        self.outcome: Outcome | None = None
+        self.counts: Counter[str] = Counter()
+        self.first_error: str | None = None
+        self.failed_units = 0
+        self.succeeded_units = 0
+        self.dropped_items = 0
+        self.pending = 0
+        self._finished: threading.Event | None = None
+        self._async_finished: anyio.Event | None = None
+        self._callbacks: list[Callable[[Job], None]] = []
+
+    def __repr__(self) -> str:
+        state = self.outcome.value if self.outcome else f"pending={self.pending}"
+        return f"<Job {self.id} {state} {dict(self.counts)}>"
+
+    @property
+    def done(self) -> bool:
+        return self.outcome is not None
+
+    @property
+    def elapsed_s(self) -> float | None:
+        return None if self.finished_at is None else self.finished_at - self.submitted_at
+
+    def wait(self, timeout: float | None = None) -> bool:
+        """Block this (non-loop) thread until the job is done; False on timeout."""
+        with _waiters_lock:
+            if self.done:
+                return True
+            if self._finished is None:
+                self._finished = threading.Event()
+            finished = self._finished
+        return finished.wait(timeout)
+
+    async def finished(self) -> Job:
+        """Wait on the pipeline's event loop until the job is done."""
+        if not self.done:
+            if self._async_finished is None:
+                self._async_finished = anyio.Event()
+            await self._async_finished.wait()
+        return self
+
+    def add_done_callback(self, callback: Callable[[Job], None]) -> None:
+        """Run ``callback(job)`` on the loop thread when done (at once if already done)."""
+        if self.done:
+            callback(self)
+        else:
+            self._callbacks.append(callback)
+
+    # -- bookkeeping, called by the runtime on the loop thread ---------------
+
+    def record_failure(self, error: str | BaseException, units: int = 1) -> None:
+        self.failed_units += units
+        if self.first_error is None:
+            self.first_error = error if isinstance(error, str) else f"{type(error).__name__}: {error}"
+
+    def complete(self, outcome: Outcome | None = None) -> None:
+        """End the job; the outcome follows from its units unless given."""
+        if self.done:
+            return
+        if outcome is None:
+            if self.failed_units == 0:
+                outcome = Outcome.OK
+            elif self.succeeded_units or self.dropped_items:
+                outcome = Outcome.PARTIAL
+            else:
+                outcome = Outcome.FAILED
+        self.finished_at = time.monotonic()
+        with _waiters_lock:
+            self.outcome = outcome
+            finished = self._finished
+        if finished is not None:
+            finished.set()
+        if self._async_finished is not None:
+            self._async_finished.set()
+        callbacks, self._callbacks = self._callbacks, []
+        for callback in callbacks:
+            callback(self)
+
+
+class JobTracker:
+    """The open jobs of one pipeline, so that none is forgotten on cancellation."""
+
+    def __init__(self, on_complete: Callable[[Job], None] | None = None) -> None:
+        self._open: dict[int, Job] = {}
+        self._on_complete = on_complete
+        self.outcomes: Counter[Outcome] = Counter()
+
+    def __len__(self) -> int:
+        return len(self._open)
+
+    def open(self, job: Job) -> Job:
+        job.pending = 1
+        self._open[job.id] = job
+        return job
+
+    def settle(self, job: Job) -> None:
+        """One derived item of ``job`` is finished; complete the job at zero."""
+        job.pending -= 1
+        if job.pending == 0:
+            self._finish(job, None)
+
+    def end(self, job: Job, outcome: Outcome, error: str | None = None) -> None:
+        """End a job whatever is pending (cancellation, refusal at the entry)."""
+        if error is not None:
+            job.record_failure(error, units=0)
+        job.pending = 0
+        self._finish(job, outcome)
+
+    def end_all(self, outcome: Outcome, error: str) -> int:
+        """End every open job (the pipeline was cancelled); returns how many."""
+        jobs = list(self._open.values())
+        for job in jobs:
+            self.end(job, outcome, error)
+        return len(jobs)
+
+    def _finish(self, job: Job, outcome: Outcome | None) -> None:
+        self._open.pop(job.id, None)
+        job.complete(outcome)
+        self.outcomes[job.outcome] += 1  # type: ignore[index]
+        if self._on_complete is not None:
+            self._on_complete(job)

@@ -1,0 +1,403 @@
+"""Running a graph: bounded queues, workers, drain and cancellation.
+
+Each stage has one inbox, a bounded anyio memory object stream; every edge into
+the stage sends into it, so back-pressure reaches all the way to ``submit``: when
+the put stage is slow, the filter's emits wait, then the collect stages', then the
+entry. Nothing queues without a bound.
+
+Each producer worker holds its own clone of every downstream send stream. When the
+entry closes, the entry stage's workers finish their items and exit, their clones
+close, the next stage sees end-of-stream once all its producers are gone, and so
+on: closing drains the graph in topological order without a coordinator.
+
+A stage that raises fails only the item it was given (its job records the error,
+the stage's error counter goes up) and the worker takes the next item. Cancelling
+the pipeline stops every worker at once and ends every open job as failed, so a
+caller waiting for jobs is never left hanging.
+"""
+
+from __future__ import annotations
+
+import math
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any, Self
+
+import anyio
+import structlog
+from anyio.abc import TaskGroup, TaskStatus
+from anyio.streams.memory import MemoryObjectReceiveStream, MemoryObjectSendStream
+
+from .errors import PipelineClosed
+from .graph import Graph, StageSpec
+from .jobs import Job, JobTracker, Outcome
+from .metrics import StageMetrics, StageSnapshot
+from .stage import DEFAULT_PORT, BatchEntry, BatchStage
+
+log = structlog.get_logger("kvpipe.pipeline")
+
+Envelope = tuple[Job, Any]
+SendStream = MemoryObjectSendStream[Envelope]
+ReceiveStream = MemoryObjectReceiveStream[Envelope]
+
+#: A worker that always finds its inbox non-empty yields to the loop this often,
+#: so a busy stage cannot starve the others (receive_nowait never yields).
+_YIELD_EVERY = 64
+
+
+class _Emit:
+    """The :class:`~kvpipe.pipeline.stage.Emit` handle for one input item."""
+
+    __slots__ = ("_node", "_job", "_outs", "acted")
+
+    def __init__(self, node: _Node, job: Job, outs: dict[str, list[SendStream]]) -> None:
+        self._node = node
+        self._job = job
+        self._outs = outs
+        self.acted = False  # emitted, dropped, failed or succeeded anything
+
+    async def __call__(self, item: Any, port: str = DEFAULT_PORT) -> None:
+        try:
+            targets = self._outs[port]
+        except KeyError:
+            raise ValueError(f"stage {self._node.name!r} has no output port {port!r}") from None
+        self.acted = True
+        job = self._job
+        envelope = (job, item)
+        for send in targets:
+            job.pending += 1
+            try:
+                send.send_nowait(envelope)
+            except anyio.WouldBlock:
+                try:
+                    await send.send(envelope)
+                except BaseException:
+                    job.pending -= 1
+                    raise
+        self._node.metrics.items_out += 1
+
+    def drop(self, reason: str) -> None:
+        self.acted = True
+        self._job.dropped_items += 1
+        self._job.counts["dropped"] += 1
+        self._node.metrics.dropped += 1
+
+    def fail(self, error: str | BaseException, units: int = 1) -> None:
+        self.acted = True
+        self._job.record_failure(error, units)
+        self._node.metrics.errors += 1
+        # Debug only: a stage reports expected failures (a refused object) in bulk,
+        # and they reach the job and the stage's error counter anyway.
+        log.debug("item failed", stage=self._node.name, job=self._job.id, error=str(error))
+
+    def succeed(self, units: int = 1) -> None:
+        self.acted = True
+        self._job.succeeded_units += units
+
+    def count(self, name: str, n: int = 1) -> None:
+        self._job.counts[name] += n
+
+
+@dataclass
+class _Node:
+    spec: StageSpec
+    inbox_send: SendStream
+    inbox: ReceiveStream
+    metrics: StageMetrics
+
+    @property
+    def name(self) -> str:
+        return self.spec.name
+
+
+class Pipeline:
+    """A running graph. Use as ``async with Pipeline(graph) as p: job = await p.submit(x)``.
+
+    Leaving the block normally closes the entry and waits for the graph to drain;
+    leaving it with an exception cancels the workers. Either way every job ends.
+    """
+
+    def __init__(
+        self,
+        graph: Graph,
+        *,
+        name: str = "pipeline",
+        on_job_done: Callable[[Job], None] | None = None,
+    ) -> None:
+        self.graph = graph
+        self.name = name
+        self.jobs = JobTracker(on_complete=on_job_done)
+        self._nodes: dict[str, _Node] = {}
+        for spec in graph.specs:
+            send, receive = anyio.create_memory_object_stream[Envelope](spec.capacity)
+            metrics = StageMetrics(spec.name, queue_depth=_depth_of(receive))
+            self._nodes[spec.name] = _Node(spec, send, receive, metrics)
+        self._entry = self._nodes[graph.entry].inbox_send
+        self._task_group: TaskGroup | None = None
+        self._workers_scope = anyio.CancelScope()
+        self._stopped = anyio.Event()  # the workers are gone, drained or cancelled
+        self._drained = False
+        self._closing = False
+        self.submitted = 0
+
+    # -- lifecycle ----------------------------------------------------------
+
+    async def __aenter__(self) -> Self:
+        await self._start_stages()
+        self._task_group = anyio.create_task_group()
+        await self._task_group.__aenter__()
+        await self._task_group.start(self._run)
+        return self
+
+    async def __aexit__(self, exc_type: Any, exc: Any, tb: Any) -> bool | None:
+        assert self._task_group is not None
+        if exc_type is None:
+            await self.close()
+        else:
+            self.cancel()
+        return await self._task_group.__aexit__(exc_type, exc, tb)
+
+    async def close(self) -> None:
+        """Stop accepting items and wait until everything queued is processed."""
+        self._closing = True
+        await self._entry.aclose()
+        await self._stopped.wait()
+
+    async def drain(self, deadline_s: float | None) -> bool:
+        """Close, wait at most ``deadline_s`` for the drain, then cancel. True if drained."""
+        with anyio.move_on_after(math.inf if deadline_s is None else deadline_s):
+            await self.close()
+        if not self._stopped.is_set():
+            self.cancel()
+            await self._stopped.wait()
+        return self._drained
+
+    def cancel(self) -> None:
+        """Stop every worker now; open jobs end as failed ("cancelled")."""
+        self._closing = True
+        self._workers_scope.cancel()
+
+    @property
+    def closing(self) -> bool:
+        return self._closing
+
+    # -- submitting ---------------------------------------------------------
+
+    async def submit(self, item: Any) -> Job:
+        """Queue ``item`` at the entry, waiting while the entry queue is full."""
+        job = self._open(item)
+        try:
+            try:
+                # No checkpoint when there is room: a burst of submits fills the
+                # entry queue before the workers run, and they then take items
+                # in runs instead of waking once per item.
+                self._entry.send_nowait((job, item))
+            except anyio.WouldBlock:
+                await self._entry.send((job, item))
+        except (anyio.ClosedResourceError, anyio.BrokenResourceError):
+            self.jobs.end(job, Outcome.FAILED, "pipeline closed")
+            raise PipelineClosed(f"{self.name} is closed") from None
+        except BaseException:
+            self.jobs.end(job, Outcome.FAILED, "cancelled while submitting")
+            raise
+        return job
+
+    def try_submit(self, item: Any) -> Job | None:
+        """Queue ``item`` if the entry has room now; None if it is full."""
+        job = self._open(item)
+        try:
+            self._entry.send_nowait((job, item))
+        except anyio.WouldBlock:
+            self.jobs.end(job, Outcome.DROPPED)
+            return None
+        except (anyio.ClosedResourceError, anyio.BrokenResourceError):
+            self.jobs.end(job, Outcome.FAILED, "pipeline closed")
+            raise PipelineClosed(f"{self.name} is closed") from None
+        return job
+
+    def adopt(self, job: Job) -> None:
+        """Track a job created elsewhere (the sync bridge creates jobs off the loop)."""
+        self.submitted += 1
+        self.jobs.open(job)
+
+    async def submit_job(self, job: Job) -> None:
+        """Queue an adopted job's item; the job ends as failed if the pipeline is closed."""
+        try:
+            try:
+                self._entry.send_nowait((job, job.item))
+            except anyio.WouldBlock:
+                await self._entry.send((job, job.item))
+        except (anyio.ClosedResourceError, anyio.BrokenResourceError):
+            self.jobs.end(job, Outcome.FAILED, "pipeline closed")
+
+    def _open(self, item: Any) -> Job:
+        if self._closing:
+            raise PipelineClosed(f"{self.name} is closing; no new items")
+        job = Job(item)
+        self.adopt(job)
+        return job
+
+    # -- observability ------------------------------------------------------
+
+    def metrics(self) -> dict[str, StageSnapshot]:
+        return {name: node.metrics.snapshot() for name, node in self._nodes.items()}
+
+    # -- the workers --------------------------------------------------------
+
+    async def _start_stages(self) -> None:
+        """Start every stage in graph order; if one fails, stop those started and raise."""
+        for index, name in enumerate(self.graph.order):
+            try:
+                await self._nodes[name].spec.stage.start()
+            except BaseException:
+                await self._stop_stages(self.graph.order[:index])
+                raise
+
+    async def _stop_stages(self, names: tuple[str, ...]) -> None:
+        with anyio.CancelScope(shield=True):
+            for name in reversed(names):
+                await self._nodes[name].spec.stage.stop()
+
+    async def _run(self, *, task_status: TaskStatus[None]) -> None:
+        try:
+            # The workers' own scope: cancelling it must not cancel the caller's
+            # task, which runs inside the outer task group's scope.
+            with self._workers_scope:
+                async with anyio.create_task_group() as workers:
+                    self._start_workers(workers)
+                    task_status.started()
+            self._drained = not self._workers_scope.cancel_called
+        finally:
+            ended = self.jobs.end_all(Outcome.FAILED, "cancelled")
+            if ended:
+                log.warning("pipeline cancelled with open jobs", pipeline=self.name, jobs=ended)
+            await self._stop_stages(self.graph.order)
+            self._stopped.set()
+
+    def _start_workers(self, workers: TaskGroup) -> None:
+        for name in self.graph.order:
+            node = self._nodes[name]
+            for _ in range(node.spec.workers):
+                outs = {
+                    port: [
+                        self._nodes[target].inbox_send.clone() for target in self.graph.targets(name, port)
+                    ]
+                    for port in node.spec.stage.ports
+                }
+                run = self._run_batch_worker if node.spec.is_batch else self._run_worker
+                workers.start_soon(run, node, node.inbox.clone(), outs, name=f"{self.name}.{name}")
+        # The workers hold clones now: each stream ends when its last holder exits.
+        for node in self._nodes.values():
+            if node.name != self.graph.entry:
+                node.inbox_send.close()
+            node.inbox.close()
+
+    async def _run_worker(self, node: _Node, inbox: ReceiveStream, outs: dict[str, list[SendStream]]) -> None:
+        stage = node.spec.stage
+        metrics = node.metrics
+        with inbox, _closing_all(outs):
+            since_yield = 0
+            while True:
+                try:
+                    job, item = inbox.receive_nowait()
+                    since_yield += 1
+                    if since_yield >= _YIELD_EVERY:
+                        since_yield = 0
+                        await anyio.lowlevel.checkpoint()
+                except anyio.WouldBlock:
+                    try:
+                        job, item = await inbox.receive()
+                    except anyio.EndOfStream:
+                        return
+                except anyio.EndOfStream:
+                    return
+                metrics.items_in += 1
+                emit = _Emit(node, job, outs)
+                started = time.perf_counter()
+                try:
+                    await stage.process(item, emit)  # type: ignore[union-attr]
+                except Exception as exc:
+                    self._item_raised(node, job, exc)
+                finally:
+                    metrics.durations.append(time.perf_counter() - started)
+                self._settle(node, job, emit)
+
+    async def _run_batch_worker(
+        self, node: _Node, inbox: ReceiveStream, outs: dict[str, list[SendStream]]
+    ) -> None:
+        stage = node.spec.stage
+        assert isinstance(stage, BatchStage)
+        policy = node.spec.batch_policy
+        metrics = node.metrics
+        with inbox, _closing_all(outs):
+            while True:
+                try:
+                    batch = [await inbox.receive()]
+                except anyio.EndOfStream:
+                    return
+                await _gather(inbox, batch, policy.max_items, policy.max_wait_s)
+                metrics.items_in += len(batch)
+                emits = [_Emit(node, job, outs) for job, _ in batch]
+                started = time.perf_counter()
+                try:
+                    await stage.process_batch(
+                        [BatchEntry(item, emit) for (_, item), emit in zip(batch, emits, strict=True)]
+                    )
+                except Exception as exc:
+                    for job, _ in batch:
+                        self._item_raised(node, job, exc)
+                finally:
+                    metrics.durations.append(time.perf_counter() - started)
+                for (job, _), emit in zip(batch, emits, strict=True):
+                    self._settle(node, job, emit)
+
+    def _item_raised(self, node: _Node, job: Job, exc: Exception) -> None:
+        node.metrics.errors += 1
+        job.record_failure(exc)
+        log.warning("stage raised", stage=node.name, job=job.id, error=f"{type(exc).__name__}: {exc}")
+
+    def _settle(self, node: _Node, job: Job, emit: _Emit) -> None:
+        if not emit.acted and not node.spec.stage.ports:
+            job.succeeded_units += 1  # a sink that took the item without complaint
+        self.jobs.settle(job)
+
+
+async def _gather(inbox: ReceiveStream, batch: list[Envelope], max_items: int, max_wait_s: float) -> None:
+    """Add to ``batch`` what is queued now, then wait up to ``max_wait_s`` for more."""
+    deadline = anyio.current_time() + max_wait_s
+    while len(batch) < max_items:
+        try:
+            batch.append(inbox.receive_nowait())
+            continue
+        except anyio.WouldBlock:
+            pass
+        except anyio.EndOfStream:
+            return
+        remaining = deadline - anyio.current_time()
+        if remaining <= 0:
+            return
+        with anyio.move_on_after(remaining):
+            try:
+                batch.append(await inbox.receive())
+            except anyio.EndOfStream:
+                return
+
+
+class _closing_all:
+    """Close every send stream of ``outs`` on exit, so downstream sees end-of-stream."""
+
+    def __init__(self, outs: dict[str, list[SendStream]]) -> None:
+        self._outs = outs
+
+    def __enter__(self) -> None:
+        return None
+
+    def __exit__(self, *exc: object) -> None:
+        for sends in self._outs.values():
+            for send in sends:
+                send.close()
+
+
+def _depth_of(receive: ReceiveStream) -> Callable[[], int]:
+    return lambda: receive.statistics().current_buffer_used

@@ -1,0 +1,80 @@
+"""The KV data model and the stages of the save path (see DESIGN.md, "stages/").
+
+Knows no vLLM and no Mooncake: the engine is described by :mod:`.model`, the store
+by the :class:`ObjectStore` protocol.
+"""
+
+from .backoff import Backoff
+from .chunks import Chunk, full_chunks, tail_chunks
+from .collect import FullChunksStage, TailStage, chunk_records
+from .default_pipeline import DEFAULT_SAVE_PIPELINE, default_save_graph
+from .filter import FilterStage
+from .flags import ConfigError, StrictFlag, parse_flag
+from .group_ids import GroupIdsParams, GroupIdsStage
+from .keys import GROUP_ID_SCOPE, group_id, key_model_name, object_key
+from .model import (
+    BlockLayout,
+    Buffer,
+    GroupKind,
+    GroupSpec,
+    KeyNamespace,
+    KVCache,
+    ProjectedRequest,
+    Records,
+    Region,
+    SaveRequest,
+    Shard,
+    StoreGroup,
+    StoreObject,
+)
+from .project import ProjectStage
+from .projection import ProjectionError, project_groups, storable_groups
+from .put import PutParams, PutStage, split_into_calls
+from .registry import KV_STAGES
+from .store import Code, ObjectStore, describe
+
+__all__ = [
+    "DEFAULT_SAVE_PIPELINE",
+    "default_save_graph",
+    "GROUP_ID_SCOPE",
+    "KV_STAGES",
+    "Backoff",
+    "BlockLayout",
+    "Buffer",
+    "Chunk",
+    "Code",
+    "ConfigError",
+    "FilterStage",
+    "FullChunksStage",
+    "GroupIdsParams",
+    "GroupIdsStage",
+    "GroupKind",
+    "GroupSpec",
+    "KVCache",
+    "KeyNamespace",
+    "ObjectStore",
+    "ProjectStage",
+    "ProjectedRequest",
+    "ProjectionError",
+    "PutParams",
+    "PutStage",
+    "Records",
+    "Region",
+    "SaveRequest",
+    "Shard",
+    "StoreGroup",
+    "StoreObject",
+    "StrictFlag",
+    "TailStage",
+    "chunk_records",
+    "describe",
+    "full_chunks",
+    "group_id",
+    "key_model_name",
+    "object_key",
+    "parse_flag",
+    "project_groups",
+    "split_into_calls",
+    "storable_groups",
+    "tail_chunks",
+]

@@ -1,0 +1,37 @@
+"""What the filter and put stages share: per-key store calls and per-record failures.
+
+A batch call answers per key. When it answers nothing usable (it raised, or gave
+a result list of the wrong length) there is no way to know which answer belongs to
+which object, so every record of the call fails; pairing results by position
+with the wrong keys would be worse than failing.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from typing import Any
+
+from kvpipe.pipeline.stage import AnyStage, Emit
+
+
+class StoreCallError(Exception):
+    """A batch store call gave no usable per-key answer; the message says why."""
+
+
+async def call_per_key(
+    stage: AnyStage, fn: Callable[..., Sequence[int]], keys: Sequence[str], *rest: Any
+) -> list[int]:
+    """Run ``fn(keys, *rest)`` in the stage's worker thread; one result per key, or StoreCallError."""
+    try:
+        results = await stage.run_blocking(fn, keys, *rest)
+    except Exception as error:  # a store is outside our control: fail its records, not the pipeline
+        raise StoreCallError(f"store call raised {type(error).__name__}: {error}") from error
+    if len(results) != len(keys):
+        raise StoreCallError(f"store answered {len(results)} results for {len(keys)} keys")
+    return list(results)
+
+
+def fail_record(emit: Emit, message: str) -> None:
+    """Report one record as failed, counted, in the job it belongs to."""
+    emit.fail(message)
+    emit.count("failed")

@@ -1,0 +1,93 @@
+"""Which chunks of a request are due for saving: the token arithmetic of the save path.
+
+A chunk is one block of one storable group (``block_size`` tokens). The engine
+hashes tokens at a finer grain (``hash_block_size``, a divisor of every block
+size), and hashes chain, so a chunk is named by the hash of its LAST hash block:
+that hash identifies the whole prefix up to the chunk's end. vLLM names chunks the
+same way, which keeps the two connectors' objects interchangeable.
+
+These functions are pure and shared by ``project`` (is there anything to save?)
+and the collect stages (what exactly?), so the two can never disagree.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from .model import SaveRequest, StoreGroup
+
+
+@dataclass(frozen=True, slots=True)
+class Chunk:
+    """One block of one storable group to save, and the hash that names it.
+
+    ``tokens_end`` is how far into the request the chunk's hash reaches; sorting by
+    it puts a request's earlier prefix first, which is the part worth most.
+    """
+
+    group: StoreGroup
+    chunk_hash: bytes
+    block_id: int
+    tokens_end: int
+
+
+def full_chunks(request: SaveRequest, group: StoreGroup, hash_block_size: int) -> tuple[Chunk, ...]:
+    """The complete chunks of ``group`` not saved yet, in token order.
+
+    Chunk ``i`` covers tokens ``[i*bs, (i+1)*bs)``. It is due when it is computed,
+    not wholly below ``num_saved_tokens``, its last hash block is hashed and its
+    block id is known; the range stops at the first chunk lacking any of these, as
+    a later chunk is useless to a reader without the earlier ones.
+    """
+    block_size = group.spec.block_size
+    hashes_per_chunk = block_size // hash_block_size
+    block_ids = request.block_ids[group.engine_group]
+    first = request.num_saved_tokens // block_size
+    end = min(
+        request.num_computed_tokens // block_size,
+        len(request.block_hashes) // hashes_per_chunk,
+        len(block_ids),
+    )
+    return tuple(
+        Chunk(
+            group=group,
+            chunk_hash=request.block_hashes[(index + 1) * hashes_per_chunk - 1],
+            block_id=block_ids[index],
+            tokens_end=(index + 1) * block_size,
+        )
+        for index in range(first, end)
+    )
+
+
+def tail_chunks(request: SaveRequest, group: StoreGroup, hash_block_size: int) -> tuple[Chunk, ...]:
+    """A finished request's partial tail of ``group``, if it has one (at most one chunk).
+
+    The tail is the hashed tokens after the last complete chunk: from
+    ``(computed // bs) * bs`` to ``(computed // hbs) * hbs``. It is named by its
+    last complete hash block and stored as the whole block holding it, as vLLM
+    does. A tail already below ``num_saved_tokens`` is not offered again. With
+    ``hash_block_size == block_size`` there is never a tail.
+    """
+    if not request.finished:
+        return ()
+    block_size = group.spec.block_size
+    computed = request.num_computed_tokens
+    hashed_blocks = computed // hash_block_size
+    start = (computed // block_size) * block_size
+    end = hashed_blocks * hash_block_size
+    block_index = computed // block_size
+    block_ids = request.block_ids[group.engine_group]
+    if (
+        end <= max(start, request.num_saved_tokens)
+        or hashed_blocks > len(request.block_hashes)
+        or block_index >= len(block_ids)
+    ):
+        return ()
+    return (
+        Chunk(
+            group=group,
+            chunk_hash=request.block_hashes[hashed_blocks - 1],
+            block_id=block_ids[block_index],
+            tokens_end=end,
+        ),
+    )

@@ -1,0 +1,78 @@
+"""The ``full`` and ``tail`` stages: turn a projected request into store records.
+
+Both make one :class:`StoreObject` per chunk per shard, each carrying its own
+key, chunk hash and buffers; they differ only in which chunks they take
+(:mod:`.chunks`). Records are ordered by how far into the request their chunk
+reaches, so when a later put is refused the earlier, more reusable prefix has
+already been sent.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+from typing import Any, ClassVar
+
+from kvpipe.pipeline.stage import Emit, Stage
+
+from .chunks import Chunk, full_chunks, tail_chunks
+from .keys import object_key
+from .model import KVCache, ProjectedRequest, Records, SaveRequest, Shard, StoreGroup, StoreObject
+from .projection import storable_groups
+
+
+def chunk_records(
+    chunks: Iterable[Chunk], shards: Iterable[Shard], request_id: str
+) -> tuple[StoreObject, ...]:
+    """One record per chunk per shard, earliest prefix first."""
+    ordered = sorted(chunks, key=lambda chunk: (chunk.tokens_end, chunk.group.store_group))
+    return tuple(
+        StoreObject(
+            key=object_key(shard.namespace, chunk.group.store_group, chunk.chunk_hash),
+            chunk_hash=chunk.chunk_hash,
+            store_group=chunk.group.store_group,
+            buffers=shard.layouts[chunk.group.engine_group].buffers(chunk.block_id),
+            request_id=request_id,
+        )
+        for chunk in ordered
+        for shard in shards
+    )
+
+
+class _CollectStage(Stage):
+    """ProjectedRequest -> the tuple of its records on ``out`` (or a drop if none)."""
+
+    input_type: ClassVar[Any] = ProjectedRequest
+    output_types: ClassVar[dict[str, Any]] = {"out": Records}
+
+    def __init__(self, kv: KVCache) -> None:
+        storable_groups(kv)  # refuse at build time a cache whose shards lack a layout
+        self._shards = kv.shards
+        self._hash_block_size = kv.hash_block_size
+
+    async def process(self, item: ProjectedRequest, emit: Emit) -> None:
+        request = item.request
+        chunks = [chunk for group in item.groups for chunk in self._chunks(request, group)]
+        records = chunk_records(chunks, self._shards, request.request_id)
+        if not records:
+            emit.drop("no chunk to save")
+            return
+        emit.count("considered", len(records))
+        await emit(records)
+
+    def _chunks(self, request: SaveRequest, group: StoreGroup) -> tuple[Chunk, ...]:
+        """The chunks of ``group`` this path saves."""
+        raise NotImplementedError
+
+
+class FullChunksStage(_CollectStage):
+    """Records of the complete chunks not saved yet."""
+
+    def _chunks(self, request: SaveRequest, group: StoreGroup) -> tuple[Chunk, ...]:
+        return full_chunks(request, group, self._hash_block_size)
+
+
+class TailStage(_CollectStage):
+    """Records of a finished request's partial tail."""
+
+    def _chunks(self, request: SaveRequest, group: StoreGroup) -> tuple[Chunk, ...]:
+        return tail_chunks(request, group, self._hash_block_size)

@@ -1,0 +1,64 @@
+"""The save pipeline ready-wired: project -> full | tail -> group_ids -> filter -> put.
+
+The graph is written once, as the document a YAML file would hold
+(``configs/save-pipeline.yaml`` is the same graph, kept equal by a test), and
+built through the same registry and validation as any YAML pipeline, so the
+default and a user's copy of it cannot behave differently.
+"""
+
+from __future__ import annotations
+
+import copy
+from typing import Any
+
+from kvpipe.pipeline import Graph, build_graph
+
+from .model import KVCache
+from .registry import KV_STAGES
+from .store import ObjectStore
+
+DEFAULT_SAVE_PIPELINE: dict[str, Any] = {
+    "stages": [
+        {"name": "project", "type": "project"},
+        {"name": "full", "type": "full", "after": "project.full"},
+        {"name": "tail", "type": "tail", "after": "project.tail"},
+        {
+            "name": "group_ids",
+            "type": "group_ids",
+            "after": ["full", "tail"],
+            "params": {"enable_group_semantics": False},
+        },
+        {
+            "name": "filter",
+            "type": "filter",
+            "after": "group_ids",
+            "batch": {"max_items": 256, "max_wait_ms": 0},
+        },
+        {
+            "name": "put",
+            "type": "put",
+            "after": "filter",
+            "batch": {"max_items": 64, "max_wait_ms": 0},
+            "params": {"max_buffers_per_call": 2048},
+        },
+    ]
+}
+
+
+def default_save_graph(
+    kv: KVCache,
+    store: ObjectStore,
+    *,
+    enable_group_semantics: bool | str = False,
+    max_buffers_per_call: int = 2048,
+) -> Graph:
+    """The default save graph over ``kv`` and ``store``.
+
+    ``enable_group_semantics`` is parsed strictly (``"true"``/``"false"`` strings
+    accepted, anything else is an error naming the field).
+    """
+    document = copy.deepcopy(DEFAULT_SAVE_PIPELINE)
+    stages = {stage["name"]: stage for stage in document["stages"]}
+    stages["group_ids"]["params"]["enable_group_semantics"] = enable_group_semantics
+    stages["put"]["params"]["max_buffers_per_call"] = max_buffers_per_call
+    return build_graph(document, KV_STAGES, {"kv": kv, "store": store})

@@ -1,0 +1,48 @@
+"""The ``project`` stage: restrict a request to the storable groups and route it.
+
+It is the save path's entry: it decides, with the same arithmetic the collect
+stages use, whether a request has complete chunks to save (port ``full``) and,
+once finished, a partial tail (port ``tail``), so requests with nothing new cost
+no further stage any work.
+"""
+
+from __future__ import annotations
+
+from typing import Any, ClassVar
+
+from kvpipe.pipeline.stage import Emit, Stage
+
+from .chunks import full_chunks, tail_chunks
+from .model import KVCache, ProjectedRequest, SaveRequest
+from .projection import storable_groups
+
+FULL_PORT = "full"
+TAIL_PORT = "tail"
+
+
+class ProjectStage(Stage):
+    """SaveRequest -> ProjectedRequest on ``full`` and/or ``tail``, or a drop."""
+
+    ports: ClassVar[tuple[str, ...]] = (FULL_PORT, TAIL_PORT)
+    input_type: ClassVar[Any] = SaveRequest
+    output_types: ClassVar[dict[str, Any]] = {FULL_PORT: ProjectedRequest, TAIL_PORT: ProjectedRequest}
+
+    def __init__(self, kv: KVCache) -> None:
+        self._groups = storable_groups(kv)
+        self._engine_groups = len(kv.groups)
+        self._hash_block_size = kv.hash_block_size
+
+    async def process(self, item: SaveRequest, emit: Emit) -> None:
+        if len(item.block_ids) != self._engine_groups:
+            raise ValueError(
+                f"request {item.request_id!r} has block ids for {len(item.block_ids)} engine groups, "
+                f"the KV cache has {self._engine_groups}"
+            )
+        projected = ProjectedRequest(request=item, groups=self._groups)
+        routed = False
+        for port, select in ((FULL_PORT, full_chunks), (TAIL_PORT, tail_chunks)):
+            if any(select(item, group, self._hash_block_size) for group in self._groups):
+                await emit(projected, port)
+                routed = True
+        if not routed:
+            emit.drop("nothing to save")

@@ -1,0 +1,68 @@
+"""The object-store calls the KV stages make, and what their result codes mean.
+
+The stages speak to a store through this structural protocol only; backends live in
+``kvpipe.connector`` (an in-process model and the real Mooncake client) and satisfy
+it without importing anything from here but the codes. The calls are Mooncake
+Store's batch API because that is the store we serve, and batch calls are what
+keeps a KV save to a handful of round trips.
+
+Results are per key and never exceptions: ``0`` (or a byte count for reads) is
+success, a negative value is a :class:`Code`. Callers must not read an error code
+as "absent": ``batch_is_exist`` returning ``-900`` means "don't know".
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from enum import IntEnum
+from typing import Any, Protocol, runtime_checkable
+
+
+class Code(IntEnum):
+    """Per-key result codes (Mooncake's numbering)."""
+
+    OK = 0
+    NO_SPACE = -200  # no available handle: the store is full right now
+    INVALID_PARAMS = -600
+    NOT_FOUND = -704
+    ALREADY_EXISTS = -705  # a put of a key that is stored: the object is there
+    HAS_LEASE = -706
+    TRANSFER_FAILED = -800
+    RPC_FAILED = -900  # master unreachable
+    RPC_TIMEOUT = -901  # master stalled
+
+
+def describe(code: int) -> str:
+    """``-200`` -> ``"-200 (NO_SPACE)"``; unknown codes are shown as numbers."""
+    try:
+        return f"{code} ({Code(code).name})"
+    except ValueError:
+        return str(code)
+
+
+@runtime_checkable
+class ObjectStore(Protocol):
+    """The subset of the store the save path needs."""
+
+    @property
+    def supports_group_ids(self) -> bool:
+        """Whether replicate configs of this store accept ``group_ids``."""
+        ...
+
+    def new_replicate_config(self) -> Any:
+        """A fresh replicate config. Never share one between calls: puts may overlap."""
+        ...
+
+    def batch_is_exist(self, keys: Sequence[str]) -> list[int]:
+        """Per key: 1 stored, 0 absent, negative on error."""
+        ...
+
+    def batch_put_from_multi_buffers(
+        self,
+        keys: Sequence[str],
+        ptrs: Sequence[Sequence[int]],
+        sizes: Sequence[Sequence[int]],
+        config: Any,
+    ) -> list[int]:
+        """Store each key's buffers concatenated. Per key: 0 or negative."""
+        ...

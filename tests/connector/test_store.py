@@ -1,0 +1,28 @@
+"""The run-time probe for ``group_ids``, against configs old, new and real."""
+
+from __future__ import annotations
+
+import pytest
+
+from kvpipe.connector.memory import LegacyReplicateConfig, MemoryReplicateConfig
+from kvpipe.connector.store import replicate_config_supports_group_ids
+
+
+class PerInstance:
+    def __init__(self) -> None:
+        self.group_ids: list[str] | None = None
+
+
+@pytest.mark.parametrize(
+    ("config_cls", "supported"),
+    [(MemoryReplicateConfig, True), (PerInstance, True), (LegacyReplicateConfig, False)],
+    ids=["class-property", "instance-attribute", "older-mooncake"],
+)
+def test_group_ids_support_is_read_off_the_config(config_cls: type, supported: bool) -> None:
+    assert replicate_config_supports_group_ids(config_cls, config_cls()) is supported
+
+
+def test_the_installed_mooncake_supports_group_ids() -> None:
+    mooncake_store = pytest.importorskip("mooncake.store")
+    config_cls = mooncake_store.ReplicateConfig
+    assert replicate_config_supports_group_ids(config_cls, config_cls())

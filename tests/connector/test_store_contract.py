@@ -1,0 +1,407 @@
+"""The store contract: what every backend does, one behaviour per test.
+
+This is MOONCAKE.md's "API behaviour" and "Group semantics" as executable
+specification, run against every backend in ``conftest.BACKENDS``. A test here
+asserts only what the real store lets one observe: eviction is checked through
+what survives (never through counts or order), timing through generous margins
+around the lease TTL, and a full store may answer -200 for a while before its
+background eviction makes room, so fills retry.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import time
+from collections.abc import Callable, Sequence
+
+import pytest
+
+from kvpipe.connector.store import Store, replicate_config_supports_group_ids
+from kvpipe.stages.store import Code
+
+from .conftest import Kv, StoreParams
+
+KiB = 1 << 10
+MiB = 1 << 20
+SMALL = 16 * MiB  # the smallest segment the real client will mount (setup() is -600 below)
+
+
+def put_until_stored(
+    store: Store, keys: Sequence[str], addr: int, size: int, group_ids: Sequence[str] | None = None
+) -> None:
+    """One put call of ``keys`` (all from one buffer), repeated while the store is full.
+
+    The real master evicts in the background, so a put into a full store may be
+    refused (-200) until eviction has run; any other code is a failure.
+    """
+    deadline = time.monotonic() + 5.0
+    while True:
+        config = store.new_replicate_config()
+        if group_ids is not None:
+            config.group_ids = list(group_ids)
+        codes = store.batch_put_from(list(keys), [addr] * len(keys), [size] * len(keys), config)
+        assert set(codes) <= {Code.OK, Code.NO_SPACE}, codes
+        if all(c == Code.OK for c in codes):
+            return
+        assert time.monotonic() < deadline, f"still full after 5 s: {codes}"
+        time.sleep(0.02)
+
+
+def wait_out_the_default_lease() -> None:
+    time.sleep(StoreParams().lease_ttl_s + 0.3)
+
+
+READERS: dict[str, Callable[[Kv, str, int], object]] = {
+    "exist": lambda kv, key, size: kv.exists(key),
+    "get": lambda kv, key, size: kv.get(key, size),
+    "get_size": lambda kv, key, size: kv.store.get_size(key),
+}
+reader = pytest.mark.parametrize("read", list(READERS.values()), ids=list(READERS))
+
+
+# -- the protocol --------------------------------------------------------------------------
+
+
+def test_the_backend_satisfies_the_store_protocol(store: Store) -> None:
+    assert isinstance(store, Store)
+
+
+def test_new_replicate_config_returns_a_fresh_config_each_call(store: Store) -> None:
+    first, second = store.new_replicate_config(), store.new_replicate_config()
+    assert first is not second
+    assert first.replica_num == 1
+
+
+def test_supports_group_ids_is_what_the_replicate_config_offers(store: Store) -> None:
+    config = store.new_replicate_config()
+    assert store.supports_group_ids == replicate_config_supports_group_ids(type(config), config)
+
+
+# -- exist, put, get -----------------------------------------------------------------------
+
+
+def test_exist_is_1_for_a_stored_key_and_0_for_a_missing_one(kv: Kv) -> None:
+    assert kv.put({"k": b"value"}) == [0]
+    assert kv.exists("k", "missing") == [1, 0]
+
+
+def test_an_object_is_its_put_buffers_concatenated(kv: Kv) -> None:
+    assert kv.put({"k": [b"ab", b"cde", b"f"]}) == [0]
+    assert kv.get("k", 6) == b"abcdef"
+
+
+def test_get_may_split_the_destination_differently_from_the_put(kv: Kv) -> None:
+    kv.put({"k": [b"abc", b"def"]})
+    assert kv.get("k", 1, 4, 1) == b"abcdef"
+
+
+def test_get_returns_the_number_of_bytes_read(kv: Kv) -> None:
+    kv.put({"k": b"x" * 1000})
+    dst = kv.buffer(1000)
+    assert kv.store.batch_get_into_multi_buffers(["k"], [[dst]], [[1000]]) == [1000]
+
+
+def test_get_into_a_smaller_destination_is_600(kv: Kv) -> None:
+    kv.put({"k": b"abcdef"})
+    assert kv.get("k", 5) == Code.INVALID_PARAMS
+
+
+def test_get_into_a_larger_destination_is_800(kv: Kv) -> None:
+    kv.put({"k": b"abcdef"})
+    assert kv.get("k", 7) == Code.TRANSFER_FAILED
+
+
+def test_get_of_a_missing_key_is_704(kv: Kv) -> None:
+    assert kv.get("missing", 8) == Code.NOT_FOUND
+
+
+def test_results_are_per_key(kv: Kv) -> None:
+    kv.put({"here": b"1234"})
+    dst = [kv.buffer(4), kv.buffer(4), kv.buffer(3)]
+    codes = kv.store.batch_get_into_multi_buffers(
+        ["here", "missing", "here"], [[a] for a in dst], [[4], [4], [3]]
+    )
+    assert codes == [4, Code.NOT_FOUND, Code.INVALID_PARAMS]
+
+
+def test_the_one_buffer_calls_put_and_get_whole_objects(kv: Kv) -> None:
+    src, dst = kv.buffer(b"contiguous"), kv.buffer(10)
+    assert kv.store.batch_put_from(["k"], [src], [10], kv.store.new_replicate_config()) == [0]
+    assert kv.store.batch_get_into(["k"], [dst], [10]) == [10]
+    assert ctypes.string_at(dst, 10) == b"contiguous"
+
+
+def test_get_size_is_the_object_size(kv: Kv) -> None:
+    kv.put({"k": [b"abc", b"de"]})
+    assert kv.store.get_size("k") == 5
+
+
+def test_get_size_of_a_missing_key_is_704(store: Store) -> None:
+    assert store.get_size("missing") == Code.NOT_FOUND
+
+
+def test_put_of_an_existing_key_returns_0_and_keeps_the_first_value(kv: Kv) -> None:
+    kv.put({"k": b"first"})
+    assert kv.put({"k": b"second"}) == [0]
+    assert kv.get("k", 5) == b"first"
+
+
+def test_a_key_repeated_in_one_put_returns_0_and_keeps_its_first_value(kv: Kv) -> None:
+    first, second = kv.buffer(b"first"), kv.buffer(b"again")
+    codes = kv.store.batch_put_from_multi_buffers(
+        ["k", "k"], [[first], [second]], [[5], [5]], kv.store.new_replicate_config()
+    )
+    assert codes == [0, 0]
+    assert kv.get("k", 5) == b"first"
+
+
+@pytest.mark.parametrize(
+    ("key", "ptr_count", "sizes"),
+    [("k", 1, [0]), ("", 1, [16]), ("k", 0, [])],
+    ids=["zero-size", "empty-key", "no-buffers"],
+)
+def test_a_malformed_object_is_600_and_not_stored(kv: Kv, key: str, ptr_count: int, sizes: list[int]) -> None:
+    src = kv.buffer(16)
+    codes = kv.store.batch_put_from_multi_buffers(
+        [key, "fine"], [[src] * ptr_count, [src]], [sizes, [16]], kv.store.new_replicate_config()
+    )
+    assert codes == [Code.INVALID_PARAMS, 0]
+    assert kv.exists(key) == [0]
+
+
+def test_an_object_may_include_empty_buffers(kv: Kv) -> None:
+    src = kv.buffer(b"abc")
+    codes = kv.store.batch_put_from_multi_buffers(
+        ["k"], [[src, src + 2, src + 2]], [[2, 0, 1]], kv.store.new_replicate_config()
+    )
+    assert codes == [0]
+    assert kv.get("k", 3) == b"abc"
+
+
+def test_an_object_with_more_pointers_than_sizes_fails_every_key_with_600(kv: Kv) -> None:
+    src = kv.buffer(16)
+    codes = kv.store.batch_put_from_multi_buffers(
+        ["bad", "fine"], [[src, src], [src]], [[16], [16]], kv.store.new_replicate_config()
+    )
+    assert codes == [Code.INVALID_PARAMS, Code.INVALID_PARAMS]
+    assert kv.exists("bad", "fine") == [0, 0]
+
+
+def test_parallel_lists_of_different_lengths_fail_every_key_with_600(kv: Kv) -> None:
+    src = kv.buffer(16)
+    codes = kv.store.batch_put_from_multi_buffers(
+        ["a", "b"], [[src]], [[16]], kv.store.new_replicate_config()
+    )
+    assert codes == [Code.INVALID_PARAMS, Code.INVALID_PARAMS]
+    assert kv.exists("a", "b") == [0, 0]
+
+
+# -- remove and leases ---------------------------------------------------------------------
+
+
+def test_remove_deletes_an_object(kv: Kv) -> None:
+    kv.put({"k": b"v"})
+    assert kv.store.remove("k") == 0
+    assert kv.store.get_size("k") == Code.NOT_FOUND
+
+
+def test_remove_of_a_missing_key_is_704(store: Store) -> None:
+    assert store.remove("missing") == Code.NOT_FOUND
+
+
+def test_a_put_does_not_lease_the_object(kv: Kv) -> None:
+    kv.put({"k": b"v"})
+    assert kv.store.remove("k") == 0
+
+
+@reader
+def test_reading_an_object_leases_it_so_remove_is_706(kv: Kv, read: Callable[[Kv, str, int], object]) -> None:
+    kv.put({"k": b"v"})
+    read(kv, "k", 1)
+    assert kv.store.remove("k") == Code.HAS_LEASE
+
+
+def test_a_lease_ends_after_the_ttl(kv: Kv) -> None:
+    kv.put({"k": b"v"})
+    kv.exists("k")
+    wait_out_the_default_lease()
+    assert kv.store.remove("k") == 0
+
+
+def test_reading_again_extends_the_lease(make_kv: Callable[..., Kv]) -> None:
+    kv = make_kv(lease_ttl_s=0.6)
+    kv.put({"k": b"v"})
+    kv.exists("k")
+    time.sleep(0.4)
+    kv.exists("k")
+    time.sleep(0.4)  # past the first lease, inside the second
+    assert kv.store.remove("k") == Code.HAS_LEASE
+
+
+def test_remove_all_removes_the_unleased_objects_and_counts_them(kv: Kv) -> None:
+    kv.put({"a": b"1", "b": b"2", "c": b"3"})
+    kv.exists("a")
+    assert kv.store.remove_all() == 2
+    assert kv.exists("a", "b", "c") == [1, 0, 0]
+
+
+# -- buffers -------------------------------------------------------------------------------
+
+
+def test_registering_an_empty_buffer_is_600(store: Store) -> None:
+    array = ctypes.create_string_buffer(1)
+    assert store.register_buffer(ctypes.addressof(array), 0) == Code.INVALID_PARAMS
+
+
+def test_unregister_buffer_undoes_a_registration_and_is_600_without_one(store: Store) -> None:
+    array = ctypes.create_string_buffer(64)
+    addr = ctypes.addressof(array)
+    assert store.register_buffer(addr, 64) == 0
+    assert store.unregister_buffer(addr) == 0
+    assert store.unregister_buffer(addr) == Code.INVALID_PARAMS
+
+
+# -- capacity and eviction -----------------------------------------------------------------
+
+
+def test_an_object_bigger_than_the_store_is_200(make_kv: Callable[..., Kv]) -> None:
+    kv = make_kv(capacity_bytes=SMALL)
+    src = kv.buffer(SMALL + MiB)
+    assert kv.store.batch_put_from(["big"], [src], [SMALL + MiB], kv.store.new_replicate_config()) == [
+        Code.NO_SPACE
+    ]
+
+
+def test_a_full_store_evicts_unleased_objects_to_make_room(make_kv: Callable[..., Kv]) -> None:
+    kv = make_kv(capacity_bytes=SMALL)
+    src = kv.buffer(MiB)
+    keys = [f"k{i}" for i in range(48)]  # three times the capacity
+    for key in keys:
+        put_until_stored(kv.store, [key], src, MiB)
+    present = kv.exists(*keys)
+    assert sum(present) <= 16
+    assert present[-1] == 1
+
+
+def test_leased_objects_survive_eviction(make_kv: Callable[..., Kv]) -> None:
+    kv = make_kv(capacity_bytes=SMALL, lease_ttl_s=10.0)
+    src = kv.buffer(MiB)
+    put_until_stored(kv.store, ["hot0", "hot1"], src, MiB)
+    kv.exists("hot0", "hot1")
+    for i in range(48):
+        put_until_stored(kv.store, [f"cold{i}"], src, MiB)
+    assert kv.exists("hot0", "hot1") == [1, 1]
+
+
+def test_a_store_full_of_leased_objects_refuses_puts_with_200(make_kv: Callable[..., Kv]) -> None:
+    kv = make_kv(capacity_bytes=SMALL, lease_ttl_s=10.0)
+    src = kv.buffer(MiB)
+    config = kv.store.new_replicate_config
+    stored: list[str] = []
+    for i in range(17):  # one more than fits
+        [code] = kv.store.batch_put_from([f"k{i}"], [src], [MiB], config())
+        if code == Code.NO_SPACE:
+            break
+        assert code == 0
+        kv.exists(f"k{i}")
+        stored.append(f"k{i}")
+    assert code == Code.NO_SPACE
+    assert stored and kv.exists(*stored) == [1] * len(stored)
+
+
+# -- group ids -----------------------------------------------------------------------------
+
+
+def test_group_ids_of_the_wrong_length_fail_every_key_with_600_and_store_nothing(kv: Kv) -> None:
+    assert kv.put({"a": b"1", "b": b"2"}, group_ids=["g"]) == [Code.INVALID_PARAMS] * 2
+    assert kv.exists("a", "b") == [0, 0]
+
+
+def test_empty_group_ids_fail_every_key_with_600_and_store_nothing(kv: Kv) -> None:
+    assert kv.put({"a": b"1"}, group_ids=[]) == [Code.INVALID_PARAMS]
+    assert kv.exists("a") == [0]
+
+
+def test_non_string_group_ids_raise_type_error(store: Store) -> None:
+    config = store.new_replicate_config()
+    with pytest.raises(TypeError):
+        config.group_ids = ["g", 1]
+
+
+def test_group_ids_read_back_as_a_copy(store: Store) -> None:
+    config = store.new_replicate_config()
+    config.group_ids = ["g"]
+    config.group_ids.append("h")  # changes a copy, as the pybind11 property hands out
+    assert config.group_ids == ["g"]
+
+
+@reader
+def test_reading_one_member_refreshes_the_lease_of_every_member(
+    kv: Kv, read: Callable[[Kv, str, int], object]
+) -> None:
+    kv.put({"a": b"1", "b": b"2", "c": b"3"}, group_ids=["g", "g", "g"])
+    read(kv, "a", 1)
+    assert [kv.store.remove(k) for k in ("b", "c")] == [Code.HAS_LEASE] * 2
+
+
+def test_an_empty_group_id_means_no_group(kv: Kv) -> None:
+    kv.put({"a": b"1", "b": b"2"}, group_ids=["", ""])
+    kv.exists("a")
+    assert kv.store.remove("b") == 0
+
+
+def test_empty_and_real_group_ids_mix_in_one_batch(kv: Kv) -> None:
+    assert kv.put({"a": b"1", "loner": b"2", "c": b"3"}, group_ids=["g", "", "g"]) == [0, 0, 0]
+    kv.exists("a")
+    assert kv.store.remove("c") == Code.HAS_LEASE
+    assert kv.store.remove("loner") == 0
+
+
+def test_a_later_put_with_an_existing_group_id_joins_that_group(kv: Kv) -> None:
+    kv.put({"a": b"1"}, group_ids=["g"])
+    kv.put({"b": b"2"}, group_ids=["g"])
+    kv.exists("a")
+    assert kv.store.remove("b") == Code.HAS_LEASE
+
+
+def test_a_put_of_an_existing_key_never_changes_its_group(kv: Kv) -> None:
+    kv.put({"a": b"1"}, group_ids=["first"])
+    assert kv.put({"a": b"1", "b": b"2"}, group_ids=["second", "second"]) == [0, 0]
+    kv.exists("b")
+    assert kv.store.remove("a") == 0  # "second" was leased, and "a" is not in it
+
+
+def test_eviction_takes_whole_groups(make_kv: Callable[..., Kv]) -> None:
+    kv = make_kv(capacity_bytes=SMALL)
+    src = kv.buffer(256 * KiB)
+    groups = {f"g{g}": [f"g{g}-m{m}" for m in range(4)] for g in range(48)}  # three times the capacity
+    for gid, keys in groups.items():
+        put_until_stored(kv.store, keys, src, 256 * KiB, group_ids=[gid] * len(keys))
+    survivors = {gid: sum(kv.exists(*keys)) for gid, keys in groups.items()}
+    assert set(survivors.values()) <= {0, 4}, survivors
+    assert 0 in survivors.values() and survivors["g47"] == 4
+
+
+def test_reading_one_member_keeps_its_whole_group_through_eviction(make_kv: Callable[..., Kv]) -> None:
+    kv = make_kv(capacity_bytes=SMALL, lease_ttl_s=10.0)
+    src = kv.buffer(256 * KiB)
+    hot = [f"hot-m{m}" for m in range(4)]
+    put_until_stored(kv.store, hot, src, 256 * KiB, group_ids=["hot"] * 4)
+    kv.exists(hot[0])
+    for g in range(48):
+        keys = [f"g{g}-m{m}" for m in range(4)]
+        put_until_stored(kv.store, keys, src, 256 * KiB, group_ids=[f"g{g}"] * 4)
+    assert kv.exists(*hot) == [1, 1, 1, 1]
+
+
+# -- close ---------------------------------------------------------------------------------
+
+
+def test_after_close_calls_fail_with_900(kv: Kv) -> None:
+    kv.put({"k": b"v"})
+    dst = kv.buffer(1)
+    kv.store.close()
+    kv.store.close()  # idempotent
+    assert kv.exists("k", "other") == [Code.RPC_FAILED] * 2
+    assert kv.store.batch_get_into(["k"], [dst], [1]) == [Code.RPC_FAILED]
+    assert kv.store.get_size("k") == Code.RPC_FAILED

@@ -1,0 +1,101 @@
+"""The sync bridge: a pipeline on its own loop thread, fed from ordinary threads."""
+
+import threading
+
+import pytest
+
+from kvpipe.pipeline import Outcome, PipelineClosed, SyncPipeline
+
+from .toy_stages import AddOne, Collect, Slow, ThreadGate, chain
+
+
+def test_submits_from_several_threads_all_complete_and_are_handed_back_once():
+    sink = Collect()
+    per_thread = 500
+    with SyncPipeline(chain(AddOne(), sink), queue_capacity=64) as bridge:
+
+        def feed(offset: int) -> None:
+            for i in range(per_thread):
+                bridge.submit(offset + i)
+
+        threads = [threading.Thread(target=feed, args=(t * per_thread,)) for t in range(4)]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join()
+    jobs = bridge.completed()
+    assert len(jobs) == 4 * per_thread
+    assert len({job.id for job in jobs}) == len(jobs)
+    assert {job.outcome for job in jobs} == {Outcome.OK}
+    assert sorted(sink.items) == [i + 1 for i in range(4 * per_thread)]
+
+
+def test_a_thread_can_wait_for_its_job():
+    with SyncPipeline(chain(Slow(0.01), Collect())) as bridge:
+        job = bridge.submit(1)
+        assert job.wait(timeout=5)
+        assert job.outcome is Outcome.OK
+
+
+def test_drop_policy_never_blocks_and_counts_what_it_refuses():
+    released = threading.Event()
+    bridge = SyncPipeline(chain(ThreadGate(released), capacity=1), queue_capacity=2, when_full="drop").start()
+    try:
+        # The gate holds one item, its inbox one, the bridge queue two: the rest is refused.
+        jobs = [bridge.submit(i) for i in range(50)]
+        dropped = [job for job in jobs if job.outcome is Outcome.DROPPED]
+        assert len(dropped) >= 50 - 5
+        assert bridge.dropped == len(dropped)
+    finally:
+        released.set()
+        bridge.stop()
+    assert all(job.done for job in jobs)
+    assert bridge.outcomes()["dropped"] == len(dropped)
+
+
+def test_wait_policy_blocks_until_room_then_gives_up_after_the_timeout():
+    released = threading.Event()
+    bridge = SyncPipeline(chain(ThreadGate(released), capacity=1), queue_capacity=1, when_full="wait").start()
+    try:
+        for i in range(3):
+            bridge.submit(i, timeout_s=1)
+        late = bridge.submit(99, timeout_s=0.05)
+        assert late.outcome is Outcome.DROPPED
+    finally:
+        released.set()
+        bridge.stop()
+
+
+def test_stop_with_a_deadline_cancels_stuck_work_and_ends_every_job():
+    never = threading.Event()
+    bridge = SyncPipeline(chain(ThreadGate(never)), queue_capacity=16).start()
+    jobs = [bridge.submit(i) for i in range(10)]
+    assert bridge.stop(deadline_s=0.1) is False
+    assert all(job.done for job in jobs)
+    assert {job.outcome for job in jobs} == {Outcome.FAILED}
+    assert len(bridge.completed()) == 10
+
+
+def test_submit_after_stop_is_refused():
+    bridge = SyncPipeline(chain(Collect())).start()
+    assert bridge.stop() is True
+    with pytest.raises(PipelineClosed):
+        bridge.submit(1)
+
+
+def test_a_stage_that_fails_to_start_fails_start():
+    class Broken(Collect):
+        async def start(self):
+            raise RuntimeError("cannot open the store")
+
+    with pytest.raises(RuntimeError, match="cannot open the store"):
+        SyncPipeline(chain(Broken())).start()
+
+
+def test_metrics_can_be_read_from_another_thread():
+    with SyncPipeline(chain(AddOne(), Collect())) as bridge:
+        for job in [bridge.submit(i) for i in range(10)]:
+            job.wait(5)
+        stats = bridge.metrics()
+    assert stats["s0"].items_in == 10
+    assert stats["s1"].items_in == 10

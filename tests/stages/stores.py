@@ -1,0 +1,119 @@
+"""Store doubles for the stage tests: a recorder around any store, and a scripted store.
+
+The recorder keeps every put call's parallel lists exactly as the stage built
+them, which is what the alignment tests inspect. The scripted store answers each
+key with a code chosen by the test, for cases a real store cannot be made to
+produce on demand (a given key erroring on exist, any code mix in one call).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+from kvpipe.stages import Buffer, StoreObject
+
+
+@dataclass(frozen=True)
+class PutCall:
+    keys: list[str]
+    ptrs: list[list[int]]
+    sizes: list[list[int]]
+    group_ids: list[str] | None
+    config: Any
+
+
+class RecordingStore:
+    """Forwards every call to ``inner`` and records the exist and put calls."""
+
+    def __init__(self, inner: Any) -> None:
+        self.inner = inner
+        self.exist_calls: list[list[str]] = []
+        self.exist_answers: list[list[int]] = []
+        self.put_calls: list[PutCall] = []
+
+    @property
+    def supports_group_ids(self) -> bool:
+        return self.inner.supports_group_ids
+
+    def new_replicate_config(self) -> Any:
+        return self.inner.new_replicate_config()
+
+    def batch_is_exist(self, keys: Sequence[str]) -> list[int]:
+        self.exist_calls.append(list(keys))
+        answers = self.inner.batch_is_exist(keys)
+        self.exist_answers.append(list(answers))
+        return answers
+
+    def batch_put_from_multi_buffers(
+        self, keys: Sequence[str], ptrs: Sequence[Sequence[int]], sizes: Sequence[Sequence[int]], config: Any
+    ) -> list[int]:
+        group_ids = getattr(config, "group_ids", None)
+        self.put_calls.append(
+            PutCall(list(keys), [list(p) for p in ptrs], [list(s) for s in sizes], group_ids, config)
+        )
+        return self.inner.batch_put_from_multi_buffers(keys, ptrs, sizes, config)
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self.inner, name)
+
+    @property
+    def put_keys(self) -> list[str]:
+        return [key for call in self.put_calls for key in call.keys]
+
+
+class ScriptedConfig:
+    """A replicate config with ``group_ids``, as a store that supports them has."""
+
+    def __init__(self) -> None:
+        self.group_ids: list[str] | None = None
+
+
+class ScriptedStore:
+    """Answers each key with ``exist(key)`` / ``put(key)``; stores nothing."""
+
+    def __init__(
+        self,
+        exist: Callable[[str], int] = lambda key: 0,
+        put: Callable[[str], int] = lambda key: 0,
+        *,
+        supports_group_ids: bool = True,
+    ) -> None:
+        self._exist = exist
+        self._put = put
+        self.supports_group_ids = supports_group_ids
+
+    def new_replicate_config(self) -> ScriptedConfig:
+        return ScriptedConfig()
+
+    def batch_is_exist(self, keys: Sequence[str]) -> list[int]:
+        return [self._exist(key) for key in keys]
+
+    def batch_put_from_multi_buffers(
+        self, keys: Sequence[str], ptrs: Sequence[Sequence[int]], sizes: Sequence[Sequence[int]], config: Any
+    ) -> list[int]:
+        return [self._put(key) for key in keys]
+
+
+def by_first_sight(codes: Sequence[int]) -> Callable[[str], int]:
+    """Give each new key the next code of ``codes`` (cycling), and always the same one after."""
+    assigned: dict[str, int] = {}
+
+    def code(key: str) -> int:
+        return assigned.setdefault(key, codes[len(assigned) % len(codes)])
+
+    return code
+
+
+def fake_record(
+    key: str, *, buffers: int = 1, chunk_hash: bytes = b"\xaa", group_id: str | None = None
+) -> StoreObject:
+    """A record whose buffers point nowhere: for stores that never read memory."""
+    return StoreObject(
+        key=key,
+        chunk_hash=chunk_hash,
+        store_group=0,
+        buffers=tuple(Buffer(0x1000 * (i + 1), 64) for i in range(buffers)),
+        group_id=group_id,
+    )

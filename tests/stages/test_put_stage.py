@@ -1,0 +1,215 @@
+"""``put`` stores records in calls within the buffer budget and reports each record."""
+
+import time
+
+import pytest
+from pydantic import ValidationError
+
+from kvpipe.connector.memory import Faults, MemoryStore
+from kvpipe.pipeline.testing import RecordingEmit, batch_of
+from kvpipe.stages import (
+    FullChunksStage,
+    ProjectedRequest,
+    PutParams,
+    PutStage,
+    split_into_calls,
+    storable_groups,
+)
+
+from .kv_fixtures import make_kv, make_request
+from .stores import RecordingStore, ScriptedStore, fake_record
+
+
+def _stage(store, **params):
+    return PutStage(PutParams(**params), store)
+
+
+def _scripted(codes, **kwargs):
+    return RecordingStore(ScriptedStore(put=lambda key: codes.get(key, 0), **kwargs))
+
+
+async def _real_records(kv):
+    await FullChunksStage(kv).process(
+        ProjectedRequest(make_request(kv, tokens=32), storable_groups(kv)), emit := RecordingEmit()
+    )
+    (records,) = emit.emitted["out"]
+    return records
+
+
+async def test_a_stored_record_counts_as_put_and_succeeds():
+    batch = batch_of([(fake_record("a"),)])
+
+    await _stage(_scripted({})).process_batch(batch)
+
+    assert batch[0].emit.counts["put"] == 1
+    assert batch[0].emit.succeeded_units == 1
+    assert not batch[0].emit.failures
+
+
+async def test_already_exists_counts_as_stored():
+    kv = make_kv().kv
+    store = MemoryStore(faults=Faults(error_rates={"put": {-705: 1.0}}))
+    batch = batch_of([await _real_records(kv)])
+
+    await _stage(store).process_batch(batch)
+
+    assert batch[0].emit.counts["existing"] == 2
+    assert batch[0].emit.succeeded_units == 2
+    assert not batch[0].emit.failures
+
+
+async def test_no_space_is_counted_as_backpressure_and_fails_the_record():
+    batch = batch_of([(fake_record("a"), fake_record("b"))])
+
+    await _stage(_scripted({"a": -200}), backoff_initial_s=0).process_batch(batch)
+
+    emit = batch[0].emit
+    assert emit.counts["backpressure"] == 1
+    assert emit.counts["failed"] == 1
+    assert emit.failures == ["put a: -200 (NO_SPACE)"]
+    assert emit.counts["put"] == 1
+
+
+async def test_any_other_code_fails_the_record_naming_key_and_code():
+    batch = batch_of([(fake_record("a"),)])
+
+    await _stage(_scripted({"a": -800})).process_batch(batch)
+
+    assert batch[0].emit.failures == ["put a: -800 (TRANSFER_FAILED)"]
+    assert batch[0].emit.counts["failed"] == 1
+    assert batch[0].emit.counts["backpressure"] == 0
+
+
+async def test_a_batch_over_the_buffer_budget_is_split_into_calls_that_each_respect_it():
+    store = _scripted({})
+    records = [fake_record(f"k{i}", buffers=n) for i, n in enumerate([3, 2, 2, 4, 1, 1])]
+    batch = batch_of([tuple(records[:3]), tuple(records[3:])])
+
+    await _stage(store, max_buffers_per_call=5).process_batch(batch)
+
+    assert [call.keys for call in store.put_calls] == [["k0", "k1"], ["k2"], ["k3", "k4"], ["k5"]]
+    assert all(sum(len(p) for p in call.ptrs) <= 5 for call in store.put_calls)
+    assert [entry.emit.counts["put"] for entry in batch] == [3, 3]
+
+
+def test_split_into_calls_keeps_order_and_fills_each_call_up_to_the_budget():
+    records = [fake_record(f"k{i}", buffers=n) for i, n in enumerate([2, 2, 1, 5, 3])]
+
+    calls = split_into_calls(records, max_buffers=5)
+
+    assert [[r.key for r in call] for call in calls] == [["k0", "k1", "k2"], ["k3"], ["k4"]]
+
+
+async def test_a_record_with_more_buffers_than_the_budget_fails_and_is_never_sent():
+    store = _scripted({})
+    batch = batch_of([(fake_record("huge", buffers=9), fake_record("ok", buffers=2))])
+
+    await _stage(store, max_buffers_per_call=8).process_batch(batch)
+
+    assert store.put_keys == ["ok"]
+    assert batch[0].emit.failures == ["put huge: 9 buffers exceed max_buffers_per_call=8; not sent"]
+    assert batch[0].emit.counts == {"failed": 1, "put": 1}
+
+
+async def test_a_key_in_several_entries_is_sent_once_and_settles_each():
+    store = _scripted({})
+    batch = batch_of([(fake_record("shared"),), (fake_record("shared"), fake_record("own"))])
+
+    await _stage(store).process_batch(batch)
+
+    assert store.put_keys == ["shared", "own"]
+    assert [entry.emit.counts["put"] for entry in batch] == [1, 2]
+
+
+async def test_the_parallel_lists_are_built_from_the_records():
+    store = _scripted({})
+    records = (fake_record("a", buffers=2), fake_record("b", buffers=1))
+
+    await _stage(store).process_batch(batch_of([records]))
+
+    (call,) = store.put_calls
+    assert call.keys == ["a", "b"]
+    assert call.ptrs == [[b.address for b in r.buffers] for r in records]
+    assert call.sizes == [[b.size for b in r.buffers] for r in records]
+
+
+async def test_every_call_gets_a_fresh_replicate_config():
+    store = _scripted({})
+    batch = batch_of([(fake_record("a"), fake_record("b"), fake_record("c"))])
+
+    await _stage(store, max_buffers_per_call=1).process_batch(batch)
+
+    configs = [call.config for call in store.put_calls]
+    assert len({id(c) for c in configs}) == 3
+
+
+async def test_group_ids_come_from_the_records_with_empty_for_none():
+    store = _scripted({})
+    records = (fake_record("a", group_id="g-a"), fake_record("b"), fake_record("c", group_id="g-c"))
+
+    await _stage(store).process_batch(batch_of([records]))
+
+    assert store.put_calls[0].group_ids == ["g-a", "", "g-c"]
+
+
+async def test_group_ids_are_not_set_when_no_record_has_one():
+    store = _scripted({})
+
+    await _stage(store).process_batch(batch_of([(fake_record("a"),)]))
+
+    assert store.put_calls[0].group_ids is None
+
+
+async def test_group_ids_are_not_set_when_the_store_has_none():
+    store = _scripted({}, supports_group_ids=False)
+
+    await _stage(store).process_batch(batch_of([(fake_record("a", group_id="g-a"),)]))
+
+    assert store.put_calls[0].group_ids is None
+
+
+async def test_a_wrong_length_answer_fails_every_record_of_that_call_only():
+    store = _scripted({})
+    calls = 0
+
+    def short_first_call(keys, ptrs, sizes, config):
+        nonlocal calls
+        calls += 1
+        return [] if calls == 1 else [0] * len(keys)
+
+    store.inner.batch_put_from_multi_buffers = short_first_call
+    batch = batch_of([(fake_record("a"), fake_record("b"))])
+
+    await _stage(store, max_buffers_per_call=1).process_batch(batch)
+
+    assert batch[0].emit.failures == ["put a: store answered 0 results for 1 keys"]
+    assert batch[0].emit.counts == {"failed": 1, "put": 1}
+
+
+async def test_after_backpressure_the_next_call_waits_the_backoff():
+    sent_at: dict[str, float] = {}
+
+    def put(key):
+        sent_at[key] = time.monotonic()
+        return -200 if key == "a" else 0
+
+    store = ScriptedStore(put=put)
+    batch = batch_of([(fake_record("a"), fake_record("b"))])
+
+    await _stage(store, max_buffers_per_call=1, backoff_initial_s=0.05).process_batch(batch)
+
+    assert sent_at["b"] - sent_at["a"] >= 0.045
+
+
+@pytest.mark.parametrize(
+    "params",
+    [
+        {"max_buffers_per_call": 0},
+        {"backoff_initial_s": -1},
+        {"backoff_initial_s": 0.5, "backoff_max_s": 0.1},
+        {"max_buffer_per_call": 8},
+    ],
+)
+def test_bad_params_are_refused(params):
+    with pytest.raises(ValidationError):
+        PutParams(**params)
