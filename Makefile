@@ -1,11 +1,18 @@
-# Everything a fresh Debian machine with Python 3.11 needs: `make test`.
+# Everything a fresh Debian machine with Python 3.11 needs:
+#   make run    the main job (configs/default.yaml on the embedded memory store)
+#   make test   the tests (CI runs exactly this)
 PYTHON ?= python3.11
 VENV   ?= .venv
 PY     := $(VENV)/bin/python
 PIP    := $(PY) -m pip
 STAMP  := $(VENV)/.installed
 
-.PHONY: test install system-deps clean
+CONFIG ?= configs/default.yaml
+
+.PHONY: run test install system-deps clean
+
+run: $(STAMP)
+	$(VENV)/bin/kvpipe run $(CONFIG) $(ARGS)
 
 test: $(STAMP)
 	$(PY) -m pytest $(PYTEST_ARGS)

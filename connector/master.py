@@ -56,6 +56,18 @@ def free_port(host: str = LOOPBACK) -> int:
         return int(probe.getsockname()[1])
 
 
+def free_ports(count: int, host: str = LOOPBACK) -> list[int]:
+    """``count`` distinct ports nothing listens on right now (held together while picked)."""
+    probes = [socket.socket(socket.AF_INET, socket.SOCK_STREAM) for _ in range(count)]
+    try:
+        for probe in probes:
+            probe.bind((host, 0))
+        return [int(probe.getsockname()[1]) for probe in probes]
+    finally:
+        for probe in probes:
+            probe.close()
+
+
 def is_listening(host: str, port: int, timeout_s: float = 0.5) -> bool:
     try:
         with socket.create_connection((host, port), timeout=timeout_s):
@@ -124,10 +136,26 @@ class LocalMaster:
         return None if self._process is None else self._process.pid
 
     def start(self, endpoints: MasterEndpoints | None = None) -> Self:
-        """Start on ``endpoints`` (e.g. the ports of a master that died) or on free ports."""
+        """Start on ``endpoints`` (e.g. the ports of a master that died) or on free ports.
+
+        A free port can be taken by someone else (an outgoing connection, another
+        master) before the master binds it; on free ports that clash is retried
+        with new ones.
+        """
         if self._process is not None:
             raise MasterError("this master is already running")
-        self.endpoints = endpoints or MasterEndpoints(LOOPBACK, free_port(), free_port(), free_port())
+        attempts = 1 if endpoints is not None else 3
+        for attempt in range(1, attempts + 1):
+            self.endpoints = endpoints or MasterEndpoints(LOOPBACK, *free_ports(3))
+            try:
+                return self._launch()
+            except MasterError as exc:
+                if attempt == attempts or "address already in use" not in str(exc).lower():
+                    raise
+        raise AssertionError("unreachable")
+
+    def _launch(self) -> Self:
+        assert self.endpoints is not None
         e = self.endpoints
         command = [
             str(find_master_binary()),

@@ -8,12 +8,17 @@ model; the store contract suite runs against it and the real store alike, which
 is what keeps it faithful.
 
 Deliberate simplifications: eviction runs inside the put that needs the room
-(the real master evicts in the background, so it may first answer -200), there
-is one copy whatever ``replica_num`` says, and buffer registration is recorded
-but not enforced (the real store accepts unregistered buffers on the local
-memcpy path too). One deliberate strictness: a get whose pointer and size
-lists differ in length fails that key with -600, where the real client pairs
-them up silently.
+(the real master evicts in the background, so it may first answer -200, and
+past the watermark it may even take an object just put before the read that
+would lease it; the model never does), there is one copy whatever
+``replica_num`` says, and puts and gets do not require registered buffers (the
+real store accepts unregistered ones on the local memcpy path too).
+Registration itself follows the real client: a range that overlaps a
+registered one, an empty one or address 0 is -600, and only the start of a
+registration unregisters it. Negative sizes or pointers raise TypeError, as the
+real client's bindings do before any call is made. One deliberate strictness:
+a get whose pointer and size lists differ in length fails that key with -600,
+where the real client pairs them up silently.
 
 Calls come from worker threads, so all state sits behind one lock; injected
 latency and stalls sleep outside it, as a slow network would not block the
@@ -250,6 +255,7 @@ class MemoryStore:
                 f"({self._config_cls.__name__}), got {type(config).__name__}"
             )
         group_ids = config.group_ids if isinstance(config, MemoryReplicateConfig) else None
+        _check_unsigned(ptrs, sizes)
         if (
             not _same_lengths(keys, ptrs, sizes)
             or any(len(p) != len(s) for p, s in zip(ptrs, sizes, strict=True))
@@ -273,6 +279,7 @@ class MemoryStore:
         ptrs: Sequence[Sequence[int]],
         sizes: Sequence[Sequence[int]],
     ) -> list[int]:
+        _check_unsigned(ptrs, sizes)
         if not _same_lengths(keys, ptrs, sizes):
             return [Code.INVALID_PARAMS] * len(keys)
         if (failed := self._unavailable("get", len(keys))) is not None:
@@ -319,11 +326,15 @@ class MemoryStore:
             return len(expired)
 
     def register_buffer(self, addr: int, nbytes: int) -> int:
+        _check_unsigned([[addr]], [[nbytes]])
         with self._lock:
             if self._closed:
                 return Code.RPC_FAILED
-            if nbytes <= 0:
+            if nbytes == 0 or addr == 0:
                 return Code.INVALID_PARAMS
+            end = addr + nbytes
+            if any(start < end and addr < start + n for start, n in self._registered.items()):
+                return Code.INVALID_PARAMS  # overlaps a registration, as the real client refuses
             self._registered[addr] = nbytes
             return Code.OK
 
@@ -375,7 +386,7 @@ class MemoryStore:
     def _put_one(
         self, key: str, ptrs: Sequence[int], sizes: Sequence[int], group_id: str, stored: set[str]
     ) -> int:
-        if not key or not sizes or sum(sizes) <= 0 or min(sizes) < 0:
+        if not key or not sizes or sum(sizes) <= 0:
             return Code.INVALID_PARAMS  # empty buffers are fine, empty objects are not
         if (code := self.faults.draw("put")) is not None:
             return code
@@ -463,6 +474,14 @@ class MemoryStore:
             if not members:
                 del self._groups[obj.group]
         return len(obj.data)
+
+
+def _check_unsigned(ptrs: Sequence[Sequence[int]], sizes: Sequence[Sequence[int]]) -> None:
+    """TypeError for a negative pointer or size: the real client's bindings take only unsigned ints."""
+    for values in (*ptrs, *sizes):
+        for value in values:
+            if value < 0:
+                raise TypeError(f"pointers and sizes must be unsigned ints, got {value!r}")
 
 
 def _same_lengths(keys: Sequence[str], ptrs: Sequence[object], sizes: Sequence[object]) -> bool:

@@ -17,7 +17,7 @@ offending stage's path too.
 
 from __future__ import annotations
 
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -75,20 +75,40 @@ _MESSAGES = {
 }
 
 
-def describe_validation_error(error: ValidationError, root: str) -> str:
-    """Every problem of a pydantic error, one per line, as ``path: message, got value``."""
+def describe_validation_error(
+    error: ValidationError,
+    root: str,
+    relocate: Callable[[tuple[str | int, ...]], tuple[str | int, ...]] = lambda loc: loc,
+) -> str:
+    """Every problem of a pydantic error, one per line, as ``path: message, got value``.
+
+    ``relocate`` may rewrite a problem's location, e.g. to drop the tag pydantic
+    inserts for a member of a tagged union.
+    """
     lines = []
     for problem in error.errors():
-        template = _MESSAGES.get(problem["type"])
-        message = template.format(**problem.get("ctx", {})) if template else _lower_first(problem["msg"])
-        line = f"{format_path(root, problem['loc'])}: {message}"
-        if problem["type"] != "missing" and ", got " not in message:
-            line += f", got {problem['input']!r}"
+        loc = relocate(tuple(problem["loc"]))
+        message = _message(problem, loc)
+        line = f"{format_path(root, loc)}: {message}"
+        if (
+            problem["type"] != "missing"
+            and ", got " not in message
+            and not isinstance(problem["input"], dict)
+        ):
+            line += f", got {problem['input']!r}"  # (a whole section as "value" would bury the message)
         lines.append(line)
     return "\n".join(lines)
 
 
-def _lower_first(text: str) -> str:
+def _message(problem: Any, loc: tuple[str | int, ...]) -> str:
+    template = _MESSAGES.get(problem["type"])
+    if template is not None:
+        return template.format(**problem.get("ctx", {}))
+    if problem["type"] == "value_error":  # our own validators' words, without pydantic's prefix
+        message = str(problem["ctx"]["error"])
+        field_prefix = f"{loc[-1]}: " if loc else ""
+        return message.removeprefix(field_prefix) if field_prefix else message
+    text = problem["msg"]
     return text[:1].lower() + text[1:]
 
 

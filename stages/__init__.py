@@ -12,6 +12,23 @@ from .filter import FilterStage
 from .flags import ConfigError, StrictFlag, parse_flag
 from .group_ids import GroupIdsParams, GroupIdsStage
 from .keys import GROUP_ID_SCOPE, group_id, key_model_name, object_key
+from .load import LoadObserver, LoadParams, LoadRequest, LoadStage, LoadTarget, ReadableStore, load_targets
+from .load_pipeline import (
+    DEFAULT_LOAD_PIPELINE,
+    DEFAULT_LOOKUP_PIPELINE,
+    default_load_graph,
+    default_lookup_graph,
+)
+from .lookup import (
+    LookupObserver,
+    LookupRequest,
+    LookupResult,
+    LookupResultsStage,
+    LookupStage,
+    longest_stored_prefix,
+    lookup_keys,
+    prefix_unit,
+)
 from .model import (
     BlockLayout,
     Buffer,
@@ -27,6 +44,7 @@ from .model import (
     StoreGroup,
     StoreObject,
 )
+from .outcomes import ObjectObserver, ObjectStatus, Outcomes
 from .project import ProjectStage
 from .projection import ProjectionError, project_groups, storable_groups
 from .put import PutParams, PutStage, split_into_calls
@@ -34,6 +52,25 @@ from .registry import KV_STAGES
 from .store import Code, ObjectStore, describe
 
 __all__ = [
+    "DEFAULT_LOAD_PIPELINE",
+    "DEFAULT_LOOKUP_PIPELINE",
+    "LoadObserver",
+    "LoadParams",
+    "LoadRequest",
+    "LoadStage",
+    "LoadTarget",
+    "LookupObserver",
+    "LookupRequest",
+    "LookupResult",
+    "LookupResultsStage",
+    "LookupStage",
+    "ReadableStore",
+    "default_load_graph",
+    "default_lookup_graph",
+    "load_targets",
+    "longest_stored_prefix",
+    "lookup_keys",
+    "prefix_unit",
     "DEFAULT_SAVE_PIPELINE",
     "default_save_graph",
     "GROUP_ID_SCOPE",
@@ -52,7 +89,10 @@ __all__ = [
     "GroupSpec",
     "KVCache",
     "KeyNamespace",
+    "ObjectObserver",
+    "ObjectStatus",
     "ObjectStore",
+    "Outcomes",
     "ProjectStage",
     "ProjectedRequest",
     "ProjectionError",

@@ -1,4 +1,4 @@
-"""What the filter and put stages share: per-key store calls and per-record failures.
+"""What the filter and put stages share: per-key store calls.
 
 A batch call answers per key. When it answers nothing usable (it raised, or gave
 a result list of the wrong length) there is no way to know which answer belongs to
@@ -11,7 +11,7 @@ from __future__ import annotations
 from collections.abc import Callable, Sequence
 from typing import Any
 
-from kvpipe.pipeline.stage import AnyStage, Emit
+from kvpipe.pipeline.stage import AnyStage
 
 
 class StoreCallError(Exception):
@@ -29,9 +29,3 @@ async def call_per_key(
     if len(results) != len(keys):
         raise StoreCallError(f"store answered {len(results)} results for {len(keys)} keys")
     return list(results)
-
-
-def fail_record(emit: Emit, message: str) -> None:
-    """Report one record as failed, counted, in the job it belongs to."""
-    emit.fail(message)
-    emit.count("failed")

@@ -14,6 +14,7 @@ from typing import Any
 from kvpipe.pipeline import Graph, build_graph
 
 from .model import KVCache
+from .outcomes import ObjectObserver
 from .registry import KV_STAGES
 from .store import ObjectStore
 
@@ -51,14 +52,16 @@ def default_save_graph(
     *,
     enable_group_semantics: bool | str = False,
     max_buffers_per_call: int = 2048,
+    observer: ObjectObserver | None = None,
 ) -> Graph:
     """The default save graph over ``kv`` and ``store``.
 
     ``enable_group_semantics`` is parsed strictly (``"true"``/``"false"`` strings
-    accepted, anything else is an error naming the field).
+    accepted, anything else is an error naming the field). ``observer`` is told
+    the final status of every object.
     """
     document = copy.deepcopy(DEFAULT_SAVE_PIPELINE)
     stages = {stage["name"]: stage for stage in document["stages"]}
     stages["group_ids"]["params"]["enable_group_semantics"] = enable_group_semantics
     stages["put"]["params"]["max_buffers_per_call"] = max_buffers_per_call
-    return build_graph(document, KV_STAGES, {"kv": kv, "store": store})
+    return build_graph(document, KV_STAGES, {"kv": kv, "store": store, "observer": observer})

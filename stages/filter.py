@@ -14,8 +14,9 @@ from typing import Any, ClassVar
 
 from kvpipe.pipeline.stage import BatchEntry, BatchStage
 
-from .batch_calls import StoreCallError, call_per_key, fail_record
+from .batch_calls import StoreCallError, call_per_key
 from .model import Records
+from .outcomes import ObjectObserver, Outcomes
 from .store import ObjectStore, describe
 
 EXISTS = 1
@@ -28,8 +29,9 @@ class FilterStage(BatchStage):
     input_type: ClassVar[Any] = Records
     output_types: ClassVar[dict[str, Any]] = {"out": Records}
 
-    def __init__(self, store: ObjectStore) -> None:
+    def __init__(self, store: ObjectStore, observer: ObjectObserver | None = None) -> None:
         self._store = store
+        self._outcomes = Outcomes(observer)
 
     async def process_batch(self, batch: Sequence[BatchEntry[Records]]) -> None:
         # Requests sharing a prefix share keys: each key is asked once.
@@ -48,14 +50,13 @@ class FilterStage(BatchStage):
             missing = []
             for record in entry.item:
                 if call_error is not None:
-                    fail_record(emit, f"exist {record.key}: {call_error}")
+                    self._outcomes.failed(emit, record, f"exist {record.key}: {call_error}")
                 elif (answer := answers[record.key]) == EXISTS:
-                    emit.count("existing")
-                    emit.succeed()
+                    self._outcomes.existing(emit, record)
                 elif answer == ABSENT:
                     missing.append(record)
                 else:
-                    fail_record(emit, f"exist {record.key}: {describe(answer)}")
+                    self._outcomes.failed(emit, record, f"exist {record.key}: {describe(answer)}")
             if missing:
                 await emit(tuple(missing))
             else:

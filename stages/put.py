@@ -18,9 +18,12 @@ from pydantic import BaseModel, ConfigDict, Field, model_validator
 from kvpipe.pipeline.stage import BatchEntry, BatchStage, Emit
 
 from .backoff import Backoff
-from .batch_calls import StoreCallError, call_per_key, fail_record
+from .batch_calls import StoreCallError, call_per_key
 from .model import Records, StoreObject
+from .outcomes import ObjectObserver, Outcomes
 from .store import Code, ObjectStore, describe
+
+ROLLED_BACK = "removed again: another object of its chunk was refused"
 
 
 class PutParams(BaseModel):
@@ -41,19 +44,36 @@ class PutParams(BaseModel):
 
 
 def split_into_calls(records: Sequence[StoreObject], max_buffers: int) -> list[list[StoreObject]]:
-    """Consecutive runs of ``records`` whose buffer counts each sum to at most ``max_buffers``.
+    """Runs of ``records`` whose buffer counts each sum to at most ``max_buffers``.
 
-    Every record must fit the budget on its own (the caller fails those that don't).
+    The objects of one chunk (one lifecycle group: every store group and shard of
+    the same prefix) go into the same call whenever they fit the budget together,
+    so a call boundary never leaves one half of a chunk stored and the other
+    refused. Chunks keep the order of their first record. Every record must fit
+    the budget on its own (the caller fails those that don't).
     """
+    chunks: dict[bytes, list[StoreObject]] = {}
+    for record in records:
+        chunks.setdefault(record.chunk_hash, []).append(record)
     calls: list[list[StoreObject]] = []
     current: list[StoreObject] = []
     used = 0
-    for record in records:
-        if current and used + len(record.buffers) > max_buffers:
+
+    def add(unit: list[StoreObject], buffers: int) -> None:
+        nonlocal current, used
+        if current and used + buffers > max_buffers:
             calls.append(current)
             current, used = [], 0
-        current.append(record)
-        used += len(record.buffers)
+        current.extend(unit)
+        used += buffers
+
+    for unit in chunks.values():
+        unit_buffers = sum(len(record.buffers) for record in unit)
+        if unit_buffers <= max_buffers:
+            add(unit, unit_buffers)
+        else:  # too big to keep together: fill calls record by record
+            for record in unit:
+                add([record], len(record.buffers))
     if current:
         calls.append(current)
     return calls
@@ -65,8 +85,9 @@ class PutStage(BatchStage):
     ports: ClassVar[tuple[str, ...]] = ()
     input_type: ClassVar[Any] = Records
 
-    def __init__(self, params: PutParams, store: ObjectStore) -> None:
+    def __init__(self, params: PutParams, store: ObjectStore, observer: ObjectObserver | None = None) -> None:
         self._store = store
+        self._outcomes = Outcomes(observer)
         self._max_buffers = params.max_buffers_per_call
         self._backoff = Backoff(params.backoff_initial_s, params.backoff_max_s)
 
@@ -75,8 +96,9 @@ class PutStage(BatchStage):
         for entry in batch:
             for record in entry.item:
                 if len(record.buffers) > self._max_buffers:
-                    fail_record(
+                    self._outcomes.failed(
                         entry.emit,
+                        record,
                         f"put {record.key}: {len(record.buffers)} buffers exceed "
                         f"max_buffers_per_call={self._max_buffers}; not sent",
                     )
@@ -89,11 +111,18 @@ class PutStage(BatchStage):
             except StoreCallError as error:
                 for record in call:
                     for emit, held in holders[record.key]:
-                        fail_record(emit, f"put {held.key}: {error}")
+                        self._outcomes.failed(emit, held, f"put {held.key}: {error}")
                 continue
+            rolled_back = await self._remove_torn_chunks(call, codes)
             for record, code in zip(call, codes, strict=True):
-                for emit, held in holders[record.key]:
-                    _settle(emit, held, code)
+                (emit, held), *sharers = holders[record.key]
+                if record.key in rolled_back:
+                    for emit, held in holders[record.key]:
+                        self._outcomes.failed(emit, held, f"put {held.key}: {ROLLED_BACK}")
+                    continue
+                self._settle(emit, held, code)
+                for emit, held in sharers:  # their object is there now, stored for the first
+                    self._settle(emit, held, Code.ALREADY_EXISTS if code == Code.OK else code)
 
     async def _put(self, call: Sequence[StoreObject]) -> list[int]:
         """One store call for ``call``'s records, after any back-off; per-record codes."""
@@ -108,16 +137,41 @@ class PutStage(BatchStage):
         self._backoff.record(pressured=Code.NO_SPACE in codes)
         return codes
 
+    async def _remove_torn_chunks(self, call: Sequence[StoreObject], codes: Sequence[int]) -> set[str]:
+        """Under group semantics, undo the puts of a chunk whose other objects were refused.
 
-def _settle(emit: Emit, record: StoreObject, code: int) -> None:
-    """Report what became of one record, in its own job."""
-    if code == Code.OK:
-        emit.count("put")
-        emit.succeed()
-    elif code == Code.ALREADY_EXISTS:  # someone stored it first: the object is there
-        emit.count("existing")
-        emit.succeed()
-    else:
-        if code == Code.NO_SPACE:
-            emit.count("backpressure")
-        fail_record(emit, f"put {record.key}: {describe(code)}")
+        A chunk is reusable only whole (every stored group and shard), and with
+        group ids the store evicts it whole; an object stored beside a refused
+        sibling would only hold memory no reader can use. Its siblings sit in this
+        same call (``split_into_calls`` keeps a chunk together), so the call's
+        answers say whether the chunk is torn. Returns the keys removed.
+        """
+        refused = {
+            record.group_id
+            for record, code in zip(call, codes, strict=True)
+            if record.group_id and code not in (Code.OK, Code.ALREADY_EXISTS)
+        }
+        torn = [
+            r.key for r, code in zip(call, codes, strict=True) if code == Code.OK and r.group_id in refused
+        ]
+        if not torn:
+            return set()
+        try:
+            results = await call_per_key(self, self._remove_each, torn)
+        except StoreCallError:
+            return set()  # they stay stored: reported as put, the chunk partial
+        return {key for key, result in zip(torn, results, strict=True) if result == Code.OK}
+
+    def _remove_each(self, keys: Sequence[str]) -> list[int]:
+        return [self._store.remove(key) for key in keys]
+
+    def _settle(self, emit: Emit, record: StoreObject, code: int) -> None:
+        """Report what became of one record, in its own job."""
+        if code == Code.OK:
+            self._outcomes.stored(emit, record)
+        elif code == Code.ALREADY_EXISTS:  # someone stored it first: the object is there
+            self._outcomes.existing(emit, record)
+        else:
+            if code == Code.NO_SPACE:
+                emit.count("backpressure")
+            self._outcomes.failed(emit, record, f"put {record.key}: {describe(code)}")

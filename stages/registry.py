@@ -1,8 +1,14 @@
-"""The KV save stages by type name, for pipelines built from YAML.
+"""The KV save and load stages by type name, for pipelines built from YAML.
 
 Factories take their objects from the build's resources: ``kv`` (the engine's
-:class:`KVCache`) and ``store`` (an :class:`ObjectStore`). A resource of the wrong
+:class:`KVCache`), ``store`` (an :class:`ObjectStore`) and, optionally,
+``observer`` (an :class:`ObjectObserver` told the outcome of every object). A resource of the wrong
 kind is a build error naming it, not an AttributeError at the first request.
+
+The load path's stages take the same ``kv`` and ``store`` (for ``load``, a store
+with ``batch_get_into_multi_buffers``) and, optionally, ``lookup_observer`` (told
+every :class:`LookupResult`) and ``load_observer`` (told each load request's
+failed block ids).
 """
 
 from __future__ import annotations
@@ -15,6 +21,8 @@ from kvpipe.pipeline.registry import NoParams, Resources, StageRegistry
 from .collect import FullChunksStage, TailStage
 from .filter import FilterStage
 from .group_ids import GroupIdsParams, GroupIdsStage
+from .load import LoadParams, LoadStage, ReadableStore
+from .lookup import LookupResultsStage, LookupStage
 from .model import KVCache
 from .project import ProjectStage
 from .put import PutParams, PutStage
@@ -60,9 +68,25 @@ def _build_group_ids(params: GroupIdsParams, resources: Resources) -> GroupIdsSt
 
 @KV_STAGES.register("filter")
 def _build_filter(params: NoParams, resources: Resources) -> FilterStage:
-    return FilterStage(_store(resources))
+    return FilterStage(_store(resources), resources.get("observer"))
 
 
 @KV_STAGES.register("put", PutParams)
 def _build_put(params: PutParams, resources: Resources) -> PutStage:
-    return PutStage(params, _store(resources))
+    return PutStage(params, _store(resources), resources.get("observer"))
+
+
+@KV_STAGES.register("lookup")
+def _build_lookup(params: NoParams, resources: Resources) -> LookupStage:
+    return LookupStage(_kv(resources), _store(resources))
+
+
+@KV_STAGES.register("lookup_results")
+def _build_lookup_results(params: NoParams, resources: Resources) -> LookupResultsStage:
+    return LookupResultsStage(resources.get("lookup_observer"))
+
+
+@KV_STAGES.register("load", LoadParams)
+def _build_load(params: LoadParams, resources: Resources) -> LoadStage:
+    store = _resource(resources, "store", ReadableStore)
+    return LoadStage(params, _kv(resources), store, resources.get("load_observer"))

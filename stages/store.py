@@ -66,3 +66,7 @@ class ObjectStore(Protocol):
     ) -> list[int]:
         """Store each key's buffers concatenated. Per key: 0 or negative."""
         ...
+
+    def remove(self, key: str) -> int:
+        """Delete one object: 0, -704 if missing, -706 while a reader holds its lease."""
+        ...

@@ -3,21 +3,32 @@
 Every test that takes ``store``, ``kv`` or ``make_kv`` runs once per entry of
 :data:`BACKENDS`. A backend is a factory: given the contract parameters
 (:class:`StoreParams`) it yields a ready, EMPTY store and closes it afterwards.
-Only ``"memory"`` exists today; the real Mooncake backend (a spawned master)
-joins by adding an entry, and then the very same contract suite holds the
-model to the real store.
+``"memory"`` is the in-process model; ``"mooncake"`` is the real client on a
+spawned ``mooncake_master``, so the very same contract suite holds the model to
+the real store.
+
+A real store costs ~1 s to open and ~3 s to close, so the mooncake backend keeps
+one per distinct :class:`StoreParams` for the whole session (the lease TTL and
+eviction knobs are master flags, the capacity is the client's segment) and hands
+it out empty: between tests it force-removes every object, leased or not, and
+checks on the master's admin endpoint that none is left. A store a test closed,
+or one that will not come back empty, is replaced by a fresh one.
 """
 
 from __future__ import annotations
 
 import ctypes
+import time
+import urllib.request
 from collections.abc import Callable, Iterator, Mapping, Sequence
+from concurrent.futures import ThreadPoolExecutor
 from contextlib import AbstractContextManager, ExitStack, contextmanager
 from dataclasses import dataclass, field, replace
 
 import pytest
 
 from kvpipe.connector.memory import MemoryStore
+from kvpipe.connector.mooncake import MooncakeSettings, MooncakeStore
 from kvpipe.connector.store import Store
 
 
@@ -52,7 +63,75 @@ def memory_backend(params: StoreParams) -> Iterator[Store]:
         store.close()
 
 
-BACKENDS: dict[str, Backend] = {"memory": memory_backend}
+class MooncakeStores:
+    """The session's real stores, one per :class:`StoreParams`, each lent to one test at a time."""
+
+    def __init__(self) -> None:
+        self._idle: dict[StoreParams, MooncakeStore] = {}
+
+    @contextmanager
+    def lend(self, params: StoreParams) -> Iterator[MooncakeStore]:
+        store = self._idle.pop(params, None) or self._open(params)
+        try:
+            yield store
+        finally:
+            if params not in self._idle and self._emptied(store):
+                self._idle[params] = store
+            else:
+                store.close()  # closed by the test, not emptied, or a second one of a kind
+
+    def close_all(self) -> None:
+        """Close every idle store; in parallel, as each close takes seconds."""
+        stores, self._idle = list(self._idle.values()), {}
+        with ThreadPoolExecutor(max_workers=max(1, len(stores))) as pool:
+            list(pool.map(MooncakeStore.close, stores))
+
+    @staticmethod
+    def _open(params: StoreParams) -> MooncakeStore:
+        return MooncakeStore.open(
+            MooncakeSettings(
+                global_segment_size=params.capacity_bytes,
+                local_buffer_size=0,  # the contract uses registered buffers only
+                lease_ttl_ms=round(params.lease_ttl_s * 1000),
+                eviction_high_watermark=params.high_watermark,
+                eviction_ratio=params.eviction_ratio,
+            )
+        )
+
+    @staticmethod
+    def _emptied(store: MooncakeStore) -> bool:
+        """Force-remove every object and confirm on the master that none is left."""
+        if store.closed:
+            return False
+        endpoints = store.endpoints
+        assert endpoints is not None
+        url = f"http://{endpoints.host}:{endpoints.metrics_port}/get_all_keys"
+        for _ in range(20):
+            try:
+                if store.remove_all(force=True) >= 0:
+                    with urllib.request.urlopen(url, timeout=2) as answer:
+                        if not answer.read().strip():
+                            return True
+            except OSError:
+                return False  # the master is unwell: start afresh
+            time.sleep(0.05)
+        return False
+
+
+_MOONCAKE_STORES = MooncakeStores()
+
+
+def mooncake_backend(params: StoreParams) -> AbstractContextManager[Store]:
+    return _MOONCAKE_STORES.lend(params)
+
+
+@pytest.fixture(scope="session", autouse=True)
+def _close_mooncake_stores() -> Iterator[None]:
+    yield
+    _MOONCAKE_STORES.close_all()
+
+
+BACKENDS: dict[str, Backend] = {"memory": memory_backend, "mooncake": mooncake_backend}
 
 
 @dataclass
@@ -65,6 +144,12 @@ class Kv:
 
     store: Store
     _buffers: list[ctypes.Array[ctypes.c_char]] = field(default_factory=list)
+
+    def release(self) -> None:
+        """Unregister every buffer this Kv registered (a real store outlives the test)."""
+        for array in self._buffers:
+            self.store.unregister_buffer(ctypes.addressof(array))
+        self._buffers.clear()
 
     def buffer(self, data: bytes | int) -> int:
         """A registered buffer holding ``data`` (or that many zero bytes); its address."""
@@ -115,7 +200,9 @@ def make_kv(backend: Backend) -> Iterator[Callable[..., Kv]]:
     with ExitStack() as stack:
 
         def make(**params: float) -> Kv:
-            return Kv(stack.enter_context(backend(replace(StoreParams(), **params))))
+            kv = Kv(stack.enter_context(backend(replace(StoreParams(), **params))))
+            stack.callback(kv.release)
+            return kv
 
         yield make
 

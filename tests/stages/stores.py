@@ -83,6 +83,7 @@ class ScriptedStore:
         self._exist = exist
         self._put = put
         self.supports_group_ids = supports_group_ids
+        self.removed: list[str] = []
 
     def new_replicate_config(self) -> ScriptedConfig:
         return ScriptedConfig()
@@ -94,6 +95,10 @@ class ScriptedStore:
         self, keys: Sequence[str], ptrs: Sequence[Sequence[int]], sizes: Sequence[Sequence[int]], config: Any
     ) -> list[int]:
         return [self._put(key) for key in keys]
+
+    def remove(self, key: str) -> int:
+        self.removed.append(key)
+        return 0
 
 
 def by_first_sight(codes: Sequence[int]) -> Callable[[str], int]:

@@ -68,6 +68,25 @@ def _outcome(key, buffers, exist, put, budget):
     return {0: "put", -705: "existing"}.get(put(key), "failed")
 
 
+def _torn(put_calls, put) -> set[str]:
+    """Keys stored in a call where another object of their chunk (group id) was refused."""
+    torn: set[str] = set()
+    for call in put_calls:
+        if call.group_ids is None:
+            continue
+        refused = {
+            gid
+            for key, gid in zip(call.keys, call.group_ids, strict=True)
+            if gid and put(key) not in (0, -705)
+        }
+        torn |= {
+            key
+            for key, gid in zip(call.keys, call.group_ids, strict=True)
+            if put(key) == 0 and gid in refused
+        }
+    return torn
+
+
 def _chunk_hex(name: str) -> str:
     return name.rsplit("@", 1)[1]
 
@@ -110,9 +129,11 @@ def test_put_calls_stay_aligned_and_every_record_ends_once(
 
     put_keys = store.put_keys
     assert not {key for key in put_keys if exist(key) != 0}, "put a key the store had or could not vouch for"
+    torn = _torn(store.put_calls, put)
+    assert sorted(store.inner.removed) == sorted(torn), "removed exactly the stored objects of torn chunks"
     for request in requests:
         expected = Counter(
-            _outcome(r.key, len(r.buffers), exist, put, budget)
+            "failed" if r.key in torn else _outcome(r.key, len(r.buffers), exist, put, budget)
             for r in run.records
             if r.request_id == request.request_id
         )

@@ -111,14 +111,14 @@ async def test_a_record_with_more_buffers_than_the_budget_fails_and_is_never_sen
     assert batch[0].emit.counts == {"failed": 1, "put": 1}
 
 
-async def test_a_key_in_several_entries_is_sent_once_and_settles_each():
+async def test_a_key_in_several_entries_is_sent_once_and_is_existing_for_the_later_ones():
     store = _scripted({})
     batch = batch_of([(fake_record("shared"),), (fake_record("shared"), fake_record("own"))])
 
     await _stage(store).process_batch(batch)
 
     assert store.put_keys == ["shared", "own"]
-    assert [entry.emit.counts["put"] for entry in batch] == [1, 2]
+    assert [(e.emit.counts["put"], e.emit.counts["existing"]) for e in batch] == [(1, 0), (1, 1)]
 
 
 async def test_the_parallel_lists_are_built_from_the_records():
@@ -213,3 +213,41 @@ async def test_after_backpressure_the_next_call_waits_the_backoff():
 def test_bad_params_are_refused(params):
     with pytest.raises(ValidationError):
         PutParams(**params)
+
+
+def test_split_into_calls_keeps_the_objects_of_one_chunk_in_one_call():
+    a, b = b"\x01", b"\x02"
+    records = [
+        fake_record("a0", buffers=2, chunk_hash=a),
+        fake_record("b0", buffers=2, chunk_hash=b),
+        fake_record("a1", buffers=2, chunk_hash=a),
+        fake_record("b1", buffers=2, chunk_hash=b),
+    ]
+
+    calls = split_into_calls(records, max_buffers=6)
+
+    assert [[r.key for r in call] for call in calls] == [["a0", "a1"], ["b0", "b1"]]
+
+
+async def test_under_group_semantics_a_chunk_partly_refused_is_removed_whole():
+    inner = ScriptedStore(put=lambda key: -800 if key == "shard1" else 0)
+    gid = "vllm-mooncake-store:m@aa"
+    chunk = (fake_record("shard0", group_id=gid), fake_record("shard1", group_id=gid))
+    other = (fake_record("other", chunk_hash=b"\xbb", group_id="vllm-mooncake-store:m@bb"),)
+    batch = batch_of([chunk, other])
+
+    await _stage(RecordingStore(inner)).process_batch(batch)
+
+    assert inner.removed == ["shard0"]
+    assert batch[0].emit.counts == {"failed": 2}
+    assert batch[1].emit.counts == {"put": 1}
+
+
+async def test_without_group_ids_a_partly_refused_chunk_keeps_what_was_stored():
+    inner = ScriptedStore(put=lambda key: -800 if key == "shard1" else 0)
+    batch = batch_of([(fake_record("shard0"), fake_record("shard1"))])
+
+    await _stage(RecordingStore(inner)).process_batch(batch)
+
+    assert inner.removed == []
+    assert batch[0].emit.counts == {"put": 1, "failed": 1}

@@ -1,4 +1,4 @@
-"""The six save stages are registered by name and built from the build's resources."""
+"""The save and load stages are registered by name and built from the build's resources."""
 
 import pytest
 from pydantic import ValidationError
@@ -11,6 +11,9 @@ from kvpipe.stages import (
     FilterStage,
     FullChunksStage,
     GroupIdsStage,
+    LoadStage,
+    LookupResultsStage,
+    LookupStage,
     ProjectStage,
     PutStage,
     TailStage,
@@ -25,6 +28,9 @@ BUILT = {
     "group_ids": GroupIdsStage,
     "filter": FilterStage,
     "put": PutStage,
+    "lookup": LookupStage,
+    "lookup_results": LookupResultsStage,
+    "load": LoadStage,
 }
 
 
@@ -33,7 +39,7 @@ def _build(name, params=None, **resources):
     return stage_type.build(stage_type.params.model_validate(params or {}), Resources(resources))
 
 
-def test_the_six_stage_types_are_registered():
+def test_the_save_and_load_stage_types_are_registered():
     assert KV_STAGES.names() == sorted(BUILT)
 
 

@@ -7,7 +7,7 @@ import yaml
 
 from kvpipe.connector.memory import MemoryStore
 from kvpipe.pipeline import BuildError, Outcome, Pipeline, graph_from_yaml
-from kvpipe.stages import DEFAULT_SAVE_PIPELINE, KV_STAGES, default_save_graph
+from kvpipe.stages import DEFAULT_SAVE_PIPELINE, KV_STAGES, ObjectStatus, default_save_graph
 
 from .kv_fixtures import FULL, MAMBA_ALIGN, RING, make_kv, make_request
 
@@ -59,3 +59,23 @@ async def test_the_default_save_graph_saves_every_object_once_and_finds_them_exi
         async with Pipeline(default_save_graph(kv, store, enable_group_semantics=True)) as pipeline:
             job = await pipeline.submit(make_request(kv, 40, request_id="req"))
         assert (job.outcome, job.counts[expected], job.counts["considered"]) == (Outcome.OK, 8, 8)
+
+
+async def test_an_observer_sees_every_object_once_with_its_final_status():
+    kv = make_kv([FULL], shards=2).kv
+    store = MemoryStore()
+    seen: list[tuple[str, ObjectStatus]] = []
+    observe = lambda record, status: seen.append((record.key, status))  # noqa: E731
+
+    async with Pipeline(default_save_graph(kv, store, observer=observe)) as pipeline:
+        await pipeline.submit(make_request(kv, 32, request_id="first"))
+    first = dict(seen)
+    seen.clear()
+    async with Pipeline(default_save_graph(kv, store, observer=observe)) as pipeline:
+        await pipeline.submit(make_request(kv, 48, request_id="first"))  # same prefix, one chunk more
+
+    assert len(first) == 4 and set(first.values()) == {ObjectStatus.PUT}
+    assert len(seen) == 6
+    assert {key: status for key, status in seen if key in first} == {
+        key: ObjectStatus.EXISTING for key in first
+    }

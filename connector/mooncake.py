@@ -1,0 +1,637 @@
+"""The real store: Mooncake's ``MooncakeDistributedStore``, behind kvpipe's :class:`~.store.Store`.
+
+The client's own API already is the Store protocol, so :class:`MooncakeStore`
+adds only what the raw client lacks and production needs:
+
+- **A closed state.** Any call on a closed native client crashes the process
+  (segfault), so the wrapper answers -900 itself after :meth:`MooncakeStore.close`,
+  and close waits for calls in flight on other threads before closing.
+- **Fast, one-line connection errors.** With no master listening, ``setup()``
+  retries for ~90 s. :meth:`MooncakeStore.open` first checks that the master
+  (and an HTTP metadata server) accept connections, within ``connect_timeout_s``.
+- **A master for the asking.** ``master: spawn`` starts a ``mooncake_master`` on
+  free loopback ports (:class:`~.master.LocalMaster`) and the store stops it on close.
+- **vLLM's config file.** :meth:`MooncakeSettings.from_vllm_file` reads the JSON
+  that vLLM's ``MooncakeStoreConnector`` users already have (``MOONCAKE_CONFIG_PATH``),
+  with sizes parsed exactly as vLLM parses them.
+
+``mooncake`` is imported only when a store opens: ``kvpipe.connector`` works
+without the ``mooncake`` extra, and a missing wheel or system library becomes
+one error that says what to install.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import re
+import threading
+import weakref
+from collections.abc import Callable, Mapping, Sequence
+from pathlib import Path
+from typing import Annotated, Any, Literal, Self
+from urllib.parse import urlsplit
+
+from pydantic import (
+    BaseModel,
+    BeforeValidator,
+    ConfigDict,
+    Field,
+    ValidationError,
+    ValidationInfo,
+    field_validator,
+)
+from pydantic_core import PydanticCustomError
+
+from kvpipe.stages.store import Code, describe
+
+from .master import LocalMaster, MasterEndpoints, MasterError, wait_until_listening
+from .store import replicate_config_supports_group_ids
+
+__all__ = [
+    "MIN_SEGMENT_BYTES",
+    "MasterError",
+    "MooncakeConfigError",
+    "MooncakeError",
+    "MooncakeSettings",
+    "MooncakeStore",
+    "open_mooncake_store",
+    "parse_size",
+]
+
+log = logging.getLogger(__name__)
+
+MiB = 1 << 20
+MIN_SEGMENT_BYTES = 16 * MiB  # the client's floor: setup() returns -600 below it
+CONFIG_PATH_ENV = "MOONCAKE_CONFIG_PATH"
+LOCAL_HOSTNAME_ENV = "MOONCAKE_REQUESTER_LOCAL_HOSTNAME"
+P2P_HANDSHAKE = "P2PHANDSHAKE"
+INSTALL_HINT = "pip install 'kvpipe[mooncake]' (mooncake-transfer-engine-non-cuda==0.3.13.post1)"
+
+
+class MooncakeError(RuntimeError):
+    """The Mooncake client cannot be loaded or set up."""
+
+
+class MooncakeConfigError(ValueError):
+    """A vLLM Mooncake JSON file cannot be used; the message names the file and field."""
+
+
+# -- sizes ---------------------------------------------------------------------------------
+
+_SIZE = re.compile(r"^([\d.]+)\s*(gib|mib|kib|gb|mb|kb|b)?$")
+_UNITS = {"gb": 1 << 30, "mb": 1 << 20, "kb": 1 << 10, "b": 1, "gib": 1 << 30, "mib": 1 << 20, "kib": 1 << 10}
+
+
+def parse_size(value: object) -> int:
+    """Bytes from an int or a string such as ``"256MB"``, as vLLM's ``_parse_size`` reads it.
+
+    Units are binary whatever their spelling (``"1MB"`` is 2**20, as in vLLM),
+    case-insensitive, with optional spaces; ``KiB``/``MiB``/``GiB`` are accepted
+    too. A fractional result is truncated to whole bytes, again as in vLLM.
+    """
+    if isinstance(value, bool):
+        raise PydanticCustomError("size", "must be a size in bytes or a string such as '256MB', not a bool")
+    if isinstance(value, int):
+        return value
+    if isinstance(value, float):
+        return int(value)
+    if not isinstance(value, str):
+        raise PydanticCustomError("size", "must be a size in bytes or a string such as '256MB'")
+    match = _SIZE.match(value.strip().lower())
+    if match is None:
+        raise PydanticCustomError(
+            "size", "must be a size such as 268435456, '256MB' or '1GB' (units B, KB, MB, GB)"
+        )
+    try:
+        number = float(match.group(1))
+    except ValueError:
+        raise PydanticCustomError("size", "has no valid number before its unit") from None
+    return int(number * _UNITS[match.group(2) or "b"])
+
+
+def _segment_size(value: object) -> int:
+    """A before-validator: :func:`parse_size`, then the client's floor, quoting what was written."""
+    size = parse_size(value)
+    if 0 < size < MIN_SEGMENT_BYTES or size < 0:
+        raise PydanticCustomError(
+            "segment_size",
+            "must be 0 (mount no segment) or at least 16 MiB: the Mooncake client refuses a smaller "
+            "segment (setup() returns -600), got {value} ({size} bytes)",
+            {"value": repr(value), "size": size},
+        )
+    return size
+
+
+def _buffer_size(value: object) -> int:
+    size = parse_size(value)
+    if size < 0:
+        raise PydanticCustomError("buffer_size", "must be >= 0 bytes, got {value}", {"value": repr(value)})
+    return size
+
+
+SegmentSize = Annotated[int, BeforeValidator(_segment_size)]
+BufferSize = Annotated[int, BeforeValidator(_buffer_size)]
+
+
+def _mib(n: int) -> str:
+    return f"{n / MiB:g} MiB"
+
+
+def split_host_port(address: str) -> tuple[str, int]:
+    """``"host:port"`` -> ``("host", port)``; ValueError naming the problem otherwise."""
+    host, sep, port_text = address.strip().rpartition(":")
+    if not sep or not host or any(c.isspace() for c in host) or "/" in host:
+        raise ValueError("must be 'host:port' (e.g. '127.0.0.1:50051') or 'spawn'")
+    if not port_text.isdigit() or not 0 < int(port_text) < 65536:
+        raise ValueError("must be 'host:port' with a port in 1..65535")
+    return host.strip("[]"), int(port_text)
+
+
+def _http_endpoint(metadata_server: str) -> tuple[str, int] | None:
+    """The host and port of an HTTP metadata server, or None for other kinds."""
+    parts = urlsplit(metadata_server)
+    if parts.scheme not in ("http", "https"):
+        return None
+    return parts.hostname or "", parts.port or (443 if parts.scheme == "https" else 80)
+
+
+# -- settings ------------------------------------------------------------------------------
+
+
+class MooncakeSettings(BaseModel):
+    """Where the store is and how the client joins it.
+
+    ``master`` is ``"spawn"`` (a local master on free loopback ports, stopped
+    with the store; its knobs are ``lease_ttl_ms``, ``eviction_high_watermark``,
+    ``eviction_ratio`` and ``client_ttl_s``) or the ``host:port`` of a running
+    master, which then needs ``metadata_server`` too. Sizes are bytes or
+    strings such as ``"256MB"`` (binary units, as vLLM reads them).
+
+    Objects live in the segments clients mount (``global_segment_size``), and
+    a closing client takes its segment's objects with it. A segment of 0
+    mounts none: this client then stores into the segments of longer-lived
+    clients (e.g. a ``mooncake_client`` store service), so its objects outlive
+    it, which is vLLM's ``standalone-store`` mode.
+    """
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    master: Literal["spawn"] | str = "spawn"
+    metadata_server: str | None = Field(default=None, validate_default=True)
+    protocol: str = "tcp"
+    device_name: str = ""
+    global_segment_size: SegmentSize = 256 * MiB
+    local_buffer_size: BufferSize = 64 * MiB
+    local_hostname: str = "127.0.0.1"
+    tenant_id: str = "default"
+    connect_timeout_s: float = Field(5.0, gt=0)
+    lease_ttl_ms: int | None = Field(None, ge=0)
+    eviction_high_watermark: float | None = Field(None, gt=0, le=1)
+    eviction_ratio: float | None = Field(None, ge=0, le=1)
+    client_ttl_s: int | None = Field(None, gt=0)
+
+    @field_validator("master")
+    @classmethod
+    def _master_address(cls, value: str) -> str:
+        if value == "spawn":
+            return value
+        try:
+            split_host_port(value)
+        except ValueError as exc:
+            raise PydanticCustomError("master_address", str(exc)) from None
+        return value.strip()
+
+    @field_validator("metadata_server")
+    @classmethod
+    def _metadata_server(cls, value: str | None, info: ValidationInfo) -> str | None:
+        master = info.data.get("master")
+        if value is None:
+            if master is not None and master != "spawn":
+                raise PydanticCustomError(
+                    "missing_metadata_server",
+                    "is required with an existing master: 'http://host:port/metadata' or 'P2PHANDSHAKE'",
+                )
+            return None
+        value = value.strip()
+        if value == P2P_HANDSHAKE:
+            return value
+        parts = urlsplit(value)
+        if parts.scheme not in ("http", "https", "etcd", "redis") or not parts.hostname:
+            raise PydanticCustomError(
+                "metadata_server", "must be 'P2PHANDSHAKE' or a URL such as 'http://host:port/metadata'"
+            )
+        try:
+            parts.port  # noqa: B018 - raises on a bad port
+        except ValueError:
+            raise PydanticCustomError("metadata_server", "has an invalid port") from None
+        return value
+
+    @field_validator("protocol", "local_hostname", "tenant_id")
+    @classmethod
+    def _word(cls, value: str) -> str:
+        if not value.strip() or any(c.isspace() for c in value.strip()):
+            raise PydanticCustomError("word", "must be a non-empty word without spaces")
+        return value.strip()
+
+    @field_validator("global_segment_size")
+    @classmethod
+    def _segment_somewhere(cls, value: int, info: ValidationInfo) -> int:
+        if value == 0 and info.data.get("master") == "spawn":
+            raise PydanticCustomError(
+                "no_segment",
+                "is 0 (mount no segment), but a spawned master has no other client to hold objects: "
+                "give it at least 16 MiB, or use an existing master",
+            )
+        return value
+
+    @field_validator("lease_ttl_ms", "eviction_high_watermark", "eviction_ratio", "client_ttl_s")
+    @classmethod
+    def _spawn_only(cls, value: object, info: ValidationInfo) -> object:
+        master = info.data.get("master")
+        if value is not None and master is not None and master != "spawn":
+            raise PydanticCustomError(
+                "spawn_only",
+                "configures a spawned master only (master: spawn); set it on the master at {master}",
+                {"master": master},
+            )
+        return value
+
+    @classmethod
+    def from_vllm_file(
+        cls, path: str | os.PathLike[str], *, env: Mapping[str, str] | None = None, **overrides: Any
+    ) -> Self:
+        """Settings from vLLM's Mooncake JSON file, the one ``MOONCAKE_CONFIG_PATH`` names.
+
+        Fields and defaults are vLLM's (``protocol`` "rdma", sizes 4 GiB when
+        missing), so one file means the same store to both. ``metadata_server``
+        and ``master_server_address`` are required: vLLM would pass them empty
+        to ``setup()`` and fail there. ``mode`` is "embedded" (this client
+        mounts a segment) or "standalone-store" (``global_segment_size`` 0:
+        objects live in a store service's segments), checked as vLLM checks
+        it. ``enable_offload`` is accepted and changes nothing here: vLLM
+        passes it to no Mooncake call either (it sizes vLLM's own staging
+        buffers). Unknown fields are errors. The local host name comes from
+        ``MOONCAKE_REQUESTER_LOCAL_HOSTNAME`` when set (vLLM falls back to the
+        machine's IP, kvpipe to 127.0.0.1: set it for a multi-node store).
+        ``overrides`` are settings fields (e.g. ``connect_timeout_s``).
+        Raises :class:`MooncakeConfigError` naming the file and the field.
+        """
+        env = os.environ if env is None else env
+        where = str(path)
+        try:
+            document = json.loads(Path(path).read_text())
+        except OSError as exc:
+            raise MooncakeConfigError(
+                f"{where}: cannot read the Mooncake config: {exc.strerror or exc}"
+            ) from None
+        except json.JSONDecodeError as exc:
+            raise MooncakeConfigError(f"{where}: not valid JSON: {exc}") from None
+        if not isinstance(document, dict):
+            raise MooncakeConfigError(f"{where}: must hold a JSON object, got {type(document).__name__}")
+        problems = [f"{where}: {name}: is required" for name in _VLLM_REQUIRED if name not in document]
+        for name, value in document.items():
+            if name not in (*_VLLM_FIELDS, *_VLLM_ONLY):
+                known = ", ".join([*_VLLM_FIELDS, *_VLLM_ONLY])
+                problems.append(f"{where}: {name}: is not a known field (known: {known}), got {value!r}")
+            elif name in _VLLM_ONLY and value not in _VLLM_ONLY[name]:
+                allowed = " or ".join(repr(v) for v in _VLLM_ONLY[name])
+                problems.append(f"{where}: {name}: must be {allowed}, got {value!r}")
+        if problems:
+            raise MooncakeConfigError("\n".join(problems))
+        fields = {_VLLM_FIELDS[name]: value for name, value in document.items() if name in _VLLM_FIELDS}
+        for name, default in _VLLM_DEFAULTS.items():
+            fields.setdefault(_VLLM_FIELDS[name], default)
+        if hostname := env.get(LOCAL_HOSTNAME_ENV):
+            fields["local_hostname"] = hostname
+        fields.update(overrides)
+        try:
+            settings = cls.model_validate(fields)
+        except ValidationError as exc:
+            names = {field: name for name, field in _VLLM_FIELDS.items()}
+            names["local_hostname"] = f"local_hostname (${LOCAL_HOSTNAME_ENV})"
+            lines = []
+            for problem in exc.errors():
+                field = str(problem["loc"][0]) if problem["loc"] else ""
+                line = f"{where}: {names.get(field, field)}: {problem['msg']}"
+                lines.append(line if ", got " in line else f"{line}, got {problem['input']!r}")
+            raise MooncakeConfigError("\n".join(lines)) from None
+        mode = document.get("mode", "embedded")
+        if (mode == "standalone-store") != (settings.global_segment_size == 0):
+            raise MooncakeConfigError(
+                f"{where}: mode: {mode!r} needs global_segment_size "
+                f"{'0' if mode == 'standalone-store' else '> 0'} (as in vLLM), "
+                f"got {document.get('global_segment_size', _VLLM_DEFAULTS['global_segment_size'])!r}"
+            )
+        return settings
+
+    @classmethod
+    def from_vllm_env(cls, env: Mapping[str, str] | None = None, **overrides: Any) -> Self:
+        """:meth:`from_vllm_file` on the file ``MOONCAKE_CONFIG_PATH`` names."""
+        env = os.environ if env is None else env
+        path = env.get(CONFIG_PATH_ENV)
+        if not path:
+            raise MooncakeConfigError(f"${CONFIG_PATH_ENV} is not set: it names vLLM's Mooncake JSON config")
+        return cls.from_vllm_file(path, env=env, **overrides)
+
+
+# vLLM JSON field -> settings field, the ones vLLM reads that kvpipe can honour as they are.
+_VLLM_FIELDS = {
+    "metadata_server": "metadata_server",
+    "master_server_address": "master",
+    "protocol": "protocol",
+    "device_name": "device_name",
+    "global_segment_size": "global_segment_size",
+    "local_buffer_size": "local_buffer_size",
+    "tenant_id": "tenant_id",
+}
+_VLLM_REQUIRED = ("metadata_server", "master_server_address")
+_VLLM_DEFAULTS: dict[str, Any] = {
+    "protocol": "rdma",
+    "device_name": "",
+    "global_segment_size": 4 << 30,
+    "local_buffer_size": 4 << 30,
+}
+# Fields vLLM reads that set no client parameter: the values kvpipe accepts.
+_VLLM_ONLY: dict[str, tuple[object, ...]] = {
+    "mode": ("embedded", "standalone-store"),
+    "enable_offload": (False, True),
+}
+
+
+# -- the store -----------------------------------------------------------------------------
+
+
+def _import_mooncake() -> tuple[type, type]:
+    """``(MooncakeDistributedStore, ReplicateConfig)``, or one error saying what to install."""
+    try:
+        from mooncake.store import MooncakeDistributedStore, ReplicateConfig
+    except ImportError as exc:
+        if "libibverbs" in str(exc):
+            hint = "install the system library: apt-get install -y libibverbs1 (needed even for TCP)"
+        else:
+            hint = INSTALL_HINT
+        raise MooncakeError(f"the Mooncake client cannot be loaded ({exc}); {hint}") from exc
+    return MooncakeDistributedStore, ReplicateConfig
+
+
+_SETUP_HINTS = {
+    Code.INVALID_PARAMS: "invalid parameters (a global segment under 16 MiB, or an unknown protocol or device)",
+}
+
+
+class MooncakeStore:
+    """A set-up Mooncake client as a :class:`~.store.Store`; open with :meth:`open`.
+
+    Thread-safe the way the native client is (calls may overlap), plus a closed
+    state: after :meth:`close` every call returns -900 and the native client is
+    never touched again. Close it (or use ``with``) to unmount its segment and
+    stop a master it spawned; an unclosed store is closed at interpreter exit.
+    """
+
+    def __init__(
+        self,
+        client: Any,
+        config_cls: type,
+        *,
+        settings: MooncakeSettings,
+        master_address: str,
+        metadata_server: str,
+        master: LocalMaster | None = None,
+        drain_timeout_s: float = 60.0,
+    ) -> None:
+        self._client = client
+        self._config_cls = config_cls
+        self._supports_group_ids = replicate_config_supports_group_ids(config_cls, config_cls())
+        self.settings = settings
+        self.master_address = master_address
+        self.metadata_server = metadata_server
+        self._master = master
+        self._drain_timeout_s = drain_timeout_s
+        self._state = threading.Condition()
+        self._in_flight = 0
+        self._closed = False
+        self._release = weakref.finalize(self, _release, client, master)
+
+    @classmethod
+    def open(cls, settings: MooncakeSettings | None = None) -> MooncakeStore:
+        """Connect (spawning a master if asked), set the client up, and return the store.
+
+        Raises :class:`MasterError` when the master or metadata server cannot be
+        started or reached within ``connect_timeout_s``, and :class:`MooncakeError`
+        when the client cannot be loaded or ``setup()`` fails (naming its code).
+        """
+        settings = settings or MooncakeSettings()
+        client_cls, config_cls = _import_mooncake()
+        master: LocalMaster | None = None
+        if settings.master == "spawn":
+            master = LocalMaster(
+                lease_ttl_ms=settings.lease_ttl_ms,
+                eviction_high_watermark=settings.eviction_high_watermark,
+                eviction_ratio=settings.eviction_ratio,
+                client_ttl_s=settings.client_ttl_s,
+            ).start()
+            assert master.endpoints is not None
+            master_address = master.endpoints.master_address
+            metadata_server = settings.metadata_server or master.endpoints.metadata_server
+        else:
+            master_address = settings.master
+            assert settings.metadata_server is not None  # validated
+            metadata_server = settings.metadata_server
+        try:
+            _check_reachable(master_address, metadata_server, settings.connect_timeout_s)
+            client = client_cls()
+            extra = {} if settings.tenant_id == "default" else {"tenant_id": settings.tenant_id}
+            code = client.setup(
+                settings.local_hostname,
+                metadata_server,
+                settings.global_segment_size,
+                settings.local_buffer_size,
+                settings.protocol,
+                settings.device_name,
+                master_address,
+                **extra,
+            )
+            if code != 0:
+                hint = _SETUP_HINTS.get(code, "see the client's log above")
+                raise MooncakeError(
+                    f"Mooncake setup() failed with {describe(code)} for master {master_address}, "
+                    f"metadata {metadata_server}, protocol {settings.protocol!r}, "
+                    f"segment {_mib(settings.global_segment_size)}: {hint}"
+                )
+        except BaseException:
+            if master is not None:
+                master.stop()
+            raise
+        return cls(
+            client,
+            config_cls,
+            settings=settings,
+            master_address=master_address,
+            metadata_server=metadata_server,
+            master=master,
+        )
+
+    def __enter__(self) -> Self:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    def __repr__(self) -> str:
+        spawned = " (spawned)" if self._master is not None else ""
+        state = "closed" if self._closed else "open"
+        return (
+            f"MooncakeStore(master={self.master_address}{spawned}, metadata={self.metadata_server}, "
+            f"segment={_mib(self.settings.global_segment_size)}, {state})"
+        )
+
+    # -- for reports ------------------------------------------------------------------------
+
+    @property
+    def endpoints(self) -> MasterEndpoints | None:
+        """The spawned master's ports; None when the master is someone else's."""
+        return None if self._master is None else self._master.endpoints
+
+    @property
+    def spawned_master(self) -> LocalMaster | None:
+        return self._master
+
+    @property
+    def closed(self) -> bool:
+        return self._closed
+
+    # -- the Store protocol -----------------------------------------------------------------
+
+    @property
+    def supports_group_ids(self) -> bool:
+        return self._supports_group_ids
+
+    def new_replicate_config(self) -> Any:
+        return self._config_cls()
+
+    def batch_is_exist(self, keys: Sequence[str]) -> list[int]:
+        return self._batch(len(keys), lambda c: c.batch_is_exist(list(keys)))
+
+    def batch_put_from_multi_buffers(
+        self,
+        keys: Sequence[str],
+        ptrs: Sequence[Sequence[int]],
+        sizes: Sequence[Sequence[int]],
+        config: Any,
+    ) -> list[int]:
+        return self._batch(
+            len(keys), lambda c: c.batch_put_from_multi_buffers(list(keys), ptrs, sizes, config)
+        )
+
+    def batch_get_into_multi_buffers(
+        self,
+        keys: Sequence[str],
+        ptrs: Sequence[Sequence[int]],
+        sizes: Sequence[Sequence[int]],
+    ) -> list[int]:
+        return self._batch(len(keys), lambda c: c.batch_get_into_multi_buffers(list(keys), ptrs, sizes))
+
+    def batch_put_from(
+        self, keys: Sequence[str], ptrs: Sequence[int], sizes: Sequence[int], config: Any
+    ) -> list[int]:
+        return self._batch(len(keys), lambda c: c.batch_put_from(list(keys), ptrs, sizes, config))
+
+    def batch_get_into(self, keys: Sequence[str], ptrs: Sequence[int], sizes: Sequence[int]) -> list[int]:
+        return self._batch(len(keys), lambda c: c.batch_get_into(list(keys), ptrs, sizes))
+
+    def get_size(self, key: str) -> int:
+        return self._one(lambda c: c.get_size(key))
+
+    def remove(self, key: str, *, force: bool = False) -> int:
+        """As the protocol says; ``force`` also removes a leased object (cleanup only)."""
+        return self._one(lambda c: c.remove(key, force))
+
+    def remove_all(self, *, force: bool = False) -> int:
+        """As the protocol says; ``force`` also removes leased objects (cleanup only)."""
+        return self._one(lambda c: c.remove_all(force))
+
+    def register_buffer(self, addr: int, nbytes: int) -> int:
+        return self._one(lambda c: c.register_buffer(addr, nbytes))
+
+    def unregister_buffer(self, addr: int) -> int:
+        return self._one(lambda c: c.unregister_buffer(addr))
+
+    def close(self) -> None:
+        """Unmount and release the client, then stop a spawned master. Idempotent.
+
+        Calls in flight on other threads finish first (closing under them would
+        crash the process). If they outlast ``drain_timeout_s`` the native
+        client is left open, which leaks it but keeps the process alive.
+        """
+        with self._state:
+            if self._closed:
+                return
+            self._closed = True
+            drained = self._state.wait_for(lambda: self._in_flight == 0, timeout=self._drain_timeout_s)
+        if drained:
+            self._release()
+            self._client = None  # the native object goes now, not at interpreter exit
+            return
+        log.warning(
+            "mooncake: %d calls still in flight after %g s; leaving the client open",
+            self._in_flight,
+            self._drain_timeout_s,
+        )
+        self._release.detach()
+        if self._master is not None:
+            self._master.stop()
+
+    # -- internals --------------------------------------------------------------------------
+
+    def _batch(self, n_keys: int, call: Callable[[Any], list[int]]) -> list[int]:
+        if not self._enter():
+            return [Code.RPC_FAILED] * n_keys
+        try:
+            return call(self._client)
+        finally:
+            self._leave()
+
+    def _one(self, call: Callable[[Any], int]) -> int:
+        if not self._enter():
+            return Code.RPC_FAILED
+        try:
+            return call(self._client)
+        finally:
+            self._leave()
+
+    def _enter(self) -> bool:
+        with self._state:
+            if self._closed:
+                return False
+            self._in_flight += 1
+            return True
+
+    def _leave(self) -> None:
+        with self._state:
+            self._in_flight -= 1
+            if self._in_flight == 0:
+                self._state.notify_all()
+
+
+def open_mooncake_store(settings: MooncakeSettings | None = None) -> MooncakeStore:
+    """:meth:`MooncakeStore.open`, as a function."""
+    return MooncakeStore.open(settings)
+
+
+def _check_reachable(master_address: str, metadata_server: str, timeout_s: float) -> None:
+    """MasterError within ``timeout_s`` unless the master (and an HTTP metadata server) listen."""
+    host, port = split_host_port(master_address)
+    wait_until_listening(host, port, timeout_s=timeout_s, what="mooncake master")
+    if (http := _http_endpoint(metadata_server)) is not None:
+        wait_until_listening(*http, timeout_s=timeout_s, what="mooncake metadata server")
+
+
+def _release(client: Any, master: LocalMaster | None) -> None:
+    """Close the client, then stop the master it was mounted on (the unmount needs it)."""
+    try:
+        client.close()
+    finally:
+        if master is not None:
+            master.stop()

@@ -1,0 +1,165 @@
+"""``kvpipe run``: save a synthetic workload through the pipeline, read it back, report.
+
+The steps: build the synthetic KV cache and workload from the config, open the
+store and register the cache's memory with it, run the engine stand-in with the
+save pipeline on the sync bridge (as a connector would), drain, then check the
+store (chunks whole? bytes intact?) and assemble the report whose field names
+are a contract (see README).
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+from kvpipe.connector.store import Store
+from kvpipe.connector.stores import open_store
+from kvpipe.pipeline import Graph, SyncPipeline, build_graph
+from kvpipe.stages import (
+    KV_STAGES,
+    GroupSpec,
+    ObjectStatus,
+    StoreObject,
+    default_save_graph,
+    storable_groups,
+)
+
+from . import workload
+from .check import count_chunks, final_statuses, verify
+from .config import RunConfig
+from .engine import Engine, EngineTotals, Pacing
+from .synthetic import SyntheticCache, SyntheticGroup
+
+
+@dataclass
+class RunResult:
+    report: dict[str, Any]
+    objects: dict[str, tuple[StoreObject, ObjectStatus]]  # final status per key
+
+
+def build_cache(config: RunConfig) -> SyntheticCache:
+    model = config.model
+    groups = [
+        SyntheticGroup(
+            GroupSpec(g.kind, model.block_size, g.is_prefix_cacheable, g.mamba_mode),
+            g.layers or model.layers,
+        )
+        for g in config.model.groups
+    ]
+    return SyntheticCache(
+        model=model.name,
+        cache_prefix=config.save.cache_prefix,
+        groups=groups,
+        tp_size=config.parallel.tp_size,
+        kv_heads=model.kv_heads,
+        head_size=model.head_size,
+        dtype=model.dtype,
+        num_blocks=model.num_blocks,
+        hash_block_size=model.effective_hash_block_size,
+    )
+
+
+def run(
+    config: RunConfig,
+    *,
+    store: Store | None = None,
+    on_progress: Callable[[EngineTotals, int], None] | None = None,
+) -> RunResult:
+    """Run the job; on ``store`` if given (kept open), else on the configured one."""
+    if store is not None:
+        return _run_on(config, store, on_progress)
+    with open_store(config.store) as opened:
+        return _run_on(config, opened, on_progress)
+
+
+def _run_on(
+    config: RunConfig, store: Store, on_progress: Callable[[EngineTotals, int], None] | None
+) -> RunResult:
+    cache = build_cache(config)
+    groups = storable_groups(cache.kv)  # refuses an unsupported cache before any work
+    w = config.workload
+    requests = workload.generate(
+        seed=w.seed,
+        requests=w.requests,
+        system_prompts=w.system_prompts,
+        system_prompt_tokens=w.system_prompt_tokens,
+        user_tokens=w.user_tokens,
+        output_tokens=w.output_tokens,
+        max_turns=w.max_turns,
+        vocab_size=w.vocab_size,
+    )
+    for address, nbytes in cache.memory_regions():
+        store.register_buffer(address, nbytes)
+
+    observed: list[tuple[StoreObject, ObjectStatus]] = []
+    graph = _save_graph(config, cache, store, lambda record, status: observed.append((record, status)))
+    pipeline = SyncPipeline(
+        graph, queue_capacity=config.save.queue_capacity, when_full=config.save.when_full, name="save"
+    )
+    progress = None if on_progress is None else (lambda totals: on_progress(totals, len(requests)))
+    engine = Engine(
+        cache,
+        groups,
+        pipeline,
+        Pacing(w.concurrency, w.prefill_tokens_per_step, w.decode_tokens_per_step),
+        config.model.block_size,
+        config.model.num_blocks,
+        progress,
+    )
+    started = time.perf_counter()
+    with pipeline:
+        totals = engine.run(requests)
+    elapsed = time.perf_counter() - started
+
+    objects = final_statuses(observed)
+    stored = [record for record, status in objects.values() if status is not ObjectStatus.FAILED]
+    chunks = count_chunks(store, (record for record, _ in objects.values()))
+    verification = verify(store, cache, stored)
+    bytes_put = sum(record.size for record, status in observed if status is ObjectStatus.PUT)
+    report = {
+        "store": {
+            "kind": config.store.kind,
+            "group_ids_supported": store.supports_group_ids,
+            "group_semantics": bool(config.save.enable_group_semantics and store.supports_group_ids),
+        },
+        "requests": len(requests),
+        "objects": {
+            "considered": totals.counts["considered"],
+            "existing": totals.counts["existing"],
+            "put": totals.counts["put"],
+            "failed": totals.counts["failed"],
+            "distinct_keys": len(objects),
+        },
+        "bytes_put": bytes_put,
+        "elapsed_s": round(elapsed, 3),
+        "put_gbps": round(bytes_put / elapsed / 1e9, 3) if elapsed > 0 else 0.0,
+        "chunks": vars(chunks),
+        "verify": vars(verification),
+        "jobs": {"submitted": totals.save_requests, **dict(totals.outcomes)},
+        "backpressure": totals.counts["backpressure"],
+        "kv_cache_bytes": cache.nbytes,
+        "stages": {name: _stage_report(snapshot.as_dict()) for name, snapshot in pipeline.metrics().items()},
+    }
+    return RunResult(report, objects)
+
+
+def _save_graph(config: RunConfig, cache: SyntheticCache, store: Store, observer: Any) -> Graph:
+    if config.pipeline is None:
+        return default_save_graph(
+            cache.kv,
+            store,
+            enable_group_semantics=config.save.enable_group_semantics,
+            max_buffers_per_call=config.save.max_buffers_per_call,
+            observer=observer,
+        )
+    return build_graph(config.pipeline, KV_STAGES, {"kv": cache.kv, "store": store, "observer": observer})
+
+
+def _stage_report(snapshot: dict[str, float | int]) -> dict[str, float | int]:
+    return {
+        key: round(value, 3) if isinstance(value, float) else value
+        for key, value in snapshot.items()
+        if key != "queue_depth"
+    }

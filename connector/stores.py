@@ -1,0 +1,70 @@
+"""Choosing and opening a store from configuration: ``store: {kind: memory | mooncake, ...}``."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from contextlib import contextmanager
+from typing import Annotated, Any, Literal
+
+from pydantic import BaseModel, BeforeValidator, ConfigDict, Field, model_validator
+
+from .memory import MemoryStore
+from .mooncake import MooncakeSettings, MooncakeStore, parse_size
+from .store import Store
+
+#: A size in bytes: an int or a string such as "256MB" (binary units, as vLLM reads them).
+Size = Annotated[int, BeforeValidator(parse_size), Field(gt=0)]
+
+
+class MemoryStoreConfig(BaseModel):
+    """The in-process model of Mooncake: for demos and fast tests."""
+
+    model_config = ConfigDict(extra="forbid")
+    kind: Literal["memory"] = "memory"
+    capacity: Size = 1 << 30
+    high_watermark: float = Field(0.95, gt=0, le=1)
+    eviction_ratio: float = Field(0.05, gt=0, le=1)
+    lease_ttl_s: float = Field(5.0, ge=0)
+    group_ids_supported: bool = True  # False: present as a Mooncake without group ids
+
+
+class MooncakeStoreConfig(MooncakeSettings):
+    """The real Mooncake client (a spawned local master by default).
+
+    ``vllm_config: PATH`` reads the JSON file vLLM's own connector uses (the one
+    ``MOONCAKE_CONFIG_PATH`` names); fields given beside it override the file's.
+    """
+
+    kind: Literal["mooncake"] = "mooncake"
+
+    @model_validator(mode="before")
+    @classmethod
+    def _from_vllm_file(cls, data: Any) -> Any:
+        if not isinstance(data, dict) or "vllm_config" not in data:
+            return data
+        overrides = {k: v for k, v in data.items() if k not in ("kind", "vllm_config")}
+        settings = MooncakeSettings.from_vllm_file(data["vllm_config"], **overrides)
+        return {"kind": "mooncake", **settings.model_dump()}
+
+
+StoreConfig = Annotated[MemoryStoreConfig | MooncakeStoreConfig, Field(discriminator="kind")]
+
+
+@contextmanager
+def open_store(config: MemoryStoreConfig | MooncakeStoreConfig) -> Iterator[Store]:
+    """The configured store, closed (and a spawned master stopped) on exit."""
+    store: Store
+    if isinstance(config, MemoryStoreConfig):
+        store = MemoryStore(
+            config.capacity,
+            high_watermark=config.high_watermark,
+            eviction_ratio=config.eviction_ratio,
+            lease_ttl_s=config.lease_ttl_s,
+            group_ids_supported=config.group_ids_supported,
+        )
+    else:
+        store = MooncakeStore.open(config)
+    try:
+        yield store
+    finally:
+        store.close()

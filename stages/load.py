@@ -1,0 +1,271 @@
+"""The ``load`` stage: copy stored chunks back into the engine's blocks (the load path's end).
+
+A load request names a token range the lookup found stored and the blocks the
+engine allocated for it. Each chunk of the range becomes one record per storable
+group and shard, exactly as the save path named it, with the buffers of the
+block it lands in; all records of a batch go to the store in as few
+``batch_get_into_multi_buffers`` calls as the buffer budget allows.
+
+A record is loaded only when the store read exactly the object's size into it.
+Anything else (a missing object, a destination of the wrong size, an error) is
+a failed load, never a partial success: the engine must not compute on half a
+block. Failed records are counted against the request's job and their block ids
+are told to the optional :class:`LoadObserver`, because the engine recomputes
+from the first block that did not load (vLLM's ``get_block_ids_with_load_errors``).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any, ClassVar, Protocol, runtime_checkable
+
+from pydantic import BaseModel, ConfigDict, Field
+
+from kvpipe.pipeline.stage import BatchEntry, BatchStage, Emit
+
+from .batch_calls import StoreCallError, call_per_key
+from .keys import object_key
+from .model import KVCache, Shard, StoreGroup, StoreObject
+from .projection import storable_groups
+from .put import split_into_calls
+from .store import describe
+
+
+@dataclass(frozen=True, slots=True)
+class LoadRequest:
+    """Load the chunks covering tokens ``[start_tokens, end_tokens)`` into these blocks.
+
+    ``block_ids[g]`` are the blocks of ENGINE group ``g`` in token order from token
+    0 (as the engine lists them), so chunk ``i`` of a group lands in its
+    ``block_ids[g][i]``. Both bounds must fall on a chunk boundary of every
+    storable group: the engine's local hit and the lookup's hit always do.
+    """
+
+    request_id: str
+    block_hashes: tuple[bytes, ...]
+    block_ids: tuple[tuple[int, ...], ...]
+    start_tokens: int
+    end_tokens: int
+
+    def __post_init__(self) -> None:
+        if not 0 <= self.start_tokens <= self.end_tokens:
+            raise ValueError(
+                f"LoadRequest {self.request_id!r}: need 0 <= start_tokens <= end_tokens, "
+                f"got start_tokens={self.start_tokens}, end_tokens={self.end_tokens}"
+            )
+
+
+class LoadParams(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+    max_buffers_per_call: int = Field(2048, gt=0)
+
+
+@runtime_checkable
+class ReadableStore(Protocol):
+    """The one store call the load stage makes."""
+
+    def batch_get_into_multi_buffers(
+        self, keys: Sequence[str], ptrs: Sequence[Sequence[int]], sizes: Sequence[Sequence[int]]
+    ) -> list[int]:
+        """Read each object into its buffers. Per key: bytes read or negative."""
+        ...
+
+
+class LoadObserver(Protocol):
+    """Told once per load request which of its blocks failed to load (often none).
+
+    Runs on the pipeline's loop thread: it must be quick.
+    """
+
+    def __call__(self, request_id: str, failed_block_ids: frozenset[int]) -> None: ...
+
+
+@dataclass(frozen=True, slots=True)
+class LoadTarget:
+    """One object to read and the engine block it lands in."""
+
+    record: StoreObject
+    block_id: int
+
+
+def load_targets(
+    groups: Sequence[StoreGroup], shards: Sequence[Shard], hash_block_size: int, request: LoadRequest
+) -> tuple[LoadTarget, ...]:
+    """One target per chunk of ``[start_tokens, end_tokens)`` per storable group per shard.
+
+    Earliest prefix first, as the save path orders records. A request that does
+    not fit the cache (bounds off a chunk boundary, too few hashes or block ids)
+    is a ValueError naming what is wrong; nothing of it is loaded.
+    """
+    start, end = request.start_tokens, request.end_tokens
+    engine_groups = 1 + max(group.engine_group for group in groups)
+    if len(request.block_ids) < engine_groups:
+        raise ValueError(
+            f"load {request.request_id!r}: block ids for {len(request.block_ids)} engine groups, "
+            f"storable engine group {engine_groups - 1} needs {engine_groups}"
+        )
+    if end > len(request.block_hashes) * hash_block_size:
+        raise ValueError(
+            f"load {request.request_id!r}: end_tokens {end} is beyond the "
+            f"{len(request.block_hashes)} hash blocks of {hash_block_size} tokens given"
+        )
+    chunks: list[tuple[int, int, StoreGroup, bytes, int]] = []
+    for group in groups:
+        block_size = group.spec.block_size
+        for bound, name in ((start, "start_tokens"), (end, "end_tokens")):
+            if bound % block_size:
+                raise ValueError(
+                    f"load {request.request_id!r}: {name} {bound} is not a multiple of block_size "
+                    f"{block_size} of engine group {group.engine_group}"
+                )
+        block_ids = request.block_ids[group.engine_group]
+        if len(block_ids) < end // block_size:
+            raise ValueError(
+                f"load {request.request_id!r}: engine group {group.engine_group} has "
+                f"{len(block_ids)} block ids, tokens up to {end} need {end // block_size}"
+            )
+        hashes_per_chunk = block_size // hash_block_size
+        for index in range(start // block_size, end // block_size):
+            chunk_hash = request.block_hashes[(index + 1) * hashes_per_chunk - 1]
+            tokens_end = (index + 1) * block_size
+            chunks.append((tokens_end, group.store_group, group, chunk_hash, block_ids[index]))
+    chunks.sort(key=lambda chunk: chunk[:2])
+    return tuple(
+        LoadTarget(
+            StoreObject(
+                key=object_key(shard.namespace, group.store_group, chunk_hash),
+                chunk_hash=chunk_hash,
+                store_group=group.store_group,
+                buffers=shard.layouts[group.engine_group].buffers(block_id),
+                request_id=request.request_id,
+            ),
+            block_id,
+        )
+        for _, _, group, chunk_hash, block_id in chunks
+        for shard in shards
+    )
+
+
+def touched_block_ids(groups: Sequence[StoreGroup], request: LoadRequest) -> frozenset[int]:
+    """Every block id a request's range names, as far as it names them: what an invalid request fails."""
+    touched: set[int] = set()
+    for group in groups:
+        if group.engine_group < len(request.block_ids):
+            block_size = group.spec.block_size
+            first, end = request.start_tokens // block_size, -(-request.end_tokens // block_size)
+            touched.update(request.block_ids[group.engine_group][first:end])
+    return frozenset(touched)
+
+
+@dataclass(slots=True)
+class _Pending:
+    """One entry of the batch while its records are out: its handle and failed blocks."""
+
+    emit: Emit
+    request: LoadRequest
+    failed_block_ids: set[int]
+
+
+class LoadStage(BatchStage):
+    """LoadRequest -> bytes in the engine's blocks. A sink: it reports per record.
+
+    Each loaded record counts ``loaded`` and succeeds; each failed one counts
+    ``failed``, fails its job with the key and the reason, and adds its block id
+    to what the observer is told for that request.
+    """
+
+    ports: ClassVar[tuple[str, ...]] = ()
+    input_type: ClassVar[Any] = LoadRequest
+
+    def __init__(
+        self, params: LoadParams, kv: KVCache, store: ReadableStore, observer: LoadObserver | None = None
+    ) -> None:
+        self._groups = storable_groups(kv)
+        self._shards = kv.shards
+        self._hash_block_size = kv.hash_block_size
+        self._store = store
+        self._observer = observer
+        self._max_buffers = params.max_buffers_per_call
+
+    async def process_batch(self, batch: Sequence[BatchEntry[LoadRequest]]) -> None:
+        pending = [_Pending(entry.emit, entry.item, set()) for entry in batch]
+        sendable: list[tuple[_Pending, LoadTarget]] = []
+        for holder in pending:
+            try:
+                targets = load_targets(self._groups, self._shards, self._hash_block_size, holder.request)
+            except ValueError as error:
+                holder.emit.fail(str(error))
+                holder.failed_block_ids.update(touched_block_ids(self._groups, holder.request))
+                continue
+            if not targets:
+                holder.emit.drop("no chunk to load")
+            for target in targets:
+                if len(target.record.buffers) > self._max_buffers:
+                    self._failed(
+                        holder,
+                        target,
+                        f"load {target.record.key}: {len(target.record.buffers)} buffers exceed "
+                        f"max_buffers_per_call={self._max_buffers}; not sent",
+                    )
+                else:
+                    sendable.append((holder, target))
+        for call in self._calls(sendable):
+            await self._load(call)
+        if self._observer is not None:
+            for holder in pending:
+                self._observer(holder.request.request_id, frozenset(holder.failed_block_ids))
+
+    def _calls(self, sendable: list[tuple[_Pending, LoadTarget]]) -> list[list[tuple[_Pending, LoadTarget]]]:
+        """Calls within the buffer budget, each key at most once per call.
+
+        Two requests of a batch may load the same chunk into different blocks;
+        such a repeat goes to a later round of calls rather than trusting the
+        store with one key twice in a call.
+        """
+        rounds: list[dict[str, tuple[_Pending, LoadTarget]]] = []
+        for pair in sendable:
+            key = pair[1].record.key
+            free = next((r for r in rounds if key not in r), None)
+            if free is None:
+                rounds.append(free := {})
+            free[key] = pair
+        calls = []
+        for round_ in rounds:
+            by_record = {id(target.record): (holder, target) for holder, target in round_.values()}
+            records = [target.record for _, target in round_.values()]
+            for call in split_into_calls(records, self._max_buffers):
+                calls.append([by_record[id(record)] for record in call])
+        return calls
+
+    async def _load(self, call: list[tuple[_Pending, LoadTarget]]) -> None:
+        """One store call; settle every record of it in its own job."""
+        records = [target.record for _, target in call]
+        keys = [record.key for record in records]
+        ptrs = [[buffer.address for buffer in record.buffers] for record in records]
+        sizes = [[buffer.size for buffer in record.buffers] for record in records]
+        try:
+            results = await call_per_key(self, self._store.batch_get_into_multi_buffers, keys, ptrs, sizes)
+        except StoreCallError as error:
+            for holder, target in call:
+                self._failed(holder, target, f"load {target.record.key}: {error}")
+            return
+        for (holder, target), result in zip(call, results, strict=True):
+            expected = target.record.size
+            if result == expected:
+                holder.emit.count("loaded")
+                holder.emit.succeed()
+            elif result < 0:
+                self._failed(holder, target, f"load {target.record.key}: {describe(result)}")
+            else:
+                self._failed(
+                    holder,
+                    target,
+                    f"load {target.record.key}: read {result} bytes, the block holds {expected}",
+                )
+
+    def _failed(self, holder: _Pending, target: LoadTarget, message: str) -> None:
+        holder.emit.count("failed")
+        holder.emit.fail(message)
+        holder.failed_block_ids.add(target.block_id)

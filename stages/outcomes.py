@@ -1,0 +1,55 @@
+"""What became of each store object: reported to its job and, optionally, to an observer.
+
+Every record that reaches ``filter`` ends as exactly one of :class:`ObjectStatus`:
+``existing`` (the store had it), ``put`` (we stored it) or ``failed``. The job of
+the request it came from counts it under that name, so ``considered = existing +
+put + failed`` holds per job. An :class:`ObjectObserver` (the build resource
+``observer``) additionally sees each record with its status, on the pipeline's
+loop thread: how a caller learns *which* objects were stored (a report of every
+object, a connector tracking the chunks it may announce), not just how many.
+"""
+
+from __future__ import annotations
+
+from enum import StrEnum
+from typing import Protocol
+
+from kvpipe.pipeline.stage import Emit
+
+from .model import StoreObject
+
+
+class ObjectStatus(StrEnum):
+    PUT = "put"
+    EXISTING = "existing"
+    FAILED = "failed"
+
+
+class ObjectObserver(Protocol):
+    """Called once per record with its final status; must be quick (it runs on the loop)."""
+
+    def __call__(self, record: StoreObject, status: ObjectStatus) -> None: ...
+
+
+class Outcomes:
+    """Reports record outcomes for one stage: job counts, success or failure, observer."""
+
+    def __init__(self, observer: ObjectObserver | None = None) -> None:
+        self._observer = observer
+
+    def stored(self, emit: Emit, record: StoreObject) -> None:
+        self._settle(emit, record, ObjectStatus.PUT)
+        emit.succeed()
+
+    def existing(self, emit: Emit, record: StoreObject) -> None:
+        self._settle(emit, record, ObjectStatus.EXISTING)
+        emit.succeed()
+
+    def failed(self, emit: Emit, record: StoreObject, message: str) -> None:
+        self._settle(emit, record, ObjectStatus.FAILED)
+        emit.fail(message)
+
+    def _settle(self, emit: Emit, record: StoreObject, status: ObjectStatus) -> None:
+        emit.count(status.value)
+        if self._observer is not None:
+            self._observer(record, status)

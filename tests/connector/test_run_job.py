@@ -1,0 +1,138 @@
+"""``kvpipe run``'s job: a synthetic workload saved, read back and counted."""
+
+from kvpipe.connector.memory import Faults, MemoryStore
+from kvpipe.connector.run.config import RunConfig
+from kvpipe.connector.run.job import run
+
+SMALL = {
+    "model": {"layers": 2, "kv_heads": 2, "head_size": 32, "num_blocks": 512},
+    "workload": {
+        "requests": 40,
+        "system_prompt_tokens": [32, 128],
+        "user_tokens": [8, 48],
+        "output_tokens": [8, 24],
+    },
+}
+
+HYBRID = {
+    "store": {"kind": "memory", "capacity": "1MB", "lease_ttl_s": 0.01},
+    "model": {
+        "name": "hybrid",
+        "layers": 2,
+        "kv_heads": 2,
+        "head_size": 32,
+        "block_size": 32,
+        "hash_block_size": 16,
+        "num_blocks": 512,
+        "groups": [
+            {"kind": "full_attention"},
+            {"kind": "ring_buffer"},
+            {"kind": "mamba", "mamba_mode": "align"},
+        ],
+    },
+    "parallel": {"tp_size": 2},
+    "workload": SMALL["workload"] | {"requests": 80},
+    "save": {"enable_group_semantics": True, "cache_prefix": "tenant"},
+}
+
+
+def _config(document: dict, **sections: dict) -> RunConfig:
+    return RunConfig.model_validate(document | sections)
+
+
+def test_every_object_read_back_matches_what_was_saved():
+    report = run(_config(SMALL)).report
+
+    assert report["verify"]["mismatches"] == 0
+    assert report["verify"]["missing"] == 0
+    assert report["verify"]["checked"] == report["objects"]["distinct_keys"] > 0
+
+
+def test_every_considered_object_is_existing_put_or_failed():
+    objects = run(_config(SMALL)).report["objects"]
+
+    assert objects["considered"] == objects["existing"] + objects["put"] + objects["failed"]
+    assert objects["failed"] == 0
+
+
+def test_the_report_has_the_contract_fields():
+    report = run(_config(SMALL)).report
+
+    assert report["store"].keys() >= {"kind", "group_ids_supported", "group_semantics"}
+    assert report["objects"].keys() >= {"considered", "existing", "put", "failed"}
+    assert report["chunks"].keys() >= {"total", "complete", "partial", "absent"}
+    assert report["verify"].keys() >= {"checked", "mismatches", "missing"}
+    assert report.keys() >= {"requests", "bytes_put", "elapsed_s", "put_gbps", "stages"}
+    assert set(report["stages"]) == {"project", "full", "tail", "group_ids", "filter", "put"}
+    assert report["stages"]["put"].keys() >= {"in", "out", "dropped", "errors", "p50_ms", "p99_ms"}
+
+
+def test_a_second_run_on_the_kept_store_finds_every_object_and_puts_none():
+    store = MemoryStore()
+    first = run(_config(SMALL), store=store).report
+    second = run(_config(SMALL), store=store).report
+
+    assert first["objects"]["put"] > 0
+    assert second["objects"]["put"] == 0
+    assert second["objects"]["existing"] == second["objects"]["considered"] == first["objects"]["considered"]
+
+
+def test_shared_prefixes_are_stored_once():
+    report = run(_config(SMALL)).report
+
+    assert report["objects"]["existing"] > 0
+    assert report["chunks"]["total"] == report["objects"]["distinct_keys"]  # one group, one rank
+
+
+def test_the_hybrid_model_never_stores_the_ring_buffer_and_numbers_mamba_1():
+    result = run(_config(HYBRID))
+    groups = {key.split("@group:")[1].split("@")[0] for key in result.objects}
+
+    assert groups == {"0", "1"}
+    assert all(key.startswith("tenant@hybrid@tp_rank:") for key in result.objects)
+
+
+def test_with_group_semantics_eviction_leaves_no_partial_chunk():
+    store = MemoryStore(1 << 20, lease_ttl_s=0.01)
+    report = run(_config(HYBRID), store=store).report
+
+    assert store.stats().evicted_objects > 0
+    assert report["chunks"]["absent"] > 0
+    assert report["chunks"]["partial"] == 0
+    assert report["verify"]["mismatches"] == 0
+
+
+def test_every_object_of_a_chunk_carries_that_chunks_group_id():
+    result = run(_config(HYBRID))
+
+    for key, (record, _) in result.objects.items():
+        assert record.group_id == f"vllm-mooncake-store:tenant@hybrid@{key.rsplit('@', 1)[1]}"
+
+
+def test_finished_requests_save_their_partial_tail_when_hashes_are_finer_than_blocks():
+    report = run(_config(HYBRID)).report
+
+    assert report["stages"]["tail"]["in"] > 0
+
+
+def test_blocks_are_not_reused_while_their_save_is_in_flight():
+    """A slow store and a tight block pool: reuse before the put would store wrong bytes."""
+    store = MemoryStore(faults=Faults(latency_s={"put": 0.003}))
+    tight = SMALL | {"model": SMALL["model"] | {"num_blocks": 96}}
+
+    report = run(_config(tight), store=store).report
+
+    assert report["verify"]["mismatches"] == 0
+    assert report["verify"]["checked"] > 0
+
+
+def test_a_store_without_group_ids_saves_without_them():
+    store = MemoryStore(group_ids_supported=False)
+    result = run(_config(HYBRID), store=store)
+
+    assert result.report["store"] == {
+        "kind": "memory",
+        "group_ids_supported": False,
+        "group_semantics": False,
+    }
+    assert all(record.group_id is None for record, _ in result.objects.values())

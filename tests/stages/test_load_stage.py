@@ -1,0 +1,307 @@
+"""``load`` reads saved chunks back into the engine's blocks, and reports the blocks that failed.
+
+A request is saved from one cache's memory with the real save stages, then
+loaded into DIFFERENT blocks of a second cache (same ranks, fresh random
+memory), so a loaded block can only hold the saved bytes if the load put them
+there.
+"""
+
+import pytest
+from pydantic import ValidationError
+
+from kvpipe.connector.memory import Faults, MemoryStore
+from kvpipe.pipeline import BuildError, Outcome, Pipeline
+from kvpipe.pipeline.registry import Resources
+from kvpipe.pipeline.testing import batch_of
+from kvpipe.stages import (
+    KV_STAGES,
+    LoadParams,
+    LoadRequest,
+    LoadStage,
+    default_load_graph,
+    object_key,
+)
+
+from .kv_fixtures import FULL, MAMBA_ALIGN, RING, bytes_of, make_kv, make_request
+from .save_path import run_save_path
+from .stores import ScriptedStore
+
+HYBRID = (FULL, RING, MAMBA_ALIGN)
+TARGET_BLOCKS = (10, 11, 12)  # where the engine put the chunks saved from blocks 1, 2, 3
+
+
+class GetRecorder:
+    """Forwards gets to ``inner`` and keeps each call's keys and buffer sizes."""
+
+    def __init__(self, inner):
+        self.inner = inner
+        self.calls: list[tuple[list[str], list[list[int]]]] = []
+
+    def batch_get_into_multi_buffers(self, keys, ptrs, sizes):
+        self.calls.append((list(keys), [list(s) for s in sizes]))
+        return self.inner.batch_get_into_multi_buffers(keys, ptrs, sizes)
+
+    @property
+    def buffers_per_call(self):
+        return [sum(len(s) for s in sizes) for _, sizes in self.calls]
+
+
+async def _saved(groups=HYBRID, *, shards=2, tokens=48):
+    """The source cache, a store holding ``tokens`` of its request, and the request."""
+    source = make_kv(groups, shards=shards, seed=0)
+    store = MemoryStore(lease_ttl_s=0)
+    saved = make_request(source.kv, tokens)
+    await run_save_path(source.kv, store, [saved])
+    return source, store, saved
+
+
+def _load_request(saved, start=0, end=48, blocks=TARGET_BLOCKS, request_id="req-1"):
+    return LoadRequest(request_id, saved.block_hashes, tuple(blocks for _ in saved.block_ids), start, end)
+
+
+async def _load(kv, store, *requests, **params):
+    failed_blocks: dict[str, frozenset[int]] = {}
+    batch = batch_of(requests)
+    stage = LoadStage(LoadParams(**params), kv, store, lambda rid, ids: failed_blocks.setdefault(rid, ids))
+    await stage.process_batch(batch)
+    return [entry.emit for entry in batch], failed_blocks
+
+
+def _moved(source, target, *, groups, shards, chunks=range(3), blocks=TARGET_BLOCKS):
+    """Whether each chunk's block holds in ``target`` what it held in ``source``."""
+    return {
+        (shard, group, chunk): target.block_bytes(shard, group, blocks[chunk])
+        == source.block_bytes(shard, group, 1 + chunk)
+        for shard in range(shards)
+        for group in groups
+        for chunk in chunks
+    }
+
+
+async def test_load_puts_the_saved_bytes_into_other_blocks_of_fresh_memory():
+    source, store, saved = await _saved()
+    target = make_kv(HYBRID, shards=2, seed=1)
+    ring_before = [bytes_of(layer) for shard in range(2) for layer in target.tensors[(shard, 1)]]
+
+    (emit,), failed = await _load(target.kv, store, _load_request(saved))
+
+    assert all(_moved(source, target, groups=(0, 2), shards=2).values())  # every layer, shard, group
+    assert [bytes_of(layer) for shard in range(2) for layer in target.tensors[(shard, 1)]] == ring_before
+    assert (emit.counts["loaded"], emit.succeeded_units, emit.failures) == (3 * 2 * 2, 12, [])
+    assert failed == {"req-1": frozenset()}
+
+
+async def test_only_the_chunks_from_start_to_end_are_loaded():
+    source, store, saved = await _saved([FULL], shards=1)
+    target = make_kv([FULL], shards=1, seed=1)
+
+    (emit,), _ = await _load(target.kv, store, _load_request(saved, start=16, end=48))
+
+    assert _moved(source, target, groups=(0,), shards=1) == {
+        (0, 0, 0): False,
+        (0, 0, 1): True,
+        (0, 0, 2): True,
+    }
+    assert emit.counts["loaded"] == 2
+
+
+async def test_a_missing_object_fails_its_record_and_reports_its_block_while_the_rest_load():
+    source, store, saved = await _saved([FULL], shards=2)
+    missing = object_key(source.kv.shards[1].namespace, 0, saved.block_hashes[1])
+    assert store.remove(missing) == 0
+    target = make_kv([FULL], shards=2, seed=1)
+
+    (emit,), failed = await _load(target.kv, store, _load_request(saved))
+
+    assert emit.failures == [f"load {missing}: -704 (NOT_FOUND)"]
+    assert (emit.counts["failed"], emit.counts["loaded"]) == (1, 5)
+    assert failed == {"req-1": frozenset({TARGET_BLOCKS[1]})}
+    moved = _moved(source, target, groups=(0,), shards=2)
+    assert [key for key, ok in moved.items() if not ok] == [(1, 0, 1)]
+
+
+@pytest.mark.parametrize(("layers", "code"), [(1, "-600 (INVALID_PARAMS)"), (3, "-800 (TRANSFER_FAILED)")])
+async def test_a_destination_of_the_wrong_size_fails_every_record_it_receives(layers, code):
+    _, store, saved = await _saved([FULL], shards=1)
+    target = make_kv([FULL], shards=1, layers=layers, seed=1)  # a block of other size than the object
+
+    (emit,), failed = await _load(target.kv, store, _load_request(saved))
+
+    assert emit.counts["failed"] == 3 and emit.counts["loaded"] == 0
+    assert all(str(failure).endswith(code) for failure in emit.failures)
+    assert failed == {"req-1": frozenset(TARGET_BLOCKS)}
+
+
+async def test_a_read_of_the_wrong_byte_count_is_a_failed_load_not_a_partial_success():
+    kv = make_kv([FULL], shards=1).kv
+    store = ScriptedStore()
+    store.batch_get_into_multi_buffers = lambda keys, ptrs, sizes: [sum(s) - 1 for s in sizes]
+    saved = make_request(kv, 16)
+
+    (emit,), failed = await _load(kv, store, _load_request(saved, end=16))
+
+    (failure,) = emit.failures
+    assert failure.endswith("read 1023 bytes, the block holds 1024")
+    assert (emit.succeeded_units, failed) == (0, {"req-1": frozenset({TARGET_BLOCKS[0]})})
+
+
+async def test_a_store_call_that_raises_fails_every_record_of_the_call():
+    kv = make_kv([FULL], shards=1).kv
+    store = ScriptedStore()
+
+    def broken(keys, ptrs, sizes):
+        raise RuntimeError("connection reset")
+
+    store.batch_get_into_multi_buffers = broken
+
+    (emit,), failed = await _load(kv, store, _load_request(make_request(kv, 48)))
+
+    assert emit.failed_units == 3
+    assert "store call raised RuntimeError: connection reset" in str(emit.failures[0])
+    assert failed == {"req-1": frozenset(TARGET_BLOCKS)}
+
+
+async def test_store_errors_fail_their_records_with_the_code_named():
+    _, store, saved = await _saved([FULL], shards=1)
+    store.faults = Faults(error_rates={"get": {-800: 1.0}})
+    target = make_kv([FULL], shards=1, seed=1)
+
+    (emit,), _ = await _load(target.kv, store, _load_request(saved))
+
+    assert emit.counts["failed"] == 3
+    assert all(str(failure).endswith("-800 (TRANSFER_FAILED)") for failure in emit.failures)
+
+
+async def test_one_get_call_serves_every_request_of_the_batch():
+    source = make_kv([FULL], shards=1, seed=0)
+    store = MemoryStore()
+    first, second = make_request(source.kv, 32, request_id="a"), make_request(source.kv, 16, request_id="b")
+    await run_save_path(source.kv, store, [first, second])
+    target = make_kv([FULL], shards=1, seed=1)
+    recording = GetRecorder(store)
+
+    emits, failed = await _load(
+        target.kv,
+        recording,
+        _load_request(first, end=32, request_id="a"),
+        _load_request(second, end=16, blocks=(13,), request_id="b"),
+    )
+
+    assert len(recording.calls) == 1 and len(recording.calls[0][0]) == 3
+    assert [emit.counts["loaded"] for emit in emits] == [2, 1]
+    assert failed == {"a": frozenset(), "b": frozenset()}
+
+
+async def test_calls_stay_within_the_buffer_budget_and_keep_a_chunk_together():
+    source, store, saved = await _saved(HYBRID, shards=2)  # a chunk: 2 groups x 2 shards x 2 layers
+    target = make_kv(HYBRID, shards=2, seed=1)
+    recording = GetRecorder(store)
+
+    (emit,), _ = await _load(target.kv, recording, _load_request(saved), max_buffers_per_call=10)
+
+    assert recording.buffers_per_call == [8, 8, 8]
+    assert [{key.rsplit("@", 1)[1] for key in keys} for keys, _ in recording.calls] == [
+        {h.hex()} for h in saved.block_hashes
+    ]
+    assert emit.counts["loaded"] == 12 and all(_moved(source, target, groups=(0, 2), shards=2).values())
+
+
+async def test_a_record_over_the_budget_on_its_own_fails_without_being_sent():
+    _, store, saved = await _saved([FULL], shards=1)  # 2 layers: 2 buffers per record
+    recording = GetRecorder(store)
+
+    (emit,), failed = await _load(
+        make_kv([FULL], seed=1).kv, recording, _load_request(saved), max_buffers_per_call=1
+    )
+
+    assert recording.calls == []
+    assert emit.counts["failed"] == 3
+    assert "2 buffers exceed max_buffers_per_call=1; not sent" in str(emit.failures[0])
+    assert failed == {"req-1": frozenset(TARGET_BLOCKS)}
+
+
+async def test_two_requests_loading_the_same_chunk_never_share_a_call_but_both_load():
+    source, store, saved = await _saved([FULL], shards=1, tokens=16)
+    target = make_kv([FULL], shards=1, seed=1)
+    recording = GetRecorder(store)
+
+    emits, _ = await _load(
+        target.kv,
+        recording,
+        _load_request(saved, end=16, blocks=(10,), request_id="a"),
+        _load_request(saved, end=16, blocks=(11,), request_id="b"),
+    )
+
+    assert [len(keys) for keys, _ in recording.calls] == [1, 1]
+    assert [emit.counts["loaded"] for emit in emits] == [1, 1]
+    assert target.block_bytes(0, 0, 10) == target.block_bytes(0, 0, 11) == source.block_bytes(0, 0, 1)
+
+
+@pytest.mark.parametrize(
+    ("start", "end", "message"),
+    [
+        (0, 40, "end_tokens 40 is not a multiple of block_size 16"),
+        (8, 48, "start_tokens 8 is not a multiple of block_size 16"),
+        (0, 64, "end_tokens 64 is beyond the 3 hash blocks"),
+    ],
+)
+async def test_a_range_that_does_not_fit_the_cache_fails_the_request_and_reports_its_blocks(
+    start, end, message
+):
+    kv = make_kv([FULL]).kv
+    recording = GetRecorder(ScriptedStore())
+
+    (emit,), failed = await _load(kv, recording, _load_request(make_request(kv, 48), start, end))
+
+    assert recording.calls == []
+    assert message in str(emit.failures[0])
+    assert failed["req-1"] <= frozenset(TARGET_BLOCKS) and failed["req-1"]
+
+
+def test_a_load_request_refuses_a_range_that_ends_before_it_starts():
+    with pytest.raises(ValueError, match="start_tokens=32, end_tokens=16"):
+        LoadRequest("r", (), ((),), 32, 16)
+
+
+async def test_an_empty_range_loads_nothing_and_is_dropped():
+    kv = make_kv([FULL]).kv
+    recording = GetRecorder(ScriptedStore())
+
+    (emit,), failed = await _load(kv, recording, _load_request(make_request(kv, 48), 16, 16))
+
+    assert recording.calls == [] and emit.dropped == ["no chunk to load"]
+    assert failed == {"req-1": frozenset()}
+
+
+async def test_the_default_load_graph_loads_and_ends_each_job_with_its_outcome():
+    source, store, saved = await _saved(HYBRID, shards=2)
+    assert store.remove(object_key(source.kv.shards[0].namespace, 1, saved.block_hashes[2])) == 0
+    target = make_kv(HYBRID, shards=2, seed=1)
+    failed: dict[str, frozenset[int]] = {}
+    graph = default_load_graph(target.kv, store, lambda rid, ids: failed.update({rid: ids}))
+
+    async with Pipeline(graph) as pipeline:
+        whole = await pipeline.submit(_load_request(saved, end=32, request_id="whole"))
+        holed = await pipeline.submit(_load_request(saved, blocks=(13, 14, 15), request_id="holed"))
+        done = [await job.finished() for job in (whole, holed)]
+
+    assert [(job.outcome, job.counts["loaded"], job.counts["failed"]) for job in done] == [
+        (Outcome.OK, 8, 0),
+        (Outcome.PARTIAL, 11, 1),
+    ]
+    assert failed == {"whole": frozenset(), "holed": frozenset({15})}
+
+
+def test_load_params_refuse_unknown_fields_and_a_budget_below_1():
+    with pytest.raises(ValidationError, match="max_buffers"):
+        KV_STAGES["load"].params.model_validate({"max_buffers": 4})
+    with pytest.raises(ValidationError, match="max_buffers_per_call"):
+        KV_STAGES["load"].params.model_validate({"max_buffers_per_call": 0})
+
+
+def test_the_load_stage_needs_a_store_that_can_read_into_buffers():
+    stage_type = KV_STAGES["load"]
+    resources = Resources({"kv": make_kv().kv, "store": object()})
+
+    with pytest.raises(BuildError, match="resource 'store' must be a ReadableStore"):
+        stage_type.build(LoadParams(), resources)

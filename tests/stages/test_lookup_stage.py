@@ -1,0 +1,240 @@
+"""``lookup`` counts the prefix whose chunks are stored for every group and shard.
+
+Requests are saved with the real save stages into a MemoryStore, then looked
+up; objects are taken away with ``store.remove`` to make holes.
+"""
+
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from kvpipe.connector.memory import MemoryStore
+from kvpipe.pipeline import Outcome, Pipeline
+from kvpipe.pipeline.testing import batch_of
+from kvpipe.stages import (
+    GroupKind,
+    GroupSpec,
+    LookupRequest,
+    LookupResult,
+    LookupStage,
+    default_lookup_graph,
+    longest_stored_prefix,
+    lookup_keys,
+    object_key,
+    storable_groups,
+)
+
+from .kv_fixtures import FULL, MAMBA_ALIGN, RING, make_kv, make_request
+from .save_path import run_save_path
+from .stores import RecordingStore, ScriptedStore
+
+BIG = GroupSpec(GroupKind.FULL_ATTENTION, block_size=32)
+
+
+async def _saved(kv, tokens, **request):
+    """A store holding ``tokens`` tokens of a request (leases off, so objects can be removed)."""
+    store = MemoryStore(lease_ttl_s=0)
+    saved = make_request(kv, tokens, **request)
+    await run_save_path(kv, store, [saved])
+    return store, saved
+
+
+def _asking(saved, num_tokens, num_computed_tokens=0):
+    return LookupRequest(saved.request_id, saved.block_hashes, num_tokens, num_computed_tokens)
+
+
+def _key(kv, chunk, *, shard=0, store_group=0):
+    """The key of a chunk of a 16-token-block group saved by ``make_request(request_id="req-1")``."""
+    hashes = make_request(kv, 16 * (chunk + 1)).block_hashes
+    return object_key(kv.shards[shard].namespace, store_group, hashes[chunk])
+
+
+async def _lookup(kv, store, *requests):
+    batch = batch_of(requests)
+    await LookupStage(kv, store).process_batch(batch)
+    return [entry.emit for entry in batch]
+
+
+async def test_the_hit_is_the_stored_prefix_counted_from_token_0():
+    kv = make_kv([FULL], shards=2).kv
+    store, saved = await _saved(kv, 48)
+
+    (emit,) = await _lookup(kv, store, _asking(saved, num_tokens=100))
+
+    assert emit.emitted["out"] == [LookupResult("req-1", hit_tokens=48, chunks=3)]
+    assert (emit.counts["hit_tokens"], emit.counts["hit_chunks"]) == (48, 3)
+
+
+async def test_a_chunk_missing_for_one_shard_ends_the_hit_there():
+    kv = make_kv([FULL], shards=2).kv
+    store, saved = await _saved(kv, 64)
+    assert store.remove(_key(kv, 2, shard=1)) == 0
+
+    (emit,) = await _lookup(kv, store, _asking(saved, num_tokens=100))
+
+    assert emit.emitted["out"][0].hit_tokens == 32
+
+
+async def test_a_chunk_missing_for_one_storable_group_ends_the_hit_there():
+    kv = make_kv([FULL, RING, MAMBA_ALIGN], shards=2).kv
+    store, saved = await _saved(kv, 64)
+    assert store.remove(_key(kv, 1, shard=0, store_group=1)) == 0  # the mamba group's chunk 1
+
+    (emit,) = await _lookup(kv, store, _asking(saved, num_tokens=100))
+
+    assert emit.emitted["out"][0].hit_tokens == 16
+
+
+async def test_a_chunk_stored_after_a_missing_one_does_not_count():
+    kv = make_kv([FULL]).kv
+    store, saved = await _saved(kv, 64)
+    assert store.remove(_key(kv, 1)) == 0  # chunks 2 and 3 stay
+
+    (emit,) = await _lookup(kv, store, _asking(saved, num_tokens=100))
+
+    assert emit.emitted["out"][0].hit_tokens == 16
+
+
+async def test_the_ring_buffer_group_is_never_asked_for():
+    kv = make_kv([FULL, RING, MAMBA_ALIGN], shards=2).kv
+    store, saved = await _saved(kv, 32)
+    recording = RecordingStore(store)
+
+    (emit,) = await _lookup(kv, recording, _asking(saved, num_tokens=100))
+
+    (keys,) = recording.exist_calls
+    assert {key.split("@group:")[1][0] for key in keys} == {"0", "1"}  # store groups of FULL and MAMBA
+    assert len(keys) == 2 * 2 * 2  # chunks x storable groups x shards
+    assert emit.emitted["out"][0].hit_tokens == 32
+
+
+async def test_an_exist_error_code_is_a_miss_and_is_counted():
+    kv = make_kv([FULL], shards=2).kv
+    store, saved = await _saved(kv, 48)
+    failing = _key(kv, 1, shard=1)
+    scripted = ScriptedStore(exist=lambda key: -900 if key == failing else store.batch_is_exist([key])[0])
+
+    (emit,) = await _lookup(kv, scripted, _asking(saved, num_tokens=100))
+
+    assert emit.emitted["out"][0].hit_tokens == 16
+    assert emit.counts["exist_errors"] == 1
+    assert not emit.failures
+
+
+async def test_a_store_call_that_raises_gives_no_hit_instead_of_failing():
+    kv = make_kv([FULL]).kv
+    store = ScriptedStore()
+
+    def broken(keys):
+        raise RuntimeError("connection reset")
+
+    store.batch_is_exist = broken
+    saved = make_request(kv, 48)
+
+    (emit,) = await _lookup(kv, store, _asking(saved, num_tokens=100))
+
+    assert emit.emitted["out"] == [LookupResult("req-1", 0, 0)]
+    assert emit.counts["exist_errors"] == 3
+    assert not emit.failures
+
+
+async def test_the_hit_always_leaves_the_last_token_to_compute():
+    kv = make_kv([FULL]).kv
+    store, saved = await _saved(kv, 64)
+
+    emits = await _lookup(kv, store, *(_asking(saved, num_tokens=n) for n in (64, 65, 49, 1, 0)))
+
+    assert [emit.emitted["out"][0].hit_tokens for emit in emits] == [48, 64, 48, 0, 0]
+
+
+async def test_chunks_the_engine_has_locally_are_not_asked_for_but_count_in_the_hit():
+    kv = make_kv([FULL]).kv
+    store, saved = await _saved(kv, 64)
+    recording = RecordingStore(store)
+
+    (emit,) = await _lookup(kv, recording, _asking(saved, num_tokens=100, num_computed_tokens=32))
+
+    assert recording.exist_calls == [[_key(kv, 2), _key(kv, 3)]]
+    assert emit.emitted["out"][0].hit_tokens == 64
+
+
+async def test_one_exist_call_serves_every_request_of_the_batch_and_asks_shared_keys_once():
+    kv = make_kv([FULL]).kv
+    store, saved = await _saved(kv, 48)
+    other = make_request(kv, 32, request_id="other")
+    recording = RecordingStore(store)
+
+    emits = await _lookup(kv, recording, _asking(saved, 100), _asking(saved, 40), _asking(other, 100))
+
+    (keys,) = recording.exist_calls
+    assert len(keys) == len(set(keys)) == 3 + 2
+    assert [emit.emitted["out"][0].hit_tokens for emit in emits] == [48, 32, 0]
+
+
+def test_groups_of_different_block_sizes_hit_only_where_both_groups_have_whole_chunks():
+    kv = make_kv([FULL, BIG]).kv  # 16- and 32-token blocks: hits grow by 32 tokens
+    groups = storable_groups(kv)
+    hashes = make_request(kv, 128).block_hashes
+    request = LookupRequest("r", hashes, num_tokens=200)
+    stored = {object_key(kv.shards[0].namespace, 0, h) for h in hashes[:3]}  # 16-token chunks to 48
+    stored |= {object_key(kv.shards[0].namespace, 1, h) for h in (hashes[1], hashes[3])}  # 32-token, to 64
+    exists = {key: key in stored for key in lookup_keys(groups, kv.shards, kv.hash_block_size, request)}
+
+    hit = longest_stored_prefix(groups, kv.shards, kv.hash_block_size, request, exists)
+
+    assert hit == 32  # both groups reach 48, but 48 would end inside a 32-token chunk
+
+
+async def test_the_default_lookup_graph_answers_on_the_job_and_to_the_observer():
+    kv = make_kv([FULL, RING, MAMBA_ALIGN], shards=2).kv
+    store, saved = await _saved(kv, 48)
+    seen: list[LookupResult] = []
+
+    async with Pipeline(default_lookup_graph(kv, store, seen.append)) as pipeline:
+        job = await pipeline.submit(_asking(saved, num_tokens=100))
+        await job.finished()
+
+    assert (job.outcome, job.counts["hit_tokens"]) == (Outcome.OK, 48)
+    assert seen == [LookupResult("req-1", 48, 3)]
+
+
+# -- the definition, checked on random holes ---------------------------------------------------
+
+PROPERTY_KV = make_kv([FULL, BIG], shards=2, num_blocks=1).kv
+PROPERTY_GROUPS = storable_groups(PROPERTY_KV)
+
+
+@settings(max_examples=200, deadline=None)
+@given(
+    hashed_blocks=st.integers(0, 10),
+    num_tokens=st.integers(0, 200),
+    num_computed=st.integers(0, 200),
+    data=st.data(),
+)
+def test_the_hit_is_the_longest_prefix_of_whole_units_stored_everywhere(
+    hashed_blocks, num_tokens, num_computed, data
+):
+    hashes = make_request(PROPERTY_KV, 16 * hashed_blocks).block_hashes
+    request = LookupRequest("r", hashes, num_tokens, num_computed)
+    keys = lookup_keys(PROPERTY_GROUPS, PROPERTY_KV.shards, 16, request)
+    exists = {key: data.draw(st.booleans(), label=key) for key in keys}
+
+    hit = longest_stored_prefix(PROPERTY_GROUPS, PROPERTY_KV.shards, 16, request, exists)
+
+    def whole(tokens):
+        """Every chunk of every group below ``tokens`` is local or stored by every shard."""
+        for group in PROPERTY_GROUPS:
+            size = group.spec.block_size
+            for index in range(tokens // size):
+                if (index + 1) * size <= num_computed:
+                    continue
+                chunk_hash = hashes[(index + 1) * size // 16 - 1]
+                if not all(
+                    exists[object_key(s.namespace, group.store_group, chunk_hash)] for s in PROPERTY_KV.shards
+                ):
+                    return False
+        return True
+
+    assert hit % 32 == 0 and (hit < num_tokens or hit == 0) and hit <= 16 * hashed_blocks
+    assert whole(hit)
+    longer = hit + 32
+    assert longer >= num_tokens or longer > 16 * hashed_blocks or not whole(longer)
