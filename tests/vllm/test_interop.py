@@ -1,0 +1,61 @@
+"""KVPipeConnector and vLLM's own MooncakeStoreConnector share one cache, both ways."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+from kvpipe.connector.master import LocalMaster
+
+from . import engine
+from .conftest import run_engine_process, stored_keys, wait_for_keys
+
+PER_BATCH = 2 * engine.FULL_HIT // engine.BLOCK  # objects of one batch of two prompts
+
+
+def test_objects_are_interchangeable_with_vllm_mooncake_connector(
+    master: LocalMaster,
+    store_section: dict[str, Any],
+    mooncake_json: Path,
+    reference: dict[int, list[list[int]]],
+) -> None:
+    kvpipe = engine.kvpipe_transfer({"store": store_section})
+
+    # kvpipe stores prompts 3
+    llm = engine.make_llm(kvpipe)
+    try:
+        before = len(stored_keys(master))
+        stored = engine.generate(llm, engine.prompts(3))
+        assert stored["cached"] == [0, 0]
+    finally:
+        engine.close_llm(llm)  # drains its saves
+    assert len(stored_keys(master)) == before + PER_BATCH
+
+    # vLLM's connector (in a process of its own: it leaves a thread behind) hits them,
+    # and stores prompts 4
+    env = {"MOONCAKE_CONFIG_PATH": str(mooncake_json)}
+    spec = {"transfer": engine.mooncake_transfer(), "steps": ["gen:3", "gen:4", "sleep:1"]}
+    hit, own, _ = run_engine_process(spec, env)["steps"]
+    keys = wait_for_keys(master, before + 2 * PER_BATCH)
+    assert hit["cached"] == [engine.FULL_HIT, engine.FULL_HIT]
+    assert hit["tokens"] == reference[3]
+    assert own["cached"] == [0, 0]
+    assert len(keys) == before + 2 * PER_BATCH
+
+    # kvpipe hits what vLLM's connector stored
+    llm = engine.make_llm(kvpipe)
+    try:
+        back = engine.generate(llm, engine.prompts(4))
+    finally:
+        engine.close_llm(llm)
+    print(
+        "mooncake->kvpipe",
+        back["cached"],
+        back["seconds"],
+        "s; kvpipe->mooncake",
+        hit["cached"],
+        hit["seconds"],
+        "s",
+    )
+    assert back["cached"] == [engine.FULL_HIT, engine.FULL_HIT]
+    assert back["tokens"] == reference[4] == own["tokens"]

@@ -1,0 +1,48 @@
+"""Across processes: a new engine process hits what another engine stored, and vLLM's
+default multiprocess mode (scheduler and worker connector in different processes) works."""
+
+from __future__ import annotations
+
+import os
+from typing import Any
+
+import pytest
+
+from . import engine
+from .conftest import run_engine_process
+
+
+@pytest.fixture(scope="module")
+def multiprocess_run(store_section: dict[str, Any], reference: dict[int, list[list[int]]]) -> dict[str, Any]:
+    transfer = engine.kvpipe_transfer({"store": store_section})
+    # the first engine, in this process, stores prompts 5
+    llm = engine.make_llm(transfer)
+    try:
+        first = engine.generate(llm, engine.prompts(5))
+    finally:
+        engine.close_llm(llm)
+    assert first["cached"] == [0, 0]
+    # the second, a new process in vLLM's default (multiprocess) mode
+    env = {key: value for key, value in os.environ.items() if key != "VLLM_ENABLE_V1_MULTIPROCESSING"}
+    spec = {"transfer": transfer, "steps": ["gen:5", "gen:6", "sleep:1", "reset", "gen:6"]}
+    os_env = dict(env)
+    result = run_engine_process(spec, os_env)
+    return {"first": first, "steps": result["steps"]}
+
+
+def test_a_new_engine_process_hits_what_another_stored(
+    multiprocess_run: dict[str, Any], reference: dict[int, list[list[int]]]
+) -> None:
+    hit = multiprocess_run["steps"][0]
+    assert hit["cached"] == [engine.FULL_HIT, engine.FULL_HIT]
+    assert hit["tokens"] == reference[5] == multiprocess_run["first"]["tokens"]
+
+
+def test_multiprocess_mode_saves_and_loads(
+    multiprocess_run: dict[str, Any], reference: dict[int, list[list[int]]]
+) -> None:
+    _, fresh, _, reset, again = multiprocess_run["steps"]
+    assert fresh["cached"] == [0, 0]
+    assert reset == {"reset": True}
+    assert again["cached"] == [engine.FULL_HIT, engine.FULL_HIT]
+    assert fresh["tokens"] == again["tokens"] == reference[6]

@@ -1,0 +1,56 @@
+"""The connector's configuration: ``kv_connector_extra_config`` validated, errors naming field and value."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from kvpipe.connector.vllm import KVPipeStats, settings_from
+from kvpipe.stages import ConfigError
+
+
+def test_defaults_and_inline_values() -> None:
+    settings = settings_from(
+        {"store": {"kind": "memory"}, "enable_group_semantics": "TRUE", "staging_blocks": 8}
+    )
+    assert settings.enable_group_semantics is True
+    assert settings.staging_blocks == 8
+    assert settings.store is not None and settings.store.kind == "memory"
+    assert settings_from(None).store is None  # then MOONCAKE_CONFIG_PATH decides
+
+
+@pytest.mark.parametrize(
+    ("extra", "words"),
+    [
+        ({"enable_group_semantics": "flase"}, ["enable_group_semantics", "'flase'"]),
+        ({"staging_blocks": 0}, ["staging_blocks", "0"]),
+        ({"store": {"kind": "redis"}}, ["store", "redis"]),
+        ({"queue_capcity": 3}, ["queue_capcity", "3"]),
+    ],
+)
+def test_bad_values_name_the_field_and_the_value(extra: dict[str, object], words: list[str]) -> None:
+    with pytest.raises(ConfigError) as error:
+        settings_from(extra)
+    for word in words:
+        assert word in str(error.value)
+
+
+def test_a_kvpipe_yaml_gives_defaults_and_inline_keys_win(tmp_path: Path) -> None:
+    path = tmp_path / "kvpipe.yaml"
+    path.write_text("store:\n  kind: memory\nsave:\n  enable_group_semantics: true\n  cache_prefix: team-a\n")
+    settings = settings_from({"config": str(path), "cache_prefix": "team-b"})
+    assert settings.store is not None and settings.store.kind == "memory"
+    assert settings.enable_group_semantics is True
+    assert settings.cache_prefix == "team-b"
+    with pytest.raises(ConfigError, match="config"):
+        settings_from({"config": str(tmp_path / "missing.yaml")})
+
+
+def test_stats_aggregate_and_reduce() -> None:
+    stats = KVPipeStats(data={"objects_put": 2})
+    stats.aggregate(KVPipeStats(data={"objects_put": 3, "loads": 1}))
+    assert stats.reduce() == {"objects_put": 5, "loads": 1}
+    assert not stats.is_empty()
+    stats.reset()
+    assert stats.is_empty()
