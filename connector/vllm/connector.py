@@ -1,37 +1,4 @@
-"""kvpipe as a vLLM 0.32 KV connector: save KV-cache blocks into Mooncake Store, load hits back.
-
-Load it with::
-
-    KVTransferConfig(kv_connector="KVPipeConnector", kv_connector_module_path="kvpipe.connector.vllm",
-                     kv_role="kv_both", kv_connector_extra_config={...})
-
-``kv_connector_extra_config`` (validated by :class:`ConnectorSettings`; unknown keys are errors):
-
-- ``store``: ``{kind: mooncake, master: "host:port", metadata_server: ..., ...}`` or
-  ``{kind: memory}`` (in-process only, for unit use). Without it the store comes from
-  vLLM's Mooncake JSON (``MOONCAKE_CONFIG_PATH``), so existing vLLM setups work as they are.
-- ``enable_group_semantics`` (true/false, strict), ``cache_prefix``, ``queue_capacity``,
-  ``max_buffers_per_call``, ``staging_blocks``.
-- ``config``: a kvpipe YAML file whose ``store`` and ``save`` sections give defaults;
-  keys given inline override them.
-
-How it works:
-
-- Each role opens its own store client: in vLLM's default multiprocess mode the scheduler
-  and the worker live in different processes. The scheduler only asks ``batch_is_exist``
-  (it mounts no segment); the worker stores.
-- Scheduler: ``get_num_new_matched_tokens`` is one ``batch_is_exist`` over the request's
-  chunk keys for every TP rank (:func:`~kvpipe.stages.longest_stored_prefix`); loads are
-  synchronous. ``build_connector_meta`` plans, per request, the load (once) and the save
-  of the chunks completed by the end of this step, each chunk offered once.
-- Worker: at the end of a step (``wait_for_save``) the blocks to save are copied into a
-  staging area the connector owns, and a :class:`~kvpipe.stages.SaveRequest` over the
-  staging slots goes to the save pipeline (``SyncPipeline`` with ``when_full="drop"``).
-  The step never waits on the store, and vLLM may reuse the engine blocks at once; the
-  slots are freed when the save job completes. With no free slot a save is dropped and
-  counted. Loads run synchronously in ``start_load_kv`` through the load pipeline;
-  blocks that failed go to ``get_block_ids_with_load_errors``.
-"""
+"""The connector class: the scheduler side plans lookups, loads and saves; the worker side runs them."""
 
 from __future__ import annotations
 
@@ -39,14 +6,11 @@ import threading
 import weakref
 from collections import Counter, deque
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass, field
-from pathlib import Path
+from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 import structlog
 import torch
-import yaml
-from pydantic import BaseModel, ConfigDict, Field, ValidationError
 from vllm.distributed.kv_transfer.kv_connector.v1.base import (
     KVConnectorBase_V1,
     KVConnectorMetadata,
@@ -58,8 +22,6 @@ from vllm.distributed.kv_transfer.kv_connector.v1.metrics import KVConnectorStat
 from kvpipe.pipeline import SyncPipeline
 from kvpipe.stages import (
     BlockLayout,
-    GroupKind,
-    GroupSpec,
     KeyNamespace,
     KVCache,
     LoadRequest,
@@ -69,7 +31,6 @@ from kvpipe.stages import (
     SaveRequest,
     Shard,
     StoreObject,
-    StrictFlag,
     default_load_graph,
     default_save_graph,
     full_chunks,
@@ -81,9 +42,9 @@ from kvpipe.stages import (
 )
 from kvpipe.stages.flags import ConfigError
 
-from .memory import MemoryStore
-from .mooncake import MooncakeSettings, MooncakeStore
-from .stores import MemoryStoreConfig, MooncakeStoreConfig, StoreConfig
+from ..memory import MemoryStore
+from ..mooncake import MooncakeSettings, MooncakeStore
+from ..stores import MemoryStoreConfig, MooncakeStoreConfig
 
 if TYPE_CHECKING:
     from vllm.config import VllmConfig
@@ -91,15 +52,9 @@ if TYPE_CHECKING:
     from vllm.v1.core.sched.output import SchedulerOutput
     from vllm.v1.kv_cache_interface import KVCacheConfig
     from vllm.v1.request import Request
-
-__all__ = [
-    "ConnectorSettings",
-    "KVPipeConnector",
-    "KVPipeMetadata",
-    "KVPipeStats",
-    "groups_of",
-    "settings_from",
-]
+from .engine_cache import groups_of
+from .messages import KVPipeMetadata, KVPipeStats
+from .settings import settings_from
 
 log = structlog.get_logger("kvpipe.connector.vllm")
 
@@ -108,114 +63,12 @@ LOAD_TIMEOUT_S = 60.0
 STOP_DEADLINE_S = 10.0
 
 
-# -- configuration -------------------------------------------------------------------------
-
-
-class ConnectorSettings(BaseModel):
-    """``kv_connector_extra_config``, validated; errors name the field and the value."""
-
-    model_config = ConfigDict(extra="forbid")
-
-    store: StoreConfig | None = None
-    enable_group_semantics: StrictFlag = False
-    cache_prefix: str = ""
-    queue_capacity: int = Field(1024, gt=0)
-    max_buffers_per_call: int = Field(2048, gt=0)
-    staging_blocks: int = Field(256, gt=0)
-    config: str | None = None
-
-
-def settings_from(extra: Mapping[str, Any] | None) -> ConnectorSettings:
-    """Validate ``extra`` (defaults from the ``config`` YAML's ``store``/``save`` sections)."""
-    extra = dict(extra or {})
-    document: dict[str, Any] = {}
-    if extra.get("config"):
-        path = Path(str(extra["config"]))
-        try:
-            loaded = yaml.safe_load(path.read_text()) or {}
-        except (OSError, yaml.YAMLError) as exc:
-            raise ConfigError(f"kv_connector_extra_config.config: cannot read {str(path)!r}: {exc}") from None
-        if not isinstance(loaded, dict):
-            raise ConfigError(f"kv_connector_extra_config.config: {str(path)!r} must hold a mapping")
-        if "store" in loaded:
-            document["store"] = loaded["store"]
-        save = loaded.get("save") or {}
-        known = set(ConnectorSettings.model_fields) - {"store", "config"}
-        document.update({k: v for k, v in save.items() if k in known})
-    document.update(extra)
-    try:
-        return ConnectorSettings.model_validate(document)
-    except ValidationError as exc:
-        lines = []
-        for problem in exc.errors():
-            where = ".".join(str(part) for part in problem["loc"])
-            lines.append(f"kv_connector_extra_config.{where}: {problem['msg']}, got {problem['input']!r}")
-        raise ConfigError("\n".join(lines)) from None
-
-
-# -- the engine's cache as kvpipe sees it --------------------------------------------------
-
-
-def _group_spec(spec: Any, mamba_mode: str | None) -> GroupSpec:
-    from vllm.v1.kv_cache_interface import MambaSpec, SlidingWindowSpec
-
-    block_size = int(spec.block_size)
-    cacheable = bool(getattr(spec, "prefix_cacheable", True))
-    if isinstance(spec, MambaSpec):
-        return GroupSpec(
-            GroupKind.MAMBA, block_size, cacheable, getattr(spec, "mamba_cache_mode", mamba_mode)
-        )
-    if isinstance(spec, SlidingWindowSpec):
-        return GroupSpec(GroupKind.SLIDING_WINDOW, block_size, cacheable)
-    if type(spec).__name__ in ("CircularBufferSpec",):
-        return GroupSpec(GroupKind.RING_BUFFER, block_size, False)
-    return GroupSpec(GroupKind.FULL_ATTENTION, block_size, cacheable)
-
-
-def groups_of(kv_cache_config: KVCacheConfig, mamba_mode: str | None) -> tuple[GroupSpec, ...]:
-    """One :class:`GroupSpec` per engine KV-cache group, in the engine's order."""
-    return tuple(_group_spec(group.kv_cache_spec, mamba_mode) for group in kv_cache_config.kv_cache_groups)
-
-
-# -- what the scheduler tells the worker ---------------------------------------------------
-
-
-@dataclass
-class KVPipeMetadata(KVConnectorMetadata):
-    """One step's work: loads to run before the forward, saves after it (engine block ids)."""
-
-    loads: list[LoadRequest] = field(default_factory=list)
-    saves: list[SaveRequest] = field(default_factory=list)
-
-
-@dataclass
-class KVPipeStats(KVConnectorStats):
-    """Counters since the last report (saves submitted/dropped, objects put/existing/failed, loads)."""
-
-    def reset(self) -> None:
-        self.data = {}
-
-    def aggregate(self, other: KVConnectorStats) -> KVConnectorStats:
-        for name, value in other.data.items():
-            self.data[name] = self.data.get(name, 0) + value
-        return self
-
-    def reduce(self) -> dict[str, int | float]:
-        return dict(self.data)
-
-    def is_empty(self) -> bool:
-        return not any(self.data.values())
-
-
 @dataclass
 class _Tracked:
     """Scheduler-side state of one running request."""
 
     request: Request
     saved_tokens: int | None = None  # None until it is first scheduled
-
-
-# -- the connector -------------------------------------------------------------------------
 
 
 class KVPipeConnector(KVConnectorBase_V1, SupportsHMA):

@@ -1,0 +1,48 @@
+"""kvpipe as a vLLM 0.32 KV connector: save KV-cache blocks into Mooncake Store, load hits back.
+
+Load it with::
+
+    KVTransferConfig(kv_connector="KVPipeConnector", kv_connector_module_path="kvpipe.connector.vllm",
+                     kv_role="kv_both", kv_connector_extra_config={...})
+
+``kv_connector_extra_config`` (validated by :class:`ConnectorSettings`; unknown keys are errors):
+
+- ``store``: ``{kind: mooncake, master: "host:port", metadata_server: ..., ...}`` or
+  ``{kind: memory}`` (in-process only, for unit use). Without it the store comes from
+  vLLM's Mooncake JSON (``MOONCAKE_CONFIG_PATH``), so existing vLLM setups work as they are.
+- ``enable_group_semantics`` (true/false, strict), ``cache_prefix``, ``queue_capacity``,
+  ``max_buffers_per_call``, ``staging_blocks``.
+- ``config``: a kvpipe YAML file whose ``store`` and ``save`` sections give defaults;
+  keys given inline override them.
+
+How it works:
+
+- Each role opens its own store client: in vLLM's default multiprocess mode the scheduler
+  and the worker live in different processes. The scheduler only asks ``batch_is_exist``
+  (it mounts no segment); the worker stores.
+- Scheduler: ``get_num_new_matched_tokens`` is one ``batch_is_exist`` over the request's
+  chunk keys for every TP rank (:func:`~kvpipe.stages.longest_stored_prefix`); loads are
+  synchronous. ``build_connector_meta`` plans, per request, the load (once) and the save
+  of the chunks completed by the end of this step, each chunk offered once.
+- Worker: at the end of a step (``wait_for_save``) the blocks to save are copied into a
+  staging area the connector owns, and a :class:`~kvpipe.stages.SaveRequest` over the
+  staging slots goes to the save pipeline (``SyncPipeline`` with ``when_full="drop"``).
+  The step never waits on the store, and vLLM may reuse the engine blocks at once; the
+  slots are freed when the save job completes. With no free slot a save is dropped and
+  counted. Loads run synchronously in ``start_load_kv`` through the load pipeline;
+  blocks that failed go to ``get_block_ids_with_load_errors``.
+"""
+
+from .connector import KVPipeConnector
+from .engine_cache import groups_of
+from .messages import KVPipeMetadata, KVPipeStats
+from .settings import ConnectorSettings, settings_from
+
+__all__ = [
+    "ConnectorSettings",
+    "KVPipeConnector",
+    "KVPipeMetadata",
+    "KVPipeStats",
+    "groups_of",
+    "settings_from",
+]
