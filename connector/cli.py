@@ -25,9 +25,10 @@ from kvpipe.pipeline.config import describe_validation_error, load_yaml
 
 from .master import MasterError
 from .mooncake import MooncakeError
-from .run.config import RunConfig, apply_override, without_store_tag
+from .run.config import RunConfig, apply_override
 from .run.job import RunResult, run
 from .run.report import ProgressLine, summary_table
+from .stores import without_store_tag
 
 USAGE_ERROR = 2
 

@@ -27,6 +27,15 @@ class MemoryStoreConfig(BaseModel):
     lease_ttl_s: float = Field(5.0, ge=0)
     group_ids_supported: bool = True  # False: present as a Mooncake without group ids
 
+    def build(self) -> MemoryStore:
+        return MemoryStore(
+            self.capacity,
+            high_watermark=self.high_watermark,
+            eviction_ratio=self.eviction_ratio,
+            lease_ttl_s=self.lease_ttl_s,
+            group_ids_supported=self.group_ids_supported,
+        )
+
 
 class MooncakeStoreConfig(MooncakeSettings):
     """The real Mooncake client (a spawned local master by default).
@@ -50,18 +59,19 @@ class MooncakeStoreConfig(MooncakeSettings):
 StoreConfig = Annotated[MemoryStoreConfig | MooncakeStoreConfig, Field(discriminator="kind")]
 
 
+def without_store_tag(loc: tuple[str | int, ...]) -> tuple[str | int, ...]:
+    """``store.memory.capacity`` -> ``store.capacity``: the kind is already in the file."""
+    if len(loc) > 1 and loc[0] == "store" and loc[1] in ("memory", "mooncake"):
+        return (loc[0], *loc[2:])
+    return loc
+
+
 @contextmanager
 def open_store(config: MemoryStoreConfig | MooncakeStoreConfig) -> Iterator[Store]:
     """The configured store, closed (and a spawned master stopped) on exit."""
     store: Store
     if isinstance(config, MemoryStoreConfig):
-        store = MemoryStore(
-            config.capacity,
-            high_watermark=config.high_watermark,
-            eviction_ratio=config.eviction_ratio,
-            lease_ttl_s=config.lease_ttl_s,
-            group_ids_supported=config.group_ids_supported,
-        )
+        store = config.build()
     else:
         store = MooncakeStore.open(config)
     try:

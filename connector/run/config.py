@@ -95,13 +95,6 @@ class SaveConfig(_Section):
     when_full: WhenFull = WhenFull.WAIT
 
 
-def without_store_tag(loc: tuple[str | int, ...]) -> tuple[str | int, ...]:
-    """``store.memory.capacity`` -> ``store.capacity``: the kind is already in the file."""
-    if len(loc) > 1 and loc[0] == "store" and loc[1] in ("memory", "mooncake"):
-        return (loc[0], *loc[2:])
-    return loc
-
-
 class RunConfig(_Section):
     store: StoreConfig = Field(default_factory=MemoryStoreConfig)
     model: ModelConfig = Field(default_factory=ModelConfig)

@@ -17,7 +17,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
 from kvpipe.pipeline import Job, SyncPipeline
-from kvpipe.stages import SaveRequest, StoreGroup
+from kvpipe.stages import SaveRequest, StoreGroup, full_chunks, tail_chunks
 
 from .synthetic import SyntheticCache
 from .workload import Request, chain_hashes
@@ -137,26 +137,9 @@ class Engine:
         else:
             live.computed = min(total, before + self._pacing.decode_tokens_per_step)
         live.finished = live.computed == total
-        self._write_kv(live, before)
         bs = self._block_size
         if live.computed // bs > before // bs or live.finished:
             self._save(live)
-
-    def _write_kv(self, live: _Live, before: int) -> None:
-        """Compute (fill) the blocks completed in this step, and the tail block at the end."""
-        bs, hbs = self._block_size, self._hash_block_size
-        done = [
-            (index, live.hashes[(index + 1) * bs // hbs - 1])
-            for index in range(before // bs, live.computed // bs)
-        ]
-        tail_end = (live.computed // hbs) * hbs
-        if live.finished and tail_end > (live.computed // bs) * bs:
-            done.append((live.computed // bs, live.hashes[tail_end // hbs - 1]))
-        for group in self._groups:
-            for rank in range(len(self._cache.kv.shards)):
-                for index, object_hash in done:
-                    block_id = live.block_ids[group.engine_group][index]
-                    self._cache.fill_block(rank, group.engine_group, block_id, object_hash)
 
     def _save(self, live: _Live) -> None:
         request = SaveRequest(
@@ -167,10 +150,23 @@ class Engine:
             num_saved_tokens=live.saved,
             finished=live.finished,
         )
+        self._write_kv(request)
         live.saved = live.computed
         live.open_jobs += 1
         self.totals.save_requests += 1
         self._pipeline.submit(request)
+
+    def _write_kv(self, request: SaveRequest) -> None:
+        """Compute (fill) the blocks this save offers: new complete chunks, and the tail at the end.
+
+        The chunks come from the save stages' own arithmetic, so the engine fills
+        exactly the blocks the pipeline will read.
+        """
+        hbs = self._hash_block_size
+        for group in self._groups:
+            for chunk in (*full_chunks(request, group, hbs), *tail_chunks(request, group, hbs)):
+                for rank in range(len(self._cache.kv.shards)):
+                    self._cache.fill_block(rank, group.engine_group, chunk.block_id, chunk.chunk_hash)
 
     def _settle(self, jobs: Sequence[Job]) -> None:
         for job in jobs:

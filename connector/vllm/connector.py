@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import threading
+import time
 import weakref
 from collections import Counter, deque
 from collections.abc import Mapping, Sequence
@@ -456,8 +457,6 @@ class KVPipeConnector(KVConnectorBase_V1, SupportsHMA):
 
     def drain(self, timeout_s: float = 10.0) -> bool:
         """Wait until every submitted save has completed (for tests and shutdown)."""
-        import time
-
         deadline = time.monotonic() + timeout_s
         while self._job_slots and time.monotonic() < deadline:
             self._reap()
@@ -492,11 +491,5 @@ _MEMORY_STORES: dict[str, MemoryStore] = {}
 def _shared_memory_store(config: MemoryStoreConfig) -> MemoryStore:
     key = config.model_dump_json()
     if key not in _MEMORY_STORES:
-        _MEMORY_STORES[key] = MemoryStore(
-            config.capacity,
-            high_watermark=config.high_watermark,
-            eviction_ratio=config.eviction_ratio,
-            lease_ttl_s=config.lease_ttl_s,
-            group_ids_supported=config.group_ids_supported,
-        )
+        _MEMORY_STORES[key] = config.build()
     return _MEMORY_STORES[key]

@@ -6,13 +6,14 @@ from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
-import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
+from kvpipe.pipeline import BuildError
+from kvpipe.pipeline.config import describe_validation_error, load_yaml
 from kvpipe.stages import StrictFlag
 from kvpipe.stages.flags import ConfigError
 
-from ..stores import StoreConfig
+from ..stores import StoreConfig, without_store_tag
 
 
 class ConnectorSettings(BaseModel):
@@ -36,9 +37,9 @@ def settings_from(extra: Mapping[str, Any] | None) -> ConnectorSettings:
     if extra.get("config"):
         path = Path(str(extra["config"]))
         try:
-            loaded = yaml.safe_load(path.read_text()) or {}
-        except (OSError, yaml.YAMLError) as exc:
-            raise ConfigError(f"kv_connector_extra_config.config: cannot read {str(path)!r}: {exc}") from None
+            loaded = load_yaml(path) or {}
+        except BuildError as exc:
+            raise ConfigError(f"kv_connector_extra_config.config: {exc}") from None
         if not isinstance(loaded, dict):
             raise ConfigError(f"kv_connector_extra_config.config: {str(path)!r} must hold a mapping")
         if "store" in loaded:
@@ -50,8 +51,6 @@ def settings_from(extra: Mapping[str, Any] | None) -> ConnectorSettings:
     try:
         return ConnectorSettings.model_validate(document)
     except ValidationError as exc:
-        lines = []
-        for problem in exc.errors():
-            where = ".".join(str(part) for part in problem["loc"])
-            lines.append(f"kv_connector_extra_config.{where}: {problem['msg']}, got {problem['input']!r}")
-        raise ConfigError("\n".join(lines)) from None
+        raise ConfigError(
+            describe_validation_error(exc, "kv_connector_extra_config", without_store_tag)
+        ) from None
