@@ -429,7 +429,9 @@ def test_eviction_takes_whole_groups(make_kv: Callable[..., Kv]) -> None:
         put_until_stored(kv.store, keys, src, 256 * KiB, group_ids=[gid] * len(keys))
     survivors = {gid: sum(kv.exists(*keys)) for gid, keys in groups.items()}
     assert set(survivors.values()) <= {0, 4}, survivors
-    assert 0 in survivors.values() and survivors["g47"] == 4
+    # Evicted whole, and some kept whole. Not necessarily the newest group: the real
+    # store's background eviction may take a group right after its put (MOONCAKE race).
+    assert 0 in survivors.values() and 4 in survivors.values(), survivors
 
 
 def test_reading_one_member_keeps_its_whole_group_through_eviction(make_kv: Callable[..., Kv]) -> None:
