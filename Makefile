@@ -9,13 +9,16 @@ STAMP  := $(VENV)/.installed
 
 CONFIG ?= configs/default.yaml
 
-.PHONY: run test vllm-demo install system-deps clean
+.PHONY: run test bench vllm-demo install system-deps clean
 
 run: $(STAMP)
 	$(VENV)/bin/kvpipe run $(CONFIG) $(ARGS)
 
 test: $(STAMP)
 	$(PY) -m pytest $(PYTEST_ARGS)
+
+bench: $(STAMP)
+	$(VENV)/bin/kvpipe bench $(ARGS)
 
 vllm-demo: $(STAMP)
 	$(PY) examples/vllm_demo.py
@@ -36,7 +39,7 @@ system-deps:
 $(STAMP): pyproject.toml | system-deps
 	$(PYTHON) -m venv $(VENV)
 	$(PIP) install -q torch==2.13.0
-	$(PIP) install -q -e '.[dev,mooncake,vllm]'
+	$(PIP) install -q -e '.[dev,mooncake,vllm,bench]'
 	$(PIP) uninstall -y -q torchvision torchaudio torchcodec
 	touch $@
 

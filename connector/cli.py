@@ -1,6 +1,7 @@
 """The ``kvpipe`` command line.
 
 ``kvpipe run CONFIG [--json] [--set dotted.path=value ...] [--dump-objects FILE]``
+``kvpipe bench [WORKLOAD ...] [--quick] [--repeats N] [--out DIR] [--json]``
 
 Bad input (a missing file, malformed YAML, a wrong value, an unreachable master)
 is one line on stderr naming the field and the value, and exit code 2: no
@@ -68,6 +69,15 @@ def _parser() -> argparse.ArgumentParser:
         "--dump-objects", type=Path, metavar="FILE", help="write one JSON line per object"
     )
     run_parser.set_defaults(command=_run_command)
+    bench_parser = commands.add_parser("bench", help="the performance suite (see BENCHMARKS.md)")
+    bench_parser.add_argument("workloads", nargs="*", metavar="WORKLOAD", help="default: all, in order")
+    bench_parser.add_argument("--quick", action="store_true", help="tiny sizes: a smoke test, not figures")
+    bench_parser.add_argument("--repeats", type=int, default=5, help="rounds per contender (median)")
+    bench_parser.add_argument(
+        "--out", type=Path, default=Path("bench-results"), help="folder for JSON records and plots"
+    )
+    bench_parser.add_argument("--json", action="store_true", help="one JSON line per workload")
+    bench_parser.set_defaults(command=_bench_command)
     return parser
 
 
@@ -87,6 +97,24 @@ def _run_command(args: argparse.Namespace) -> int:
     if args.dump_objects is not None:
         _dump_objects(result, args.dump_objects)
     print(json.dumps(result.report) if args.json else summary_table(result.report))
+    return 0
+
+
+def _bench_command(args: argparse.Namespace) -> int:
+    from .bench import WORKLOADS, BenchOptions
+    from .bench.suite import run_suite, unknown_workloads
+
+    if unknown := unknown_workloads(args.workloads):
+        raise UsageError(f"workload: unknown {unknown[0]!r}; choose from {', '.join(WORKLOADS)}")
+    if args.repeats < 1:
+        raise UsageError(f"--repeats: must be >= 1, got {args.repeats}")
+    if args.out.exists() and not args.out.is_dir():
+        raise UsageError(f"--out: {str(args.out)!r} is a file, not a folder")
+    options = BenchOptions(quick=args.quick, repeats=args.repeats, out_dir=args.out)
+    results = run_suite(args.workloads, options, as_json=args.json)
+    missed = [target.name for result in results for target in result.targets if not target.met]
+    if missed:
+        print(f"kvpipe bench: {len(missed)} target(s) missed: {', '.join(missed)}", file=sys.stderr)
     return 0
 
 

@@ -232,6 +232,10 @@ class MemoryStore:
     def supports_group_ids(self) -> bool:
         return self._supports_group_ids
 
+    @property
+    def local_transfers(self) -> bool:
+        return True  # puts are memcpy into this process
+
     def new_replicate_config(self) -> LegacyReplicateConfig:
         return self._config_cls()
 

@@ -508,6 +508,13 @@ class MooncakeStore:
     def supports_group_ids(self) -> bool:
         return self._supports_group_ids
 
+    @property
+    def local_transfers(self) -> bool:
+        # A client that mounts a segment is taken to be a store of one host: the
+        # master places its puts there and the transfer engine copies with memcpy.
+        # Without one (vLLM's standalone-store mode) every put goes to a peer.
+        return self.settings.global_segment_size > 0 and self.settings.protocol == "tcp"
+
     def new_replicate_config(self) -> Any:
         return self._config_cls()
 

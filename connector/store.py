@@ -92,14 +92,6 @@ class Store(ObjectStore, Protocol):
         """Remove every object that is not leased; returns how many were removed."""
         ...
 
-    def register_buffer(self, addr: int, nbytes: int) -> int:
-        """Make ``nbytes`` at ``addr`` usable by puts and gets. 0 or negative."""
-        ...
-
-    def unregister_buffer(self, addr: int) -> int:
-        """Forget a registration made at ``addr``. 0, or -600 if there is none."""
-        ...
-
     def close(self) -> None:
         """Release the client. Idempotent; later calls return -900."""
         ...

@@ -6,7 +6,14 @@ submit makes it 1; each emit adds one per destination *before* the item is queue
 the end of each item's processing (forwarded, dropped, failed or raised) takes one
 away. The job completes when it reaches zero, which is exactly when no work
 derived from it can happen any more, across fan-out, batches mixing jobs, drops
-and errors. A KV connector uses that moment to release a request's blocks.
+and errors. A KV connector uses that moment to learn what became of a request's blocks.
+
+A second number, ``borrowing``, counts only the items that may still read
+memory the submitter lent with the item (a KV connector's blocks). A stage that
+copied what it needed (a gather into its own staging) emits with
+``released=True``, and that item and everything derived from it stop counting.
+The job is *released* when ``borrowing`` reaches zero: often long before it
+completes, while the slow network put still runs. Completing releases too.
 
 All bookkeeping happens on the pipeline's event-loop thread, so it needs no locks;
 other threads only wait on the job (:meth:`Job.wait`) or read it once done.
@@ -54,9 +61,12 @@ class Job:
         "succeeded_units",
         "dropped_items",
         "pending",
+        "borrowing",
+        "released_at",
         "_finished",
         "_async_finished",
         "_callbacks",
+        "_release_callbacks",
     )
 
     def __init__(self, item: Any) -> None:
@@ -74,6 +84,9 @@ class Job:
         self._finished: threading.Event | None = None
         self._async_finished: anyio.Event | None = None
         self._callbacks: list[Callable[[Job], None]] = []
+        self.borrowing = 0
+        self.released_at: float | None = None
+        self._release_callbacks: list[Callable[[Job], None]] = []
 
     def __repr__(self) -> str:
         state = self.outcome.value if self.outcome else f"pending={self.pending}"
@@ -112,7 +125,28 @@ class Job:
         else:
             self._callbacks.append(callback)
 
+    @property
+    def released(self) -> bool:
+        """Whether nothing derived from the item still reads what the submitter lent."""
+        return self.released_at is not None
+
+    def add_release_callback(self, callback: Callable[[Job], None]) -> None:
+        """Run ``callback(job)`` on the loop thread once released (at once if it is)."""
+        if self.released:
+            callback(self)
+        else:
+            self._release_callbacks.append(callback)
+
     # -- bookkeeping, called by the runtime on the loop thread ---------------
+
+    def release(self) -> None:
+        """Mark the submitter's memory free (once); the runtime calls it."""
+        if self.released_at is not None:
+            return
+        self.released_at = time.monotonic()
+        callbacks, self._release_callbacks = self._release_callbacks, []
+        for callback in callbacks:
+            callback(self)
 
     def record_failure(self, error: str | BaseException, units: int = 1) -> None:
         self.failed_units += units
@@ -123,6 +157,7 @@ class Job:
         """End the job; the outcome follows from its units unless given."""
         if self.done:
             return
+        self.release()  # nothing derived from the item runs any more
         if outcome is None:
             if self.failed_units == 0:
                 outcome = Outcome.OK
@@ -156,11 +191,20 @@ class JobTracker:
 
     def open(self, job: Job) -> Job:
         job.pending = 1
+        job.borrowing = 1
         self._open[job.id] = job
         return job
 
-    def settle(self, job: Job) -> None:
-        """One derived item of ``job`` is finished; complete the job at zero."""
+    def settle(self, job: Job, borrowed: bool = True) -> None:
+        """One derived item of ``job`` is finished; complete the job at zero.
+
+        ``borrowed``: the item was at a stage that may read the submitter's
+        memory; the job is released when the last such item is finished.
+        """
+        if borrowed:
+            job.borrowing -= 1
+            if job.borrowing == 0:
+                job.release()
         job.pending -= 1
         if job.pending == 0:
             self._finish(job, None)

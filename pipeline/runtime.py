@@ -37,9 +37,13 @@ from .stage import DEFAULT_PORT, BatchEntry, BatchStage
 
 log = structlog.get_logger("kvpipe.pipeline")
 
-Envelope = tuple[Job, Any]
+#: (job, item, borrows): ``borrows`` says the item may read what the submitter lent
+Envelope = tuple[Job, Any, bool]
 SendStream = MemoryObjectSendStream[Envelope]
 ReceiveStream = MemoryObjectReceiveStream[Envelope]
+
+#: Where a port's items go: the inboxes of the stages it feeds.
+Outs = dict[str, list[SendStream]]
 
 #: A worker that always finds its inbox non-empty yields to the loop this often,
 #: so a busy stage cannot starve the others (receive_nowait never yields).
@@ -49,22 +53,26 @@ _YIELD_EVERY = 64
 class _Emit:
     """The :class:`~kvpipe.pipeline.stage.Emit` handle for one input item."""
 
-    __slots__ = ("_node", "_job", "_outs", "acted")
+    __slots__ = ("_node", "_job", "_outs", "_borrows", "acted")
 
-    def __init__(self, node: _Node, job: Job, outs: dict[str, list[SendStream]]) -> None:
+    def __init__(self, node: _Node, job: Job, outs: Outs, borrows: bool) -> None:
         self._node = node
         self._job = job
         self._outs = outs
+        self._borrows = borrows
         self.acted = False  # emitted, dropped, failed or succeeded anything
 
-    async def __call__(self, item: Any, port: str = DEFAULT_PORT) -> None:
+    async def __call__(self, item: Any, port: str = DEFAULT_PORT, *, released: bool = False) -> None:
         try:
             targets = self._outs[port]
         except KeyError:
             raise ValueError(f"stage {self._node.name!r} has no output port {port!r}") from None
         self.acted = True
         job = self._job
-        envelope = (job, item)
+        borrows = self._borrows and not released
+        envelope = (job, item, borrows)
+        if borrows:
+            job.borrowing += len(targets)
         for send in targets:
             job.pending += 1
             try:
@@ -74,7 +82,7 @@ class _Emit:
                     await send.send(envelope)
                 except BaseException:
                     job.pending -= 1
-                    raise
+                    raise  # the job ends as cancelled, which releases it whatever ``borrowing`` says
         self._node.metrics.items_out += 1
 
     def drop(self, reason: str) -> None:
@@ -192,9 +200,9 @@ class Pipeline:
                 # No checkpoint when there is room: a burst of submits fills the
                 # entry queue before the workers run, and they then take items
                 # in runs instead of waking once per item.
-                self._entry.send_nowait((job, item))
+                self._entry.send_nowait((job, item, True))
             except anyio.WouldBlock:
-                await self._entry.send((job, item))
+                await self._entry.send((job, item, True))
         except (anyio.ClosedResourceError, anyio.BrokenResourceError):
             self.jobs.end(job, Outcome.FAILED, "pipeline closed")
             raise PipelineClosed(f"{self.name} is closed") from None
@@ -207,7 +215,7 @@ class Pipeline:
         """Queue ``item`` if the entry has room now; None if it is full."""
         job = self._open(item)
         try:
-            self._entry.send_nowait((job, item))
+            self._entry.send_nowait((job, item, True))
         except anyio.WouldBlock:
             self.jobs.end(job, Outcome.DROPPED)
             return None
@@ -225,9 +233,9 @@ class Pipeline:
         """Queue an adopted job's item; the job ends as failed if the pipeline is closed."""
         try:
             try:
-                self._entry.send_nowait((job, job.item))
+                self._entry.send_nowait((job, job.item, True))
             except anyio.WouldBlock:
-                await self._entry.send((job, job.item))
+                await self._entry.send((job, job.item, True))
         except (anyio.ClosedResourceError, anyio.BrokenResourceError):
             self.jobs.end(job, Outcome.FAILED, "pipeline closed")
 
@@ -293,27 +301,27 @@ class Pipeline:
                 node.inbox_send.close()
             node.inbox.close()
 
-    async def _run_worker(self, node: _Node, inbox: ReceiveStream, outs: dict[str, list[SendStream]]) -> None:
+    async def _run_worker(self, node: _Node, inbox: ReceiveStream, outs: Outs) -> None:
         stage = node.spec.stage
         metrics = node.metrics
         with inbox, _closing_all(outs):
             since_yield = 0
             while True:
                 try:
-                    job, item = inbox.receive_nowait()
+                    job, item, borrows = inbox.receive_nowait()
                     since_yield += 1
                     if since_yield >= _YIELD_EVERY:
                         since_yield = 0
                         await anyio.lowlevel.checkpoint()
                 except anyio.WouldBlock:
                     try:
-                        job, item = await inbox.receive()
+                        job, item, borrows = await inbox.receive()
                     except anyio.EndOfStream:
                         return
                 except anyio.EndOfStream:
                     return
                 metrics.items_in += 1
-                emit = _Emit(node, job, outs)
+                emit = _Emit(node, job, outs, borrows)
                 started = time.perf_counter()
                 try:
                     await stage.process(item, emit)  # type: ignore[union-attr]
@@ -321,11 +329,9 @@ class Pipeline:
                     self._item_raised(node, job, exc)
                 finally:
                     metrics.durations.append(time.perf_counter() - started)
-                self._settle(node, job, emit)
+                self._settle(node, job, emit, borrows)
 
-    async def _run_batch_worker(
-        self, node: _Node, inbox: ReceiveStream, outs: dict[str, list[SendStream]]
-    ) -> None:
+    async def _run_batch_worker(self, node: _Node, inbox: ReceiveStream, outs: Outs) -> None:
         stage = node.spec.stage
         assert isinstance(stage, BatchStage)
         policy = node.spec.batch_policy
@@ -338,29 +344,29 @@ class Pipeline:
                     return
                 await _gather(inbox, batch, policy.max_items, policy.max_wait_s)
                 metrics.items_in += len(batch)
-                emits = [_Emit(node, job, outs) for job, _ in batch]
+                emits = [_Emit(node, job, outs, borrows) for job, _, borrows in batch]
                 started = time.perf_counter()
                 try:
                     await stage.process_batch(
-                        [BatchEntry(item, emit) for (_, item), emit in zip(batch, emits, strict=True)]
+                        [BatchEntry(item, emit) for (_, item, _), emit in zip(batch, emits, strict=True)]
                     )
                 except Exception as exc:
-                    for job, _ in batch:
+                    for job, _, _ in batch:
                         self._item_raised(node, job, exc)
                 finally:
                     metrics.durations.append(time.perf_counter() - started)
-                for (job, _), emit in zip(batch, emits, strict=True):
-                    self._settle(node, job, emit)
+                for (job, _, borrows), emit in zip(batch, emits, strict=True):
+                    self._settle(node, job, emit, borrows)
 
     def _item_raised(self, node: _Node, job: Job, exc: Exception) -> None:
         node.metrics.errors += 1
         job.record_failure(exc)
         log.warning("stage raised", stage=node.name, job=job.id, error=f"{type(exc).__name__}: {exc}")
 
-    def _settle(self, node: _Node, job: Job, emit: _Emit) -> None:
+    def _settle(self, node: _Node, job: Job, emit: _Emit, borrows: bool) -> None:
         if not emit.acted and not node.spec.stage.ports:
             job.succeeded_units += 1  # a sink that took the item without complaint
-        self.jobs.settle(job)
+        self.jobs.settle(job, borrows)
 
 
 async def _gather(inbox: ReceiveStream, batch: list[Envelope], max_items: int, max_wait_s: float) -> None:
@@ -387,7 +393,7 @@ async def _gather(inbox: ReceiveStream, batch: list[Envelope], max_items: int, m
 class _closing_all:
     """Close every send stream of ``outs`` on exit, so downstream sees end-of-stream."""
 
-    def __init__(self, outs: dict[str, list[SendStream]]) -> None:
+    def __init__(self, outs: Outs) -> None:
         self._outs = outs
 
     def __enter__(self) -> None:

@@ -5,9 +5,11 @@ list of items the runtime gathered for it (``BatchStage.process_batch``). It nev
 sees queues or jobs. Everything it does to the outside world goes through the
 :class:`Emit` handle it is given with each item:
 
-``await emit(item, port)``
+``await emit(item, port, released=False)``
     Forward a derived item on one of the stage's named output ports. It is async
     because the downstream queue is bounded: a slow consumer slows the producer.
+    ``released=True`` says the item no longer reads memory the submitter lent
+    (the stage copied it), so the job can be released before it completes.
 ``emit.drop(reason)``
     Say that this input is deliberately not forwarded (a filter's "already
     stored"). It is counted, never an error.
@@ -48,7 +50,7 @@ DEFAULT_PORT = "out"
 class Emit(Protocol):
     """The handle through which a stage reports what became of one input item."""
 
-    async def __call__(self, item: Any, port: str = DEFAULT_PORT) -> None: ...
+    async def __call__(self, item: Any, port: str = DEFAULT_PORT, *, released: bool = False) -> None: ...
 
     def drop(self, reason: str) -> None: ...
 

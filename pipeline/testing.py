@@ -19,14 +19,17 @@ from .stage import DEFAULT_PORT, BatchEntry
 @dataclass
 class RecordingEmit:
     emitted: defaultdict[str, list[Any]] = field(default_factory=lambda: defaultdict(list))
+    released: list[Any] = field(default_factory=list)  # items emitted with released=True
     dropped: list[str] = field(default_factory=list)
     failures: list[str | BaseException] = field(default_factory=list)
     failed_units: int = 0
     succeeded_units: int = 0
     counts: Counter[str] = field(default_factory=Counter)
 
-    async def __call__(self, item: Any, port: str = DEFAULT_PORT) -> None:
+    async def __call__(self, item: Any, port: str = DEFAULT_PORT, *, released: bool = False) -> None:
         self.emitted[port].append(item)
+        if released:
+            self.released.append(item)
 
     def drop(self, reason: str) -> None:
         self.dropped.append(reason)

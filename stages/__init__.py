@@ -10,6 +10,7 @@ from .collect import FullChunksStage, TailStage, chunk_records
 from .default_pipeline import DEFAULT_SAVE_PIPELINE, default_save_graph
 from .filter import FilterStage
 from .flags import ConfigError, StrictFlag, parse_flag
+from .gather import GatherParams, GatherStage
 from .group_ids import GroupIdsParams, GroupIdsStage
 from .keys import GROUP_ID_SCOPE, group_id, key_model_name, object_key
 from .load import LoadObserver, LoadParams, LoadRequest, LoadStage, LoadTarget, ReadableStore, load_targets
@@ -41,14 +42,17 @@ from .model import (
     Region,
     SaveRequest,
     Shard,
+    StagedCopy,
     StoreGroup,
     StoreObject,
+    spans,
 )
 from .outcomes import ObjectObserver, ObjectStatus, Outcomes
 from .project import ProjectStage
 from .projection import ProjectionError, project_groups, storable_groups
 from .put import PutParams, PutStage, split_into_calls
 from .registry import KV_STAGES
+from .staging import StagingError, StagingPool, StagingSlot, copy_into_slots
 from .store import Code, ObjectStore, describe
 
 __all__ = [
@@ -83,6 +87,8 @@ __all__ = [
     "ConfigError",
     "FilterStage",
     "FullChunksStage",
+    "GatherParams",
+    "GatherStage",
     "GroupIdsParams",
     "GroupIdsStage",
     "GroupKind",
@@ -100,8 +106,12 @@ __all__ = [
     "PutStage",
     "Records",
     "Region",
+    "StagedCopy",
     "SaveRequest",
     "Shard",
+    "StagingError",
+    "StagingPool",
+    "StagingSlot",
     "StoreGroup",
     "StoreObject",
     "StrictFlag",
@@ -109,11 +119,13 @@ __all__ = [
     "chunk_records",
     "describe",
     "full_chunks",
+    "copy_into_slots",
     "group_id",
     "key_model_name",
     "object_key",
     "parse_flag",
     "project_groups",
+    "spans",
     "split_into_calls",
     "storable_groups",
     "tail_chunks",

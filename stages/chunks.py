@@ -31,8 +31,8 @@ class Chunk:
     tokens_end: int
 
 
-def full_chunks(request: SaveRequest, group: StoreGroup, hash_block_size: int) -> tuple[Chunk, ...]:
-    """The complete chunks of ``group`` not saved yet, in token order.
+def full_chunk_range(request: SaveRequest, group: StoreGroup, hash_block_size: int) -> range:
+    """The indexes of the complete chunks of ``group`` not saved yet.
 
     Chunk ``i`` covers tokens ``[i*bs, (i+1)*bs)``. It is due when it is computed,
     not wholly below ``num_saved_tokens``, its last hash block is hashed and its
@@ -40,22 +40,23 @@ def full_chunks(request: SaveRequest, group: StoreGroup, hash_block_size: int) -
     a later chunk is useless to a reader without the earlier ones.
     """
     block_size = group.spec.block_size
-    hashes_per_chunk = block_size // hash_block_size
-    block_ids = request.block_ids[group.engine_group]
-    first = request.num_saved_tokens // block_size
     end = min(
         request.num_computed_tokens // block_size,
-        len(request.block_hashes) // hashes_per_chunk,
-        len(block_ids),
+        len(request.block_hashes) // (block_size // hash_block_size),
+        len(request.block_ids[group.engine_group]),
     )
+    return range(request.num_saved_tokens // block_size, end)
+
+
+def full_chunks(request: SaveRequest, group: StoreGroup, hash_block_size: int) -> tuple[Chunk, ...]:
+    """The complete chunks of ``group`` not saved yet (:func:`full_chunk_range`), in token order."""
+    block_size = group.spec.block_size
+    hashes_per_chunk = block_size // hash_block_size
+    block_ids = request.block_ids[group.engine_group]
+    hashes = request.block_hashes
     return tuple(
-        Chunk(
-            group=group,
-            chunk_hash=request.block_hashes[(index + 1) * hashes_per_chunk - 1],
-            block_id=block_ids[index],
-            tokens_end=(index + 1) * block_size,
-        )
-        for index in range(first, end)
+        Chunk(group, hashes[(index + 1) * hashes_per_chunk - 1], block_ids[index], (index + 1) * block_size)
+        for index in full_chunk_range(request, group, hash_block_size)
     )
 
 

@@ -1,4 +1,4 @@
-"""The save pipeline ready-wired: project -> full | tail -> group_ids -> filter -> put.
+"""The save pipeline ready-wired: project -> full | tail -> group_ids -> filter -> gather -> put.
 
 The graph is written once, as the document a YAML file would hold
 (``configs/save-pipeline.yaml`` is the same graph, kept equal by a test), and
@@ -36,9 +36,16 @@ DEFAULT_SAVE_PIPELINE: dict[str, Any] = {
             "batch": {"max_items": 256, "max_wait_ms": 0},
         },
         {
+            "name": "gather",
+            "type": "gather",
+            "after": "filter",
+            "batch": {"max_items": 64, "max_wait_ms": 0},
+            "params": {"mode": "auto", "pool_bytes": 64 << 20},
+        },
+        {
             "name": "put",
             "type": "put",
-            "after": "filter",
+            "after": "gather",
             "batch": {"max_items": 64, "max_wait_ms": 0},
             "params": {"max_buffers_per_call": 2048},
         },
@@ -52,16 +59,19 @@ def default_save_graph(
     *,
     enable_group_semantics: bool | str = False,
     max_buffers_per_call: int = 2048,
+    gather: str = "auto",
     observer: ObjectObserver | None = None,
 ) -> Graph:
     """The default save graph over ``kv`` and ``store``.
 
     ``enable_group_semantics`` is parsed strictly (``"true"``/``"false"`` strings
-    accepted, anything else is an error naming the field). ``observer`` is told
+    accepted, anything else is an error naming the field). ``gather`` is the
+    gather stage's mode (``auto``, ``always``, ``never``). ``observer`` is told
     the final status of every object.
     """
     document = copy.deepcopy(DEFAULT_SAVE_PIPELINE)
     stages = {stage["name"]: stage for stage in document["stages"]}
     stages["group_ids"]["params"]["enable_group_semantics"] = enable_group_semantics
     stages["put"]["params"]["max_buffers_per_call"] = max_buffers_per_call
+    stages["gather"]["params"]["mode"] = gather
     return build_graph(document, KV_STAGES, {"kv": kv, "store": store, "observer": observer})

@@ -12,6 +12,8 @@ lowercase hex; ``g`` is the *store* group (the storable projection's numbering).
 
 from __future__ import annotations
 
+import functools
+
 from .model import KeyNamespace
 
 GROUP_ID_SCOPE = "vllm-mooncake-store"
@@ -35,9 +37,18 @@ def _model_scope(namespace: KeyNamespace) -> str:
 
 def object_key(namespace: KeyNamespace, store_group: int, chunk_hash: bytes) -> str:
     """The key of one rank's object of one store group for one chunk."""
+    return object_key_prefix(namespace, store_group) + chunk_hash.hex()
+
+
+@functools.lru_cache(maxsize=1024)
+def object_key_prefix(namespace: KeyNamespace, store_group: int) -> str:
+    """Everything of a key but the chunk hash; the same for every chunk of a rank's group.
+
+    Cached: a save formats one key per object, and all but the hash repeats.
+    """
     return (
         f"{_model_scope(namespace)}@tp_rank:{namespace.tp_rank}@pcp{namespace.pcp_rank}"
-        f"@dcp{namespace.dcp_rank}@pp_rank:{namespace.pp_rank}@group:{store_group}@{chunk_hash.hex()}"
+        f"@dcp{namespace.dcp_rank}@pp_rank:{namespace.pp_rank}@group:{store_group}@"
     )
 
 

@@ -26,7 +26,7 @@ from kvpipe.pipeline.stage import BatchEntry, BatchStage, Emit
 
 from .batch_calls import StoreCallError, call_per_key
 from .keys import object_key
-from .model import KVCache, Shard, StoreGroup, StoreObject
+from .model import KVCache, Shard, StoreGroup, StoreObject, spans
 from .projection import storable_groups
 from .put import split_into_calls
 from .store import describe
@@ -243,8 +243,7 @@ class LoadStage(BatchStage):
         """One store call; settle every record of it in its own job."""
         records = [target.record for _, target in call]
         keys = [record.key for record in records]
-        ptrs = [[buffer.address for buffer in record.buffers] for record in records]
-        sizes = [[buffer.size for buffer in record.buffers] for record in records]
+        ptrs, sizes = zip(*(spans(record.buffers) for record in records), strict=True)
         try:
             results = await call_per_key(self, self._store.batch_get_into_multi_buffers, keys, ptrs, sizes)
         except StoreCallError as error:

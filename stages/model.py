@@ -12,10 +12,10 @@ store API wants are built from records inside the put call and nowhere else.
 
 from __future__ import annotations
 
-from collections.abc import Mapping, Sequence
+from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from enum import StrEnum
-from typing import NamedTuple
+from typing import NamedTuple, Protocol, overload
 
 
 class GroupKind(StrEnum):
@@ -66,13 +66,69 @@ class BlockLayout:
     """
 
     regions: tuple[Region, ...]
+    object_size: int = field(init=False, compare=False, repr=False)
+    sizes: tuple[int, ...] = field(init=False, compare=False, repr=False)
 
-    def buffers(self, block_id: int) -> tuple[Buffer, ...]:
-        return tuple(Buffer(r.base + block_id * r.bytes_per_block, r.bytes_per_block) for r in self.regions)
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "sizes", tuple(r.bytes_per_block for r in self.regions))
+        object.__setattr__(self, "object_size", sum(self.sizes))
 
-    @property
-    def object_size(self) -> int:
-        return sum(r.bytes_per_block for r in self.regions)
+    def buffers(self, block_id: int) -> BlockBuffers:
+        return BlockBuffers(self, block_id)
+
+
+class BlockBuffers(Sequence[Buffer]):
+    """The buffers of one block in every region of its layout, made when read.
+
+    A model with 64 layers gives 64 buffers per object; making them all for
+    every object costs more than the rest of a save's bookkeeping, and objects
+    that are gathered (or found stored) never need them one by one. The layout
+    and block id say the same in two fields, and let a gather compute every
+    address of a batch at once.
+    """
+
+    __slots__ = ("layout", "block_id")
+
+    def __init__(self, layout: BlockLayout, block_id: int) -> None:
+        self.layout = layout
+        self.block_id = block_id
+
+    def __len__(self) -> int:
+        return len(self.layout.regions)
+
+    @overload
+    def __getitem__(self, index: int) -> Buffer: ...
+
+    @overload
+    def __getitem__(self, index: slice) -> tuple[Buffer, ...]: ...
+
+    def __getitem__(self, index: int | slice) -> Buffer | tuple[Buffer, ...]:
+        if isinstance(index, slice):
+            return tuple(self)[index]
+        region = self.layout.regions[index]
+        return Buffer(region.base + self.block_id * region.bytes_per_block, region.bytes_per_block)
+
+    def addresses(self) -> list[int]:
+        block_id = self.block_id
+        return [region.base + block_id * region.bytes_per_block for region in self.layout.regions]
+
+    def __iter__(self) -> Iterator[Buffer]:
+        block_id = self.block_id
+        for region in self.layout.regions:
+            yield Buffer(region.base + block_id * region.bytes_per_block, region.bytes_per_block)
+
+    def __eq__(self, other: object) -> bool:
+        if isinstance(other, BlockBuffers):
+            return self.block_id == other.block_id and self.layout == other.layout
+        if isinstance(other, Sequence):
+            return tuple(self) == tuple(other)
+        return NotImplemented
+
+    def __hash__(self) -> int:
+        return hash(tuple(self))
+
+    def __repr__(self) -> str:
+        return f"BlockBuffers(block_id={self.block_id}, regions={len(self)})"
 
 
 @dataclass(frozen=True, slots=True)
@@ -143,20 +199,57 @@ class ProjectedRequest:
     groups: tuple[StoreGroup, ...]
 
 
+class StagedCopy(Protocol):
+    """A contiguous copy of an object's bytes (a staging slot), held until its put returns."""
+
+    @property
+    def address(self) -> int: ...
+
+    def release(self) -> None: ...
+
+
 @dataclass(frozen=True, slots=True)
 class StoreObject:
-    """One store object: everything about it in one immutable record."""
+    """One store object: everything about it in one immutable record.
+
+    ``buffers`` always say where the object lives in the engine's cache.
+    ``staging`` is set once the object was gathered into one contiguous copy:
+    the put sends that (:attr:`transfer_buffers`) and then releases it.
+    """
 
     key: str
     chunk_hash: bytes
     store_group: int
-    buffers: tuple[Buffer, ...]
+    buffers: Sequence[Buffer]
     group_id: str | None = None
     request_id: str = field(default="", compare=False)
+    staging: StagedCopy | None = field(default=None, compare=False, repr=False)
 
     @property
     def size(self) -> int:
+        if isinstance(self.buffers, BlockBuffers):
+            return self.buffers.layout.object_size
         return sum(b.size for b in self.buffers)
+
+    def transfer_spans(self) -> tuple[Sequence[int], Sequence[int]]:
+        """(addresses, sizes) of :attr:`transfer_buffers`, as the store's batch calls take them."""
+        if self.staging is not None:
+            return [self.staging.address], [self.size]
+        return spans(self.buffers)
+
+    @property
+    def transfer_buffers(self) -> Sequence[Buffer]:
+        """What a put reads: the staged copy if there is one, else the engine's buffers."""
+        if self.staging is not None:
+            return (Buffer(self.staging.address, self.size),)
+        return self.buffers
+
+
+def spans(buffers: Sequence[Buffer]) -> tuple[Sequence[int], Sequence[int]]:
+    """(addresses, sizes) of ``buffers``; for a block, without making a Buffer per region."""
+    if isinstance(buffers, BlockBuffers):
+        return buffers.addresses(), buffers.layout.sizes
+    return [buffer.address for buffer in buffers], [buffer.size for buffer in buffers]
 
 
 #: What flows between the collect, group_ids, filter and put stages: the records

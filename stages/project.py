@@ -12,7 +12,7 @@ from typing import Any, ClassVar
 
 from kvpipe.pipeline.stage import Emit, Stage
 
-from .chunks import full_chunks, tail_chunks
+from .chunks import full_chunk_range, tail_chunks
 from .model import KVCache, ProjectedRequest, SaveRequest
 from .projection import storable_groups
 
@@ -39,10 +39,12 @@ class ProjectStage(Stage):
                 f"the KV cache has {self._engine_groups}"
             )
         projected = ProjectedRequest(request=item, groups=self._groups)
-        routed = False
-        for port, select in ((FULL_PORT, full_chunks), (TAIL_PORT, tail_chunks)):
-            if any(select(item, group, self._hash_block_size) for group in self._groups):
-                await emit(projected, port)
-                routed = True
-        if not routed:
+        hash_block_size = self._hash_block_size
+        full = any(full_chunk_range(item, group, hash_block_size) for group in self._groups)
+        tail = item.finished and any(tail_chunks(item, group, hash_block_size) for group in self._groups)
+        if full:
+            await emit(projected, FULL_PORT)
+        if tail:
+            await emit(projected, TAIL_PORT)
+        if not (full or tail):
             emit.drop("nothing to save")

@@ -68,12 +68,12 @@ def split_into_calls(records: Sequence[StoreObject], max_buffers: int) -> list[l
         used += buffers
 
     for unit in chunks.values():
-        unit_buffers = sum(len(record.buffers) for record in unit)
+        unit_buffers = sum(len(record.transfer_buffers) for record in unit)
         if unit_buffers <= max_buffers:
             add(unit, unit_buffers)
         else:  # too big to keep together: fill calls record by record
             for record in unit:
-                add([record], len(record.buffers))
+                add([record], len(record.transfer_buffers))
     if current:
         calls.append(current)
     return calls
@@ -92,14 +92,23 @@ class PutStage(BatchStage):
         self._backoff = Backoff(params.backoff_initial_s, params.backoff_max_s)
 
     async def process_batch(self, batch: Sequence[BatchEntry[Records]]) -> None:
+        try:
+            await self._put_batch(batch)
+        finally:  # staged copies are no longer read once their put returned, whatever it said
+            for entry in batch:
+                for record in entry.item:
+                    if record.staging is not None:
+                        record.staging.release()
+
+    async def _put_batch(self, batch: Sequence[BatchEntry[Records]]) -> None:
         holders: dict[str, list[tuple[Emit, StoreObject]]] = {}
         for entry in batch:
             for record in entry.item:
-                if len(record.buffers) > self._max_buffers:
+                if len(record.transfer_buffers) > self._max_buffers:
                     self._outcomes.failed(
                         entry.emit,
                         record,
-                        f"put {record.key}: {len(record.buffers)} buffers exceed "
+                        f"put {record.key}: {len(record.transfer_buffers)} buffers exceed "
                         f"max_buffers_per_call={self._max_buffers}; not sent",
                     )
                 else:
@@ -131,8 +140,7 @@ class PutStage(BatchStage):
         if self._store.supports_group_ids and any(record.group_id for record in call):
             config.group_ids = [record.group_id or "" for record in call]
         keys = [record.key for record in call]
-        ptrs = [[buffer.address for buffer in record.buffers] for record in call]
-        sizes = [[buffer.size for buffer in record.buffers] for record in call]
+        ptrs, sizes = zip(*(record.transfer_spans() for record in call), strict=True)
         codes = await call_per_key(self, self._store.batch_put_from_multi_buffers, keys, ptrs, sizes, config)
         self._backoff.record(pressured=Code.NO_SPACE in codes)
         return codes

@@ -20,6 +20,7 @@ from kvpipe.pipeline.registry import NoParams, Resources, StageRegistry
 
 from .collect import FullChunksStage, TailStage
 from .filter import FilterStage
+from .gather import GatherParams, GatherStage
 from .group_ids import GroupIdsParams, GroupIdsStage
 from .load import LoadParams, LoadStage, ReadableStore
 from .lookup import LookupResultsStage, LookupStage
@@ -69,6 +70,11 @@ def _build_group_ids(params: GroupIdsParams, resources: Resources) -> GroupIdsSt
 @KV_STAGES.register("filter")
 def _build_filter(params: NoParams, resources: Resources) -> FilterStage:
     return FilterStage(_store(resources), resources.get("observer"))
+
+
+@KV_STAGES.register("gather", GatherParams)
+def _build_gather(params: GatherParams, resources: Resources) -> GatherStage:
+    return GatherStage(params, _kv(resources), _store(resources))
 
 
 @KV_STAGES.register("put", PutParams)

@@ -49,6 +49,16 @@ class ObjectStore(Protocol):
         """Whether replicate configs of this store accept ``group_ids``."""
         ...
 
+    @property
+    def local_transfers(self) -> bool:
+        """Whether puts are copies within this host's memory rather than network transfers.
+
+        Over a network every buffer of an object is a transfer of its own (about
+        30 us each over TCP), so gathering many small buffers into one pays; a
+        local copy costs little per buffer, and gathering first only adds a copy.
+        """
+        ...
+
     def new_replicate_config(self) -> Any:
         """A fresh replicate config. Never share one between calls: puts may overlap."""
         ...
@@ -69,4 +79,12 @@ class ObjectStore(Protocol):
 
     def remove(self, key: str) -> int:
         """Delete one object: 0, -704 if missing, -706 while a reader holds its lease."""
+        ...
+
+    def register_buffer(self, addr: int, nbytes: int) -> int:
+        """Make ``nbytes`` at ``addr`` usable by puts (staging memory). 0 or negative."""
+        ...
+
+    def unregister_buffer(self, addr: int) -> int:
+        """Forget a registration made at ``addr``. 0, or -600 if there is none."""
         ...

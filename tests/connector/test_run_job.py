@@ -63,7 +63,7 @@ def test_the_report_has_the_contract_fields():
     assert report["chunks"].keys() >= {"total", "complete", "partial", "absent"}
     assert report["verify"].keys() >= {"checked", "mismatches", "missing"}
     assert report.keys() >= {"requests", "bytes_put", "elapsed_s", "put_gbps", "stages"}
-    assert set(report["stages"]) == {"project", "full", "tail", "group_ids", "filter", "put"}
+    assert set(report["stages"]) == {"project", "full", "tail", "group_ids", "filter", "gather", "put"}
     assert report["stages"]["put"].keys() >= {"in", "out", "dropped", "errors", "p50_ms", "p99_ms"}
 
 

@@ -37,6 +37,10 @@ class RecordingStore:
     def supports_group_ids(self) -> bool:
         return self.inner.supports_group_ids
 
+    @property
+    def local_transfers(self) -> bool:
+        return self.inner.local_transfers
+
     def new_replicate_config(self) -> Any:
         return self.inner.new_replicate_config()
 
@@ -83,6 +87,7 @@ class ScriptedStore:
         self._exist = exist
         self._put = put
         self.supports_group_ids = supports_group_ids
+        self.local_transfers = True
         self.removed: list[str] = []
 
     def new_replicate_config(self) -> ScriptedConfig:

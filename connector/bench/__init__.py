@@ -1,0 +1,49 @@
+"""``kvpipe bench``: the performance suite, every figure a ratio measured in one run.
+
+Workloads (each a module with ``run(options) -> WorkloadResult``):
+
+``local``
+    Real Mooncake, puts into the client's own segment (the memcpy path), 2 MiB
+    objects of a few buffers: the save pipeline against a raw loop of
+    ``batch_is_exist`` + ``batch_put_from_multi_buffers`` over precomputed keys.
+``tcp``
+    The segment lives in another process, so every put crosses TCP loopback;
+    64 KiB objects of 64 per-layer buffers: the pipeline (with gather staging)
+    against the raw multi-buffer loop and a raw single-buffer put of the same bytes.
+``small-requests``
+    10,000 requests of 1-2 chunks, half already stored: the pipeline against the
+    sequential per-request design and the same raw logic batched 64 requests a call.
+``framework``
+    Five no-op stages: items/s, and submit latency from a foreign thread.
+``vllm``
+    The real vLLM engine, prefix-heavy prompts, store then reload: kvpipe's
+    connector against vLLM's MooncakeStoreConnector and no connector.
+``fragmentation``
+    Partial-chunk bytes over live bytes as the store's capacity shrinks, with
+    group semantics on and off (the shape of Mooncake RFC #2127's table).
+"""
+
+from __future__ import annotations
+
+import importlib
+from collections.abc import Callable
+
+from .result import BenchOptions, Target, WorkloadResult
+
+__all__ = ["WORKLOADS", "BenchOptions", "Target", "WorkloadResult", "workload_runner"]
+
+#: workload name -> the module (in this package) that runs it, in the suite's order
+WORKLOADS: dict[str, str] = {
+    "local": "local",
+    "tcp": "tcp",
+    "small-requests": "small_requests",
+    "framework": "framework",
+    "vllm": "vllm_prefix",
+    "fragmentation": "fragmentation",
+}
+
+
+def workload_runner(name: str) -> Callable[[BenchOptions], WorkloadResult]:
+    """The ``run`` function of workload ``name`` (imported on demand: some need vLLM)."""
+    module = importlib.import_module(f"{__name__}.{WORKLOADS[name]}")
+    return module.run

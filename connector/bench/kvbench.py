@@ -1,0 +1,197 @@
+"""What the store workloads share: a KV cache in real memory, requests, and the contenders.
+
+Every contender gets the same requests over the same memory. The raw loops get
+their keys and buffers precomputed (``records_of``, outside the timing), built by
+the same functions the pipeline's collect stage uses, so both send identical
+objects; the pipeline starts from the engine's :class:`SaveRequest`, as a
+connector would.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import time
+import warnings
+from collections.abc import Iterator, Sequence
+from contextlib import contextmanager
+from dataclasses import dataclass
+
+from kvpipe.connector.mooncake import MooncakeSettings, MooncakeStore
+from kvpipe.connector.store import Store
+from kvpipe.pipeline import SyncPipeline
+from kvpipe.stages import (
+    BlockLayout,
+    GroupKind,
+    GroupSpec,
+    KeyNamespace,
+    KVCache,
+    Region,
+    SaveRequest,
+    Shard,
+    StoreObject,
+    chunk_records,
+    default_save_graph,
+    full_chunks,
+    storable_groups,
+)
+
+with warnings.catch_warnings():  # this CPU torch build warns at import that numpy is absent
+    warnings.filterwarnings("ignore", message="Failed to initialize NumPy")
+    import torch
+
+MiB = 1 << 20
+BLOCK_TOKENS = 16
+
+
+class BenchError(RuntimeError):
+    """A contender did not store what it was given: its time would mean nothing."""
+
+
+@dataclass
+class BenchCache:
+    """``layers`` tensors of ``num_blocks`` blocks of ``buffer_bytes``: one buffer per layer per object."""
+
+    kv: KVCache
+    tensors: list[torch.Tensor]
+
+    @classmethod
+    def build(
+        cls, *, layers: int, buffer_bytes: int, num_blocks: int, model: str = "bench-model"
+    ) -> BenchCache:
+        # Filled, not just allocated, so no contender pays the first touch of the pages.
+        tensors = [
+            torch.full((num_blocks, buffer_bytes), layer + 1, dtype=torch.uint8) for layer in range(layers)
+        ]
+        layout = BlockLayout(tuple(Region(t.data_ptr(), buffer_bytes) for t in tensors))
+        spec = GroupSpec(GroupKind.FULL_ATTENTION, block_size=BLOCK_TOKENS)
+        kv = KVCache((spec,), BLOCK_TOKENS, (Shard(KeyNamespace(model), {0: layout}),))
+        return cls(kv, tensors)
+
+    @property
+    def num_blocks(self) -> int:
+        return self.tensors[0].shape[0]
+
+    @property
+    def object_bytes(self) -> int:
+        return sum(t.shape[1] for t in self.tensors)
+
+    @contextmanager
+    def registered(self, store: Store) -> Iterator[None]:
+        for tensor in self.tensors:
+            _check(store.register_buffer(tensor.data_ptr(), tensor.nbytes), "register_buffer")
+        try:
+            yield
+        finally:
+            for tensor in self.tensors:
+                store.unregister_buffer(tensor.data_ptr())
+
+    def requests(self, chunk_counts: Sequence[int], *, salt: str) -> list[SaveRequest]:
+        """One request per entry, with that many full chunks of its own (fresh hashes per ``salt``)."""
+        requests = []
+        block = 1
+        for index, chunks in enumerate(chunk_counts):
+            hashes = tuple(
+                hashlib.blake2b(f"{salt}/{index}/{c}".encode(), digest_size=16).digest()
+                for c in range(chunks)
+            )
+            ids = tuple((block + c) % self.num_blocks for c in range(chunks))
+            block += chunks
+            requests.append(
+                SaveRequest(f"{salt}-{index}", hashes, (ids,), num_computed_tokens=chunks * BLOCK_TOKENS)
+            )
+        return requests
+
+    def records_of(self, request: SaveRequest) -> tuple[StoreObject, ...]:
+        """The objects of ``request``, as the collect stage makes them."""
+        groups = storable_groups(self.kv)
+        chunks = [chunk for group in groups for chunk in full_chunks(request, group, self.kv.hash_block_size)]
+        return chunk_records(chunks, self.kv.shards, request.request_id)
+
+
+class PipelineContender:
+    """The default save pipeline on the sync bridge, started once and fed round after round.
+
+    Long-lived like a connector's: what a round measures is moving requests,
+    not starting threads or allocating the staging pool.
+    """
+
+    def __init__(self, cache: BenchCache, store: Store, *, gather: str = "auto") -> None:
+        self._bridge = SyncPipeline(default_save_graph(cache.kv, store, gather=gather), queue_capacity=4096)
+
+    def __enter__(self) -> PipelineContender:
+        self._bridge.start()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self._bridge.stop(deadline_s=60)
+
+    def round(self, requests: Sequence[SaveRequest]) -> float:
+        """Seconds from the first submit to the last job's end; BenchError if any object failed."""
+        started = time.perf_counter()
+        jobs = [self._bridge.submit(request) for request in requests]
+        for job in jobs:
+            job.wait()
+        elapsed = time.perf_counter() - started
+        failed = sum(job.counts["failed"] for job in jobs)
+        if failed:
+            first = next(job.first_error for job in jobs if job.counts["failed"])
+            raise BenchError(f"the pipeline failed {failed} objects, e.g. {first}")
+        return elapsed
+
+
+def put_records(store: Store, records: Sequence[StoreObject]) -> None:
+    """The raw logic for one batch: ask which exist, put the rest from their buffers."""
+    keys = [record.key for record in records]
+    missing = [
+        record for record, exists in zip(records, store.batch_is_exist(keys), strict=True) if exists != 1
+    ]
+    if missing:
+        codes = store.batch_put_from_multi_buffers(
+            [r.key for r in missing],
+            [[b.address for b in r.buffers] for r in missing],
+            [[b.size for b in r.buffers] for r in missing],
+            store.new_replicate_config(),
+        )
+        _check_all(codes, "batch_put_from_multi_buffers")
+
+
+def put_contiguous(store: Store, keys: Sequence[str], addresses: Sequence[int], size: int) -> None:
+    """The raw logic with one contiguous buffer per object (the single-buffer limit)."""
+    missing = [
+        (key, address)
+        for key, address, exists in zip(keys, addresses, store.batch_is_exist(keys), strict=True)
+        if exists != 1
+    ]
+    if missing:
+        codes = store.batch_put_from(
+            [key for key, _ in missing],
+            [a for _, a in missing],
+            [size] * len(missing),
+            store.new_replicate_config(),
+        )
+        _check_all(codes, "batch_put_from")
+
+
+def open_local_store(segment_bytes: int) -> MooncakeStore:
+    """A spawned master and one client whose own segment receives every put (memcpy path)."""
+    return MooncakeStore.open(MooncakeSettings(global_segment_size=segment_bytes, local_buffer_size=16 * MiB))
+
+
+def clear(store: Store) -> None:
+    """Remove every object between rounds, so each round stores from scratch."""
+    remove_all = store.remove_all
+    try:
+        remove_all(force=True)  # type: ignore[call-arg]  # MooncakeStore: leases don't block a cleanup
+    except TypeError:
+        remove_all()
+
+
+def _check(code: int, what: str) -> None:
+    if code != 0:
+        raise BenchError(f"{what} returned {code}")
+
+
+def _check_all(codes: Sequence[int], what: str) -> None:
+    bad = [code for code in codes if code not in (0, -705)]
+    if bad:
+        raise BenchError(f"{what} refused {len(bad)} of {len(codes)} objects, e.g. code {bad[0]}")

@@ -1,0 +1,60 @@
+"""local: puts into the client's own segment (Mooncake's memcpy path), 2 MiB objects.
+
+Each object is 4 per-layer buffers of 512 KiB. Contenders, alternating rounds,
+every round on an emptied store:
+- ``raw``: per request, ``batch_is_exist`` then ``batch_put_from_multi_buffers``
+  of the missing objects, keys and buffers precomputed, one request after another;
+- ``pipeline``: the default save graph fed the engine's requests through the sync
+  bridge (auto gather leaves buffers this large alone).
+Target: pipeline >= 0.9x raw throughput.
+"""
+
+from __future__ import annotations
+
+from .kvbench import BenchCache, MiB, PipelineContender, clear, open_local_store, put_records
+from .result import BenchOptions, Target, WorkloadResult
+from .timing import alternate, seconds
+
+LAYERS = 4
+BUFFER_BYTES = 512 * 1024
+
+
+def run(options: BenchOptions) -> WorkloadResult:
+    requests_count, chunks = (8, 4) if options.quick else (64, 8)
+    repeats = 1 if options.quick else options.repeats
+    cache = BenchCache.build(layers=LAYERS, buffer_bytes=BUFFER_BYTES, num_blocks=requests_count * chunks + 1)
+    total = requests_count * chunks * cache.object_bytes
+    with (
+        open_local_store(total + 256 * MiB) as store,
+        cache.registered(store),
+        PipelineContender(cache, store) as ours,
+    ):
+        requests = cache.requests([chunks] * requests_count, salt="local")
+        records = [cache.records_of(request) for request in requests]
+
+        def raw() -> float:
+            clear(store)
+            return seconds(lambda: [put_records(store, batch) for batch in records])
+
+        def pipeline() -> float:
+            clear(store)
+            return ours.round(requests)
+
+        medians = alternate({"raw": raw, "pipeline": pipeline}, repeats)
+    rows = [
+        {"contender": name, "seconds": s, "GB/s": total / s / 1e9, "vs raw": medians["raw"] / s}
+        for name, s in medians.items()
+    ]
+    return WorkloadResult(
+        workload="local",
+        description=(
+            f"real Mooncake, own segment; {requests_count} requests x {chunks} objects of "
+            f"{cache.object_bytes // MiB} MiB ({LAYERS} buffers); median of {repeats} alternating rounds"
+        ),
+        columns=["contender", "seconds", "GB/s", "vs raw"],
+        rows=rows,
+        targets=[
+            Target(name="pipeline / raw throughput", measured=medians["raw"] / medians["pipeline"], goal=0.9)
+        ],
+        parameters={"bytes_per_round": total, "repeats": repeats},
+    )

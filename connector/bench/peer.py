@@ -1,0 +1,59 @@
+"""A store client in its own process that only lends its segment: where remote puts land.
+
+    python -m kvpipe.connector.bench.peer MASTER METADATA SEGMENT_BYTES
+
+It mounts ``SEGMENT_BYTES`` on the given master, prints ``READY`` and holds the
+segment until its stdin closes (the parent exiting closes it too, so a crashed
+benchmark leaves no peer behind).
+"""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+from collections.abc import Iterator
+from contextlib import contextmanager
+
+from kvpipe.connector.mooncake import MooncakeSettings, MooncakeStore
+
+READY = "READY"
+
+
+def main() -> None:
+    master, metadata, segment = sys.argv[1], sys.argv[2], int(sys.argv[3])
+    settings = MooncakeSettings(
+        master=master, metadata_server=metadata, global_segment_size=segment, local_buffer_size=0
+    )
+    with MooncakeStore.open(settings):
+        print(READY, flush=True)
+        sys.stdin.read()
+
+
+@contextmanager
+def remote_segment(master: str, metadata: str, segment_bytes: int) -> Iterator[None]:
+    """Run a peer holding ``segment_bytes`` on ``master`` for the duration of the block."""
+    peer = subprocess.Popen(
+        [sys.executable, "-m", __name__, master, metadata, str(segment_bytes)],
+        stdin=subprocess.PIPE,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.DEVNULL,
+        text=True,
+    )
+    try:
+        assert peer.stdout is not None
+        line = peer.stdout.readline().strip()
+        if line != READY:
+            raise RuntimeError(f"the peer store client did not start (exit code {peer.wait(5)})")
+        yield
+    finally:
+        if peer.stdin is not None:
+            peer.stdin.close()
+        try:
+            peer.wait(timeout=15)
+        except subprocess.TimeoutExpired:
+            peer.kill()
+            peer.wait()
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,38 @@
+"""Running workloads one after another, printing each table and writing its JSON record."""
+
+from __future__ import annotations
+
+import json
+import sys
+import time
+from collections.abc import Sequence
+from typing import TextIO
+
+from . import WORKLOADS, workload_runner
+from .result import BenchOptions, WorkloadResult
+
+
+def unknown_workloads(names: Sequence[str]) -> list[str]:
+    return [name for name in names if name not in WORKLOADS]
+
+
+def run_suite(
+    names: Sequence[str], options: BenchOptions, *, as_json: bool = False, out: TextIO = sys.stdout
+) -> list[WorkloadResult]:
+    """Run ``names`` (all workloads when empty) in the suite's order.
+
+    Each result is printed as soon as it exists (a table, or one JSON line with
+    ``as_json``) and written to ``options.out_dir/<workload>.json``, so a long
+    suite shows progress and a failure late in it loses nothing earlier.
+    """
+    chosen = [name for name in WORKLOADS if name in names] if names else list(WORKLOADS)
+    results = []
+    for name in chosen:
+        started = time.perf_counter()
+        print(f"-- {name} ...", file=sys.stderr, flush=True)
+        result = workload_runner(name)(options)
+        result.parameters.setdefault("wall_s", round(time.perf_counter() - started, 1))
+        result.write(options.out_dir)
+        print(json.dumps(result.record()) if as_json else result.table() + "\n", file=out, flush=True)
+        results.append(result)
+    return results

@@ -1,0 +1,105 @@
+"""tcp: the segment lives in another process, so every put crosses TCP loopback.
+
+Objects of 64 KiB made of 64 per-layer buffers of 1 KiB, as a model with 64
+layers' K/V per block would give. Contenders, alternating rounds, every round on
+an emptied store, keys and buffers precomputed for the raw loops:
+- ``raw multi-buffer``: per request, ``batch_is_exist`` then
+  ``batch_put_from_multi_buffers`` (every buffer a transfer of its own);
+- ``raw single-buffer``: the same bytes already contiguous, ``batch_put_from``:
+  one transfer per object, the limit for this object size;
+- ``pipeline``: the default save graph through the sync bridge; ``auto`` gathers
+  each object into one staging buffer before the put.
+Targets: pipeline >= 5x raw multi-buffer and >= 0.8x raw single-buffer.
+"""
+
+from __future__ import annotations
+
+import warnings
+
+from kvpipe.connector.master import LocalMaster
+from kvpipe.connector.mooncake import MooncakeSettings, MooncakeStore
+
+from .kvbench import BenchCache, MiB, PipelineContender, clear, put_contiguous, put_records
+from .peer import remote_segment
+from .result import BenchOptions, Target, WorkloadResult
+from .timing import alternate, seconds
+
+with warnings.catch_warnings():
+    warnings.filterwarnings("ignore", message="Failed to initialize NumPy")
+    import torch
+
+LAYERS = 64
+BUFFER_BYTES = 1024
+
+
+def run(options: BenchOptions) -> WorkloadResult:
+    requests_count, chunks = (4, 8) if options.quick else (64, 16)
+    repeats = 1 if options.quick else options.repeats
+    cache = BenchCache.build(layers=LAYERS, buffer_bytes=BUFFER_BYTES, num_blocks=requests_count * chunks + 1)
+    objects = requests_count * chunks
+    total = objects * cache.object_bytes
+    contiguous = torch.full((objects, cache.object_bytes), 3, dtype=torch.uint8)
+    with LocalMaster() as master:
+        assert master.endpoints is not None
+        address, metadata = master.endpoints.master_address, master.endpoints.metadata_server
+        settings = MooncakeSettings(
+            master=address, metadata_server=metadata, global_segment_size=0, local_buffer_size=16 * MiB
+        )
+        with (
+            remote_segment(address, metadata, total + 64 * MiB),
+            MooncakeStore.open(settings) as store,
+            cache.registered(store),
+            PipelineContender(cache, store) as ours,
+        ):
+            if store.register_buffer(contiguous.data_ptr(), contiguous.nbytes) != 0:
+                raise RuntimeError("could not register the contiguous copy")
+            requests = cache.requests([chunks] * requests_count, salt="tcp")
+            records = [cache.records_of(request) for request in requests]
+            flat = [
+                ([r.key for r in batch], [contiguous[i * chunks + j].data_ptr() for j in range(len(batch))])
+                for i, batch in enumerate(records)
+            ]
+
+            def raw_multi() -> float:
+                clear(store)
+                return seconds(lambda: [put_records(store, batch) for batch in records])
+
+            def raw_single() -> float:
+                clear(store)
+                return seconds(lambda: [put_contiguous(store, k, a, cache.object_bytes) for k, a in flat])
+
+            def pipeline() -> float:
+                clear(store)
+                return ours.round(requests)
+
+            medians = alternate(
+                {"raw multi-buffer": raw_multi, "raw single-buffer": raw_single, "pipeline": pipeline},
+                repeats,
+            )
+            store.unregister_buffer(contiguous.data_ptr())
+    multi, single, piped = medians["raw multi-buffer"], medians["raw single-buffer"], medians["pipeline"]
+    rows = [
+        {
+            "contender": name,
+            "seconds": s,
+            "GB/s": total / s / 1e9,
+            "vs raw multi": multi / s,
+            "vs single": single / s,
+        }
+        for name, s in medians.items()
+    ]
+    return WorkloadResult(
+        workload="tcp",
+        description=(
+            f"real Mooncake, segment in another process (TCP loopback); {objects} objects of "
+            f"{cache.object_bytes // 1024} KiB ({LAYERS} buffers of {BUFFER_BYTES} B); "
+            f"median of {repeats} alternating rounds"
+        ),
+        columns=["contender", "seconds", "GB/s", "vs raw multi", "vs single"],
+        rows=rows,
+        targets=[
+            Target(name="pipeline / raw multi-buffer", measured=multi / piped, goal=5),
+            Target(name="pipeline / raw single-buffer", measured=single / piped, goal=0.8),
+        ],
+        parameters={"bytes_per_round": total, "repeats": repeats},
+    )

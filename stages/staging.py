@@ -1,0 +1,214 @@
+"""Gather staging memory: a bounded pool of registered slots, and the copy into them.
+
+A KV block of one object is scattered over one buffer per layer. A transfer
+engine pays per buffer (over TCP about 30 us each, whatever its size), so an
+object of 64 small per-layer buffers costs 64 round trips of bookkeeping where
+one contiguous buffer would cost one. Gathering copies an object's buffers into
+one slot of this pool first; memory bandwidth is two orders of magnitude above
+what a put reaches, so the extra copy is cheap where the per-buffer cost is not.
+
+The pool is bounded (``slots``): a gather waits for a free slot, so staging
+memory never grows with load, and a slow store slows the gather rather than
+filling memory. It is allocated and registered with the store on first use, so
+a pipeline that never gathers costs nothing.
+
+The copy is vectorized. Buffers at the same position of objects of the same
+shape (layer ``j`` of every block) are rows of one strided region in the
+engine's layout, so one indexed copy per position moves them all; only objects
+whose buffers do not line up that way are copied buffer by buffer.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import warnings
+from array import array
+from collections import defaultdict
+from collections.abc import Sequence
+
+import anyio
+
+from .model import BlockBuffers, BlockLayout, StoreObject
+from .store import ObjectStore, describe
+
+with warnings.catch_warnings():  # this CPU torch build warns at import that numpy is absent
+    warnings.filterwarnings("ignore", message="Failed to initialize NumPy")
+    import torch
+
+
+class StagingError(RuntimeError):
+    """The pool's memory could not be registered with the store."""
+
+
+class StagingSlot:
+    """One slot of the pool, held by one record from gather until its put returns."""
+
+    __slots__ = ("index", "address", "_pool", "_released")
+
+    def __init__(self, pool: StagingPool, index: int) -> None:
+        self._pool = pool
+        self.index = index
+        self.address = pool.base_address + index * pool.slot_bytes
+        self._released = False
+
+    def pool_memory(self) -> torch.Tensor:
+        return self._pool.memory
+
+    def release(self) -> None:
+        """Give the slot back (once; later calls do nothing). On the pipeline's loop."""
+        if not self._released:
+            self._released = True
+            self._pool.give_back(self.index)
+
+
+class StagingPool:
+    """``slots`` registered slots of ``slot_bytes`` each, handed out one record at a time."""
+
+    def __init__(self, store: ObjectStore, slots: int, slot_bytes: int) -> None:
+        if slots <= 0 or slot_bytes <= 0:
+            raise ValueError(f"staging needs slots > 0 and slot_bytes > 0, got {slots} x {slot_bytes}")
+        self.slots = slots
+        self.slot_bytes = slot_bytes
+        self._store = store
+        self._memory: torch.Tensor | None = None
+        self._free_send, self._free_receive = anyio.create_memory_object_stream[int](slots)
+        for index in range(slots):
+            self._free_send.send_nowait(index)
+
+    @property
+    def allocated(self) -> bool:
+        return self._memory is not None
+
+    @property
+    def base_address(self) -> int:
+        assert self._memory is not None, "allocate() first"
+        return self._memory.data_ptr()
+
+    @property
+    def memory(self) -> torch.Tensor:
+        assert self._memory is not None, "allocate() first"
+        return self._memory
+
+    @property
+    def free(self) -> int:
+        return self._free_receive.statistics().current_buffer_used
+
+    def allocate(self) -> None:
+        """Allocate and register the slots (blocking: call from a worker thread)."""
+        if self._memory is not None:
+            return
+        memory = torch.empty((self.slots, self.slot_bytes), dtype=torch.uint8)
+        code = self._store.register_buffer(memory.data_ptr(), memory.nbytes)
+        if code != 0:
+            raise StagingError(
+                f"registering {memory.nbytes} bytes of staging memory failed: {describe(code)}"
+            )
+        self._memory = memory
+
+    def close(self) -> None:
+        """Unregister the memory (blocking). Slots still held must not be used after this."""
+        if self._memory is not None:
+            self._store.unregister_buffer(self._memory.data_ptr())
+            self._memory = None
+
+    async def acquire(self) -> StagingSlot:
+        """A free slot; waits while every slot is held by a record in flight."""
+        return StagingSlot(self, await self._free_receive.receive())
+
+    def give_back(self, index: int) -> None:
+        self._free_send.send_nowait(index)
+
+
+def copy_into_slots(records: Sequence[StoreObject], slots: Sequence[StagingSlot]) -> None:
+    """Copy each record's buffers, concatenated, to the start of its slot (blocking).
+
+    Records are grouped by layout (blocks of one cache group: their addresses
+    are computed for the whole group at once) or, for plain buffers, by their
+    sizes. A group whose sources are rows of strided regions (every address a
+    whole number of rows from the lowest at its position) is copied with
+    indexed copies; any other group one buffer at a time.
+    """
+    if not records:
+        return
+    memory = slots[0].pool_memory()
+    groups: dict[object, list[int]] = defaultdict(list)
+    for position, record in enumerate(records):
+        buffers = record.buffers
+        key = buffers.layout if isinstance(buffers, BlockBuffers) else tuple(b.size for b in buffers)
+        groups[key].append(position)
+    for key, members in groups.items():
+        group_slots = [slots[m] for m in members]
+        if isinstance(key, BlockLayout):
+            shape = tuple(region.bytes_per_block for region in key.regions)
+            bases = torch.tensor([region.base for region in key.regions])
+            block_ids = torch.tensor([records[m].buffers.block_id for m in members])  # type: ignore[attr-defined]
+            table = bases + block_ids[:, None] * torch.tensor(shape)
+        else:
+            shape = key  # type: ignore[assignment]
+            flat = array("q", (b.address for m in members for b in records[m].buffers))
+            table = torch.frombuffer(flat, dtype=torch.int64).view(len(members), len(shape)) if flat else None
+        if table is None or not _gather_rows(memory, table, group_slots, shape):
+            for member, slot in zip(members, group_slots, strict=True):
+                offset = 0
+                for buffer in records[member].buffers:
+                    ctypes.memmove(slot.address + offset, buffer.address, buffer.size)
+                    offset += buffer.size
+
+
+#: Below this many elements torch runs an op on the calling thread alone
+#: (``at::internal::GRAIN_SIZE``). The gather copies in pieces under it: on a
+#: host of two cores, OpenMP helpers spinning for a copy this small would take
+#: the core that the store's transfer threads and the engine need.
+GRAIN = 32768
+
+
+def _gather_rows(
+    memory: torch.Tensor, table: torch.Tensor, slots: list[StagingSlot], shape: tuple[int, ...]
+) -> bool:
+    """The vectorized copy of one same-shape group (``table``: its [objects, buffers] addresses).
+
+    False, copying nothing, if the sources are not rows of strided regions.
+    """
+    if not shape or 0 in shape:
+        return False
+    word = 8 if all(size % 8 == 0 for size in shape) and not bool((table % 8).any()) else 1
+    dtype = torch.int64 if word == 8 else torch.uint8
+    low = int(table.amin())
+    span = int(table.amax()) + max(shape) - low
+    source = torch.frombuffer((ctypes.c_char * span).from_address(low), dtype=torch.uint8).view(dtype)
+    destination = memory.view(dtype)
+    slot_rows = torch.tensor([slot.index for slot in slots])
+    offsets = table - low
+    size = shape[0]
+    if all(s == size for s in shape) and not bool((offsets % size).any()):
+        # One grid of equal rows holds every source (e.g. the per-layer tensors of
+        # one cache): each object's rows come out contiguous from one indexed copy.
+        grid = source.narrow(0, 0, span // size * size // word).view(-1, size // word)
+        _indexed_copy(grid, offsets // size, destination[:, : sum(shape) // word], slot_rows)
+        return True
+    lows = offsets.amin(dim=0)
+    sizes = torch.tensor(shape)
+    if bool(((offsets - lows) % sizes).any()):
+        return False
+    rows = (offsets - lows) // sizes
+    column = 0
+    for position, size in enumerate(shape):
+        count = int(rows[:, position].amax()) + 1
+        region = source.narrow(0, int(lows[position]) // word, count * size // word).view(count, size // word)
+        columns = destination[:, column : column + size // word]
+        _indexed_copy(region, rows[:, position : position + 1], columns, slot_rows)
+        column += size // word
+    return True
+
+
+def _indexed_copy(
+    source: torch.Tensor, index: torch.Tensor, columns: torch.Tensor, slot_rows: torch.Tensor
+) -> None:
+    """``columns[slot_rows[i]] = concat(source[index[i, :]])`` for every object i, in GRAIN pieces."""
+    objects, rows_per_object = index.shape
+    width = rows_per_object * source.shape[1]
+    step = max(1, GRAIN // width)
+    for start in range(0, objects, step):
+        part = index[start : start + step]
+        gathered = source.index_select(0, part.reshape(-1)).view(len(part), width)
+        columns.index_copy_(0, slot_rows[start : start + step], gathered)

@@ -1,0 +1,220 @@
+"""``gather`` copies many-buffer objects into one staging buffer each, within a bounded pool."""
+
+import copy
+import ctypes
+
+import anyio
+import pytest
+from pydantic import ValidationError
+
+from kvpipe.connector.memory import Faults, MemoryStore
+from kvpipe.pipeline import Pipeline, build_graph
+from kvpipe.pipeline.testing import RecordingEmit, batch_of
+from kvpipe.stages import (
+    DEFAULT_SAVE_PIPELINE,
+    KV_STAGES,
+    Buffer,
+    FullChunksStage,
+    GatherParams,
+    GatherStage,
+    ProjectedRequest,
+    StoreObject,
+    default_save_graph,
+    storable_groups,
+)
+
+from .kv_fixtures import make_kv, make_request
+
+LAYERS = 8  # 8 buffers of 512 bytes per object: well under the auto threshold
+
+
+class NetworkStore(MemoryStore):
+    """The memory model, saying its puts cross a network (as a Mooncake peer's segment)."""
+
+    local_transfers = False
+
+
+async def _records(kv, tokens=64, **request):
+    await FullChunksStage(kv).process(
+        ProjectedRequest(make_request(kv, tokens=tokens, **request), storable_groups(kv)),
+        emit := RecordingEmit(),
+    )
+    (records,) = emit.emitted["out"]
+    return records
+
+
+async def _gathered(stage, *items):
+    batch = batch_of(items)
+    await stage.process_batch(batch)
+    return [entry.emit.emitted["out"] for entry in batch]
+
+
+def _read(buffer: Buffer) -> bytes:
+    return ctypes.string_at(buffer.address, buffer.size)
+
+
+async def test_auto_sends_a_many_buffer_object_as_one_buffer_holding_the_same_bytes():
+    fixture = make_kv(layers=LAYERS)
+    records = await _records(fixture.kv)
+    stage = GatherStage(GatherParams(), fixture.kv, NetworkStore())
+    [[out]] = await _gathered(stage, records)
+    for record in out:
+        (staged,) = record.transfer_buffers
+        assert _read(staged) == b"".join(_read(buffer) for buffer in record.buffers)
+
+
+async def test_a_gathered_record_keeps_its_key_group_id_and_engine_buffers():
+    fixture = make_kv(layers=LAYERS)
+    records = await _records(fixture.kv)
+    [[out]] = await _gathered(GatherStage(GatherParams(), fixture.kv, NetworkStore()), records)
+    assert [(r.key, r.group_id, r.buffers) for r in out] == [(r.key, r.group_id, r.buffers) for r in records]
+
+
+async def test_auto_leaves_objects_whose_buffers_are_large_as_they_are():
+    fixture = make_kv(layers=LAYERS)
+    records = await _records(fixture.kv)
+    stage = GatherStage(GatherParams(below_bytes=512), fixture.kv, NetworkStore())  # buffers are 512 B
+    [[out]] = await _gathered(stage, records)
+    assert all(record.staging is None for record in out)
+
+
+async def test_auto_leaves_single_buffer_objects_as_they_are():
+    fixture = make_kv(layers=1)
+    [[out]] = await _gathered(
+        GatherStage(GatherParams(), fixture.kv, NetworkStore()), await _records(fixture.kv)
+    )
+    assert all(record.staging is None for record in out)
+
+
+async def test_always_gathers_even_single_buffer_objects():
+    fixture = make_kv(layers=1)
+    stage = GatherStage(GatherParams(mode="always"), fixture.kv, NetworkStore())
+    [[out]] = await _gathered(stage, await _records(fixture.kv))
+    assert all(record.staging is not None for record in out)
+
+
+async def test_never_gathers_nothing():
+    fixture = make_kv(layers=LAYERS)
+    stage = GatherStage(GatherParams(mode="never"), fixture.kv, NetworkStore())
+    [[out]] = await _gathered(stage, await _records(fixture.kv))
+    assert all(record.staging is None for record in out)
+
+
+async def test_buffers_that_are_not_rows_of_one_region_are_copied_one_by_one():
+    fixture = make_kv(layers=LAYERS)
+    records = await _records(fixture.kv)
+    first, second = records[0], records[1]
+    # the second object's layers in reverse: position j no longer strides like the first's
+    shuffled = StoreObject("shuffled", second.chunk_hash, 0, second.buffers[::-1])
+    stage = GatherStage(GatherParams(), fixture.kv, NetworkStore())
+    [[out]] = await _gathered(stage, (first, shuffled))
+    for record in out:
+        assert _read(record.transfer_buffers[0]) == b"".join(_read(b) for b in record.buffers)
+
+
+async def test_an_entry_with_more_objects_than_slots_sends_the_rest_ungathered():
+    fixture = make_kv(layers=LAYERS)
+    records = await _records(fixture.kv, tokens=64)  # 4 chunks of 4 KiB
+    stage = GatherStage(GatherParams(pool_bytes=4 * 4096), fixture.kv, NetworkStore())  # 4 slots, 2 a round
+    [[out]] = await _gathered(stage, records)
+    assert [record.staging is not None for record in out] == [True, True, False, False]
+
+
+async def test_gathering_waits_for_slots_and_the_put_gives_them_back():
+    fixture = make_kv(layers=LAYERS, num_blocks=64)
+    store = NetworkStore()
+    document = copy.deepcopy(DEFAULT_SAVE_PIPELINE)
+    [gather_spec] = [stage for stage in document["stages"] if stage["name"] == "gather"]
+    gather_spec["params"]["pool_bytes"] = 4 * 4096  # 4 slots: far fewer than the objects in flight
+    graph = build_graph(document, KV_STAGES, {"kv": fixture.kv, "store": store})
+    gather_stage = graph.spec("gather").stage
+    async with Pipeline(graph) as pipeline:
+        jobs = [
+            await pipeline.submit(make_request(fixture.kv, 160, request_id=f"r{i}", first_block=1 + 10 * i))
+            for i in range(6)
+        ]
+        await pipeline.close()
+    assert all(job.counts["put"] == 10 for job in jobs)
+    assert gather_stage.pool.free == gather_stage.pool.slots
+
+
+async def test_a_store_that_refuses_the_staging_memory_gets_the_objects_ungathered():
+    class RefusingStore(NetworkStore):
+        def register_buffer(self, addr, nbytes):
+            return -600
+
+    fixture = make_kv(layers=LAYERS)
+    stage = GatherStage(GatherParams(), fixture.kv, RefusingStore())
+    batch = batch_of([await _records(fixture.kv)])
+    await stage.process_batch(batch)
+    [out] = batch[0].emit.emitted["out"]
+    assert all(record.staging is None for record in out)
+    assert batch[0].emit.counts["gather_failed"] == 1
+
+
+async def test_the_default_graph_stores_gathered_objects_byte_for_byte():
+    fixture = make_kv(layers=LAYERS)
+    store = NetworkStore()
+    async with Pipeline(default_save_graph(fixture.kv, store, gather="always")) as pipeline:
+        job = await pipeline.submit(make_request(fixture.kv, 64))
+        await pipeline.close()
+    assert job.counts["put"] == 4
+    records = await _records(fixture.kv)
+    for record in records:
+        size = record.size
+        destination = ctypes.create_string_buffer(size)
+        assert store.batch_get_into([record.key], [ctypes.addressof(destination)], [size]) == [size]
+        assert destination.raw == b"".join(_read(b) for b in record.buffers)
+
+
+async def test_an_entry_whose_objects_are_all_staged_is_emitted_released():
+    fixture = make_kv(layers=LAYERS)
+    batch = batch_of([await _records(fixture.kv)])
+    await GatherStage(GatherParams(), fixture.kv, NetworkStore()).process_batch(batch)
+    assert batch[0].emit.released == batch[0].emit.emitted["out"]
+
+
+async def test_an_entry_with_an_ungathered_object_still_borrows_the_engine_memory():
+    fixture = make_kv(layers=LAYERS)
+    batch = batch_of([await _records(fixture.kv)])
+    await GatherStage(GatherParams(mode="never"), fixture.kv, NetworkStore()).process_batch(batch)
+    assert batch[0].emit.released == []
+
+
+async def test_a_save_is_released_while_its_slow_put_is_still_running():
+    fixture = make_kv(layers=LAYERS)
+    store = NetworkStore(faults=Faults(latency_s={"put": 0.3}))
+    async with Pipeline(default_save_graph(fixture.kv, store)) as pipeline:
+        job = await pipeline.submit(make_request(fixture.kv, 64))
+        with anyio.fail_after(2):
+            while not job.released:
+                await anyio.sleep(0.005)
+        assert not job.done
+    assert job.counts["put"] == 4
+
+
+async def test_auto_gathers_nothing_for_a_store_whose_puts_are_local_copies():
+    fixture = make_kv(layers=LAYERS)
+    stage = GatherStage(GatherParams(), fixture.kv, MemoryStore())
+    [[out]] = await _gathered(stage, await _records(fixture.kv))
+    assert all(record.staging is None for record in out)
+
+
+async def test_always_gathers_for_a_local_store_too():
+    fixture = make_kv(layers=LAYERS)
+    stage = GatherStage(GatherParams(mode="always"), fixture.kv, MemoryStore())
+    [[out]] = await _gathered(stage, await _records(fixture.kv))
+    assert all(record.staging is not None for record in out)
+
+
+@pytest.mark.parametrize(
+    ("params", "field"),
+    [
+        ({"mode": "sometimes"}, "mode"),
+        ({"pool_bytes": 0}, "pool_bytes"),
+        ({"below_bytes": -1}, "below_bytes"),
+    ],
+)
+def test_bad_params_name_the_field(params, field):
+    with pytest.raises(ValidationError, match=field):
+        GatherParams(**params)
