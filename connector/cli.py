@@ -1,7 +1,7 @@
 """The ``kvpipe`` command line.
 
 ``kvpipe run CONFIG [--json] [--set dotted.path=value ...] [--dump-objects FILE]``
-``kvpipe bench [WORKLOAD ...] [--quick] [--repeats N] [--out DIR] [--json]``
+``kvpipe bench [WORKLOAD ...] [--quick] [--repeats N] [--out DIR] [--json] [--markdown FILE]``
 
 Bad input (a missing file, malformed YAML, a wrong value, an unreachable master)
 is one line on stderr naming the field and the value, and exit code 2: no
@@ -77,6 +77,9 @@ def _parser() -> argparse.ArgumentParser:
         "--out", type=Path, default=Path("bench-results"), help="folder for JSON records and plots"
     )
     bench_parser.add_argument("--json", action="store_true", help="one JSON line per workload")
+    bench_parser.add_argument(
+        "--markdown", type=Path, metavar="FILE", help="also write the tables as Markdown (for BENCHMARKS.md)"
+    )
     bench_parser.set_defaults(command=_bench_command)
     return parser
 
@@ -102,7 +105,7 @@ def _run_command(args: argparse.Namespace) -> int:
 
 def _bench_command(args: argparse.Namespace) -> int:
     from .bench import WORKLOADS, BenchOptions
-    from .bench.suite import run_suite, unknown_workloads
+    from .bench.suite import run_suite, unknown_workloads, write_markdown
 
     if unknown := unknown_workloads(args.workloads):
         raise UsageError(f"workload: unknown {unknown[0]!r}; choose from {', '.join(WORKLOADS)}")
@@ -110,8 +113,12 @@ def _bench_command(args: argparse.Namespace) -> int:
         raise UsageError(f"--repeats: must be >= 1, got {args.repeats}")
     if args.out.exists() and not args.out.is_dir():
         raise UsageError(f"--out: {str(args.out)!r} is a file, not a folder")
+    if args.markdown is not None and not args.markdown.parent.is_dir():
+        raise UsageError(f"--markdown: folder {str(args.markdown.parent)!r} does not exist")
     options = BenchOptions(quick=args.quick, repeats=args.repeats, out_dir=args.out)
     results = run_suite(args.workloads, options, as_json=args.json)
+    if args.markdown is not None:
+        write_markdown(args.markdown, results, "kvpipe bench " + " ".join(sys.argv[2:]))
     missed = [target.name for result in results for target in result.targets if not target.met]
     if missed:
         print(f"kvpipe bench: {len(missed)} target(s) missed: {', '.join(missed)}", file=sys.stderr)

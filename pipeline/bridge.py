@@ -73,10 +73,19 @@ class SyncPipeline:
         self.name = name
         self.when_full = WhenFull(when_full)
         self._keep_completed = keep_completed
-        self._slots = threading.Semaphore(queue_capacity)
+        self._capacity = queue_capacity
         self._inbox: deque[Job] = deque()
         self._completed: queue.SimpleQueue[Job] = queue.SimpleQueue()
-        self._lock = threading.Lock()  # guards _state against submit/stop races
+        # One plain lock guards the state, the inbox and its count: a submit takes
+        # it once. (A threading.Semaphore per submit cost more than the submit's
+        # own work, and every extra lock hand-off is a GIL hand-off too.)
+        self._lock = threading.Lock()
+        self._room = threading.Condition(self._lock)  # waited on only when full, under "wait"
+        self._waiting = 0
+        # Accepted minus taken is what waits in the inbox. ``_taken`` has one writer,
+        # the pump, which so needs no lock per item (see _pump for the wake-up order).
+        self._accepted = 0
+        self._taken = 0
         self._state = _State.NEW
         self._dropped = 0
         self._submitted = 0
@@ -117,6 +126,7 @@ class SyncPipeline:
                 self._state = _State.STOPPED
                 return True
             self._state = _State.STOPPING
+            self._room.notify_all()  # blocked submits give up: the pipeline is closing
         self._drain_deadline_s = deadline_s
         self._call_soon(self._request_stop)
         assert self._thread is not None
@@ -138,28 +148,40 @@ class SyncPipeline:
         already done and ``dropped``. Under ``"wait"`` it waits for room, at most
         ``timeout_s`` (then the job is ``dropped`` too).
         """
-        if self.when_full is WhenFull.DROP:
-            admitted = self._slots.acquire(blocking=False)
-        else:
-            admitted = self._slots.acquire(timeout=timeout_s)
         job = Job(item)
-        if not admitted:
-            return self._refuse(job)
         with self._lock:
-            if self._state is not _State.RUNNING:
-                self._slots.release()
-                raise PipelineClosed(f"{self.name} is {self._state.value}; no new items")
-            self._submitted += 1
-            self._inbox.append(job)
-            wake = self._pump_idle
-            self._pump_idle = False
+            if self._accepted - self._taken >= self._capacity and not self._wait_for_room(timeout_s):
+                self._dropped += 1
+                refused = True
+            else:
+                if self._state is not _State.RUNNING:
+                    raise PipelineClosed(f"{self.name} is {self._state.value}; no new items")
+                refused = False
+                self._accepted += 1
+                self._submitted += 1
+                self._inbox.append(job)
+                wake = self._pump_idle
+                self._pump_idle = False
+        if refused:
+            return self._refuse(job)
         if wake:
             self._call_soon(self._wake)
         return job
 
+    def _wait_for_room(self, timeout_s: float | None) -> bool:
+        """Under the lock, with the inbox full: wait for room if the policy says so."""
+        if self.when_full is WhenFull.DROP:
+            return False
+        self._waiting += 1
+        try:
+            return self._room.wait_for(
+                lambda: self._accepted - self._taken < self._capacity or self._state is not _State.RUNNING,
+                timeout_s,
+            )
+        finally:
+            self._waiting -= 1
+
     def _refuse(self, job: Job) -> Job:
-        with self._lock:
-            self._dropped += 1
         job.complete(Outcome.DROPPED)
         self._hand_back(job)
         return job
@@ -194,7 +216,7 @@ class SyncPipeline:
     @property
     def queued(self) -> int:
         """Items submitted but not yet in the pipeline's entry queue."""
-        return len(self._inbox)
+        return self._accepted - self._taken
 
     def metrics(self) -> dict[str, StageSnapshot]:
         """Per-stage snapshots (taken on the loop thread while it runs)."""
@@ -254,7 +276,15 @@ class SyncPipeline:
                     job = self._inbox.popleft()
                     pipeline.adopt(job)
                     await pipeline.submit_job(job)
-                    self._slots.release()
+                    # Count it taken first, then look for waiters: a submit that
+                    # found the inbox full registered as waiting before it checked
+                    # the count again, so one of the two always sees the other.
+                    self._taken += 1
+                    # Wake blocked submitters once half the inbox is free, not per
+                    # item: one wake-up per item is a GIL hand-off per item.
+                    if self._waiting and self._accepted - self._taken <= self._capacity // 2:
+                        with self._lock:
+                            self._room.notify_all()
                 if self._stop_requested is not None and self._stop_requested.is_set():
                     return
                 with self._lock:
@@ -278,6 +308,7 @@ class SyncPipeline:
         """Jobs accepted but never handed to the pipeline end as failed."""
         with self._lock:
             self._state = _State.STOPPED
+            self._room.notify_all()
             leftovers = list(self._inbox)
             self._inbox.clear()
         for job in leftovers:

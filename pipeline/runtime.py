@@ -286,11 +286,11 @@ class Pipeline:
     def _start_workers(self, workers: TaskGroup) -> None:
         for name in self.graph.order:
             node = self._nodes[name]
+            if self._bypassed(name):
+                continue  # its producers send to its consumers directly
             for _ in range(node.spec.workers):
                 outs = {
-                    port: [
-                        self._nodes[target].inbox_send.clone() for target in self.graph.targets(name, port)
-                    ]
+                    port: [self._nodes[target].inbox_send.clone() for target in self._receivers(name, port)]
                     for port in node.spec.stage.ports
                 }
                 run = self._run_batch_worker if node.spec.is_batch else self._run_worker
@@ -300,6 +300,19 @@ class Pipeline:
             if node.name != self.graph.entry:
                 node.inbox_send.close()
             node.inbox.close()
+
+    def _bypassed(self, name: str) -> bool:
+        return name != self.graph.entry and self._nodes[name].spec.stage.passes_through
+
+    def _receivers(self, name: str, port: str) -> list[str]:
+        """The stages that receive what ``name`` emits on ``port``, past stages that pass through."""
+        receivers = []
+        for target in self.graph.targets(name, port):
+            if self._bypassed(target):
+                receivers.extend(self._receivers(target, DEFAULT_PORT))
+            else:
+                receivers.append(target)
+        return receivers
 
     async def _run_worker(self, node: _Node, inbox: ReceiveStream, outs: Outs) -> None:
         stage = node.spec.stage

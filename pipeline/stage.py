@@ -80,6 +80,10 @@ class _StageBase:
     output_types: ClassVar[Mapping[str, Any]] = {}
     #: Worker threads this stage may occupy at once for ``run_blocking``.
     thread_limit: int = 1
+    #: Set (at build time) when this instance would forward every item unchanged
+    #: on its one port, e.g. a feature turned off. The runtime then wires its
+    #: producers straight to its consumers: one queue hop less per item.
+    passes_through: bool = False
 
     _limiter: anyio.CapacityLimiter | None = None
 

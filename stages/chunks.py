@@ -12,17 +12,17 @@ and the collect stages (what exactly?), so the two can never disagree.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from typing import NamedTuple
 
 from .model import SaveRequest, StoreGroup
 
 
-@dataclass(frozen=True, slots=True)
-class Chunk:
+class Chunk(NamedTuple):
     """One block of one storable group to save, and the hash that names it.
 
     ``tokens_end`` is how far into the request the chunk's hash reaches; sorting by
-    it puts a request's earlier prefix first, which is the part worth most.
+    it puts a request's earlier prefix first, which is the part worth most. (A
+    named tuple: one is made per chunk per step, and it is the cheapest record.)
     """
 
     group: StoreGroup

@@ -9,33 +9,47 @@ already been sent.
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+from collections.abc import Sequence
 from typing import Any, ClassVar
 
 from kvpipe.pipeline.stage import Emit, Stage
 
 from .chunks import Chunk, full_chunks, tail_chunks
-from .keys import object_key
-from .model import KVCache, ProjectedRequest, Records, SaveRequest, Shard, StoreGroup, StoreObject
+from .keys import object_key_prefix
+from .model import (
+    BlockBuffers,
+    KVCache,
+    ProjectedRequest,
+    Records,
+    SaveRequest,
+    Shard,
+    StoreGroup,
+    StoreObject,
+)
 from .projection import storable_groups
 
 
 def chunk_records(
-    chunks: Iterable[Chunk], shards: Iterable[Shard], request_id: str
+    chunks: Sequence[Chunk], shards: Sequence[Shard], request_id: str
 ) -> tuple[StoreObject, ...]:
     """One record per chunk per shard, earliest prefix first."""
-    ordered = sorted(chunks, key=lambda chunk: (chunk.tokens_end, chunk.group.store_group))
-    return tuple(
-        StoreObject(
-            key=object_key(shard.namespace, chunk.group.store_group, chunk.chunk_hash),
-            chunk_hash=chunk.chunk_hash,
-            store_group=chunk.group.store_group,
-            buffers=shard.layouts[chunk.group.engine_group].buffers(chunk.block_id),
-            request_id=request_id,
-        )
-        for chunk in ordered
-        for shard in shards
-    )
+    if len({chunk.group.store_group for chunk in chunks}) > 1:  # groups interleave by prefix length
+        chunks = sorted(chunks, key=lambda chunk: (chunk.tokens_end, chunk.group.store_group))
+    records = []
+    for group, chunk_hash, block_id, _ in chunks:
+        hex_hash = chunk_hash.hex()
+        for shard in shards:
+            records.append(
+                StoreObject(
+                    object_key_prefix(shard.namespace, group.store_group) + hex_hash,
+                    chunk_hash,
+                    group.store_group,
+                    BlockBuffers(shard.layouts[group.engine_group], block_id),
+                    None,
+                    request_id,
+                )
+            )
+    return tuple(records)
 
 
 class _CollectStage(Stage):

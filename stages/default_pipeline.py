@@ -33,7 +33,7 @@ DEFAULT_SAVE_PIPELINE: dict[str, Any] = {
             "name": "filter",
             "type": "filter",
             "after": "group_ids",
-            "batch": {"max_items": 256, "max_wait_ms": 0},
+            "batch": {"max_items": 256, "max_wait_ms": 1},
         },
         {
             "name": "gather",
@@ -46,7 +46,7 @@ DEFAULT_SAVE_PIPELINE: dict[str, Any] = {
             "name": "put",
             "type": "put",
             "after": "gather",
-            "batch": {"max_items": 64, "max_wait_ms": 0},
+            "batch": {"max_items": 256, "max_wait_ms": 1},
             "params": {"max_buffers_per_call": 2048},
         },
     ]

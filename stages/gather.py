@@ -81,6 +81,10 @@ class GatherStage(BatchStage):
         self._round_limit = max(1, min(slots // 2, ROUND_OBJECTS))
 
     @property
+    def passes_through(self) -> bool:  # type: ignore[override]
+        return self._pool is None or self._mode == "never"
+
+    @property
     def pool(self) -> StagingPool | None:
         return self._pool
 
@@ -93,7 +97,7 @@ class GatherStage(BatchStage):
         return self._mode == "auto" and count >= 2 and record.size < self._below_bytes * count
 
     async def process_batch(self, batch: Sequence[BatchEntry[Records]]) -> None:
-        if self._pool is None or self._mode == "never":
+        if self.passes_through:  # the runtime skips it; called directly, it forwards
             for entry in batch:
                 await entry.emit(entry.item)
             return

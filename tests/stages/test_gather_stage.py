@@ -218,3 +218,10 @@ async def test_always_gathers_for_a_local_store_too():
 def test_bad_params_name_the_field(params, field):
     with pytest.raises(ValidationError, match=field):
         GatherParams(**params)
+
+
+def test_a_gather_with_nothing_to_gather_passes_through():
+    fixture = make_kv(layers=LAYERS)
+    assert GatherStage(GatherParams(), fixture.kv, MemoryStore()).passes_through  # local puts: never
+    assert GatherStage(GatherParams(mode="never"), fixture.kv, NetworkStore()).passes_through
+    assert not GatherStage(GatherParams(), fixture.kv, NetworkStore()).passes_through

@@ -48,6 +48,14 @@ async def test_disabled_records_pass_unchanged():
     assert out is records
 
 
+def test_a_stage_with_nothing_to_attach_says_it_passes_through():
+    kv = make_kv().kv
+    assert GroupIdsStage(GroupIdsParams(), kv, MemoryStore()).passes_through
+    unsupported = MemoryStore(group_ids_supported=False)
+    assert GroupIdsStage(GroupIdsParams(enable_group_semantics=True), kv, unsupported).passes_through
+    assert not GroupIdsStage(GroupIdsParams(enable_group_semantics=True), kv, MemoryStore()).passes_through
+
+
 async def test_enabled_but_unsupported_warns_once_at_build_and_records_pass_unchanged():
     kv = make_kv().kv
     records = _records()
