@@ -12,7 +12,7 @@ Target: pipeline >= 0.9x raw throughput.
 from __future__ import annotations
 
 from .kvbench import BenchCache, MiB, PipelineContender, clear, open_local_store, put_records
-from .result import BenchOptions, Target, WorkloadResult
+from .result import BenchOptions, Target, WorkloadResult, contest_result
 from .timing import alternate, seconds
 
 LAYERS = 4
@@ -41,20 +41,18 @@ def run(options: BenchOptions) -> WorkloadResult:
             return ours.round(requests)
 
         medians = alternate({"raw": raw, "pipeline": pipeline}, repeats)
-    rows = [
-        {"contender": name, "seconds": s, "GB/s": total / s / 1e9, "vs raw": medians["raw"] / s}
-        for name, s in medians.items()
-    ]
-    return WorkloadResult(
+    return contest_result(
         workload="local",
         description=(
             f"real Mooncake, own segment; {requests_count} requests x {chunks} objects of "
             f"{cache.object_bytes // MiB} MiB ({LAYERS} buffers); median of {repeats} alternating rounds"
         ),
-        columns=["contender", "seconds", "GB/s", "vs raw"],
-        rows=rows,
+        medians=medians,
+        rate=("GB/s", total / 1e9),
+        baselines=["raw"],
         targets=[
             Target(name="pipeline / raw throughput", measured=medians["raw"] / medians["pipeline"], goal=0.9)
         ],
+        options=options,
         parameters={"bytes_per_round": total, "repeats": repeats},
     )

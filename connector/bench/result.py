@@ -8,6 +8,7 @@ repetitions, medians) and states its targets as ratios between them.
 from __future__ import annotations
 
 import json
+from collections.abc import Sequence
 from pathlib import Path
 from typing import Any, Literal
 
@@ -100,3 +101,49 @@ def _cell(value: Any) -> str:
     if isinstance(value, int) and not isinstance(value, bool):
         return f"{value:,}"
     return str(value)
+
+
+def contest_result(
+    *,
+    workload: str,
+    description: str,
+    medians: dict[str, float],
+    rate: tuple[str, float],
+    baselines: Sequence[str],
+    targets: Sequence[Target],
+    options: BenchOptions,
+    parameters: dict[str, Any],
+) -> WorkloadResult:
+    """The result of contenders timed side by side: a row each, a bar plot, the targets.
+
+    ``rate`` is the column's name and the amount of work one round does (bytes in
+    GB, requests, ...), divided by each contender's seconds; ``baselines`` get a
+    "vs <name>" column each: how many times faster than that contender.
+    """
+    unit, amount = rate
+    rows = [
+        {
+            "contender": name,
+            "seconds": seconds,
+            unit: amount / seconds,
+            **{f"vs {baseline}": medians[baseline] / seconds for baseline in baselines},
+        }
+        for name, seconds in medians.items()
+    ]
+    from .plot import bar_plot  # matplotlib only when a workload really ran
+
+    plot = bar_plot(
+        options.out_dir / f"{workload}.png",
+        f"{workload}: " + ", ".join(f"{row['contender']} {_cell(row[unit])}" for row in rows),
+        f"{unit} (median round)",
+        {row["contender"]: row[unit] for row in rows},
+    )
+    return WorkloadResult(
+        workload=workload,
+        description=description,
+        columns=["contender", "seconds", unit, *(f"vs {baseline}" for baseline in baselines)],
+        rows=rows,
+        targets=list(targets),
+        plots=[str(plot)],
+        parameters=parameters,
+    )

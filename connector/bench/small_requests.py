@@ -16,7 +16,7 @@ and >= 0.8x raw batched.
 from __future__ import annotations
 
 from .kvbench import BenchCache, MiB, PipelineContender, clear, open_local_store, put_records
-from .result import BenchOptions, Target, WorkloadResult
+from .result import BenchOptions, Target, WorkloadResult, contest_result
 from .timing import alternate, seconds
 
 LAYERS = 4
@@ -65,27 +65,19 @@ def run(options: BenchOptions) -> WorkloadResult:
             {"sequential": sequential, "raw batched": raw_batched, "pipeline": pipeline}, repeats
         )
     sequential_s, batched_s, pipeline_s = medians["sequential"], medians["raw batched"], medians["pipeline"]
-    rows = [
-        {
-            "contender": name,
-            "seconds": s,
-            "requests/s": count / s,
-            "vs sequential": sequential_s / s,
-            "vs raw batched": batched_s / s,
-        }
-        for name, s in medians.items()
-    ]
-    return WorkloadResult(
+    return contest_result(
         workload="small-requests",
         description=(
             f"real Mooncake, own segment; {count:,} requests of 1-2 objects of {cache.object_bytes // 1024} KiB, "
             f"half stored already; median of {repeats} alternating rounds"
         ),
-        columns=["contender", "seconds", "requests/s", "vs sequential", "vs raw batched"],
-        rows=rows,
+        medians=medians,
+        rate=("requests/s", count),
+        baselines=["sequential", "raw batched"],
         targets=[
             Target(name="pipeline / sequential", measured=sequential_s / pipeline_s, goal=5),
             Target(name="pipeline / raw batched", measured=batched_s / pipeline_s, goal=0.8),
         ],
+        options=options,
         parameters={"requests": count, "objects": total_objects, "repeats": repeats},
     )

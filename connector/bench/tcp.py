@@ -21,7 +21,7 @@ from kvpipe.connector.mooncake import MooncakeSettings, MooncakeStore
 
 from .kvbench import BenchCache, MiB, PipelineContender, clear, put_contiguous, put_records
 from .peer import remote_segment
-from .result import BenchOptions, Target, WorkloadResult
+from .result import BenchOptions, Target, WorkloadResult, contest_result
 from .timing import alternate, seconds
 
 with warnings.catch_warnings():
@@ -78,28 +78,20 @@ def run(options: BenchOptions) -> WorkloadResult:
             )
             store.unregister_buffer(contiguous.data_ptr())
     multi, single, piped = medians["raw multi-buffer"], medians["raw single-buffer"], medians["pipeline"]
-    rows = [
-        {
-            "contender": name,
-            "seconds": s,
-            "GB/s": total / s / 1e9,
-            "vs raw multi": multi / s,
-            "vs single": single / s,
-        }
-        for name, s in medians.items()
-    ]
-    return WorkloadResult(
+    return contest_result(
         workload="tcp",
         description=(
             f"real Mooncake, segment in another process (TCP loopback); {objects} objects of "
             f"{cache.object_bytes // 1024} KiB ({LAYERS} buffers of {BUFFER_BYTES} B); "
             f"median of {repeats} alternating rounds"
         ),
-        columns=["contender", "seconds", "GB/s", "vs raw multi", "vs single"],
-        rows=rows,
+        medians=medians,
+        rate=("GB/s", total / 1e9),
+        baselines=["raw multi-buffer", "raw single-buffer"],
         targets=[
             Target(name="pipeline / raw multi-buffer", measured=multi / piped, goal=5),
             Target(name="pipeline / raw single-buffer", measured=single / piped, goal=0.8),
         ],
+        options=options,
         parameters={"bytes_per_round": total, "repeats": repeats},
     )

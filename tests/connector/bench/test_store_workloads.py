@@ -5,6 +5,7 @@ contender stored what it was given and that the results are complete, not speed.
 """
 
 import json
+from pathlib import Path
 
 import pytest
 
@@ -34,6 +35,8 @@ def test_a_store_workload_times_every_contender_and_states_its_targets(workload,
     assert {row["contender"] for row in result.rows} == contenders
     assert all(row["seconds"] > 0 for row in result.rows)
     assert result.targets and all(target.measured > 0 for target in result.targets)
+    assert [Path(plot).name for plot in result.plots] == [f"{workload}.png"]
+    assert all(Path(plot).stat().st_size > 0 for plot in result.plots)
 
 
 def test_the_framework_workload_reports_rate_and_submit_latency(options):
