@@ -3,17 +3,13 @@
 Engines get ``global_segment_size: 0``: their objects go to the holder's segment, so
 they outlive the engine that stored them (a second engine, another process, another
 connector can hit them). Engines run in-process (``VLLM_ENABLE_V1_MULTIPROCESSING=0``)
-unless a test starts a subprocess in vLLM's default mode.
+unless a test starts a process in vLLM's default mode.
 """
 
 from __future__ import annotations
 
 import json
-import os
-import subprocess
-import sys
 import time
-import urllib.request
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -21,11 +17,10 @@ from typing import Any
 import pytest
 
 from kvpipe.connector.master import LocalMaster
-from kvpipe.connector.mooncake import MooncakeSettings, MooncakeStore
+from kvpipe.connector.mooncake import MooncakeStore
+from kvpipe.connector.vllm import launch
 
 from . import engine
-
-ROOT = Path(__file__).resolve().parents[2]
 
 
 @pytest.fixture(scope="session", autouse=True)
@@ -47,12 +42,7 @@ def master() -> Iterator[LocalMaster]:
 def holder(master: LocalMaster) -> Iterator[MooncakeStore]:
     """A client that mounts the segment every engine's objects live in."""
     assert master.endpoints is not None
-    settings = MooncakeSettings(
-        master=master.endpoints.master_address,
-        metadata_server=master.endpoints.metadata_server,
-        global_segment_size="256MB",
-    )
-    with MooncakeStore.open(settings) as store:
+    with launch.segment_holder(master.endpoints, "256MB") as store:
         yield store
 
 
@@ -60,12 +50,7 @@ def holder(master: LocalMaster) -> Iterator[MooncakeStore]:
 def store_section(master: LocalMaster, holder: MooncakeStore) -> dict[str, Any]:
     """The kvpipe ``store`` section of an engine on the test master (no segment of its own)."""
     assert master.endpoints is not None
-    return {
-        "kind": "mooncake",
-        "master": master.endpoints.master_address,
-        "metadata_server": master.endpoints.metadata_server,
-        "global_segment_size": 0,
-    }
+    return launch.store_section(master.endpoints)
 
 
 @pytest.fixture(scope="session")
@@ -75,19 +60,7 @@ def mooncake_json(
     """vLLM's Mooncake JSON for the test master, standalone-store mode (no segment)."""
     assert master.endpoints is not None
     path = tmp_path_factory.mktemp("mooncake") / "mooncake.json"
-    path.write_text(
-        json.dumps(
-            {
-                "metadata_server": master.endpoints.metadata_server,
-                "master_server_address": master.endpoints.master_address,
-                "protocol": "tcp",
-                "device_name": "",
-                "global_segment_size": 0,
-                "local_buffer_size": "64MB",
-                "mode": "standalone-store",
-            }
-        )
-    )
+    path.write_text(json.dumps(launch.vllm_mooncake_config(master.endpoints)))
     return path
 
 
@@ -98,15 +71,12 @@ def reference() -> dict[int, list[list[int]]]:
     try:
         return {seed: engine.generate(llm, engine.prompts(seed))["tokens"] for seed in range(1, 8)}
     finally:
-        engine.close_llm(llm)
+        launch.close_llm(llm)
 
 
 def stored_keys(master: LocalMaster) -> list[str]:
-    """Every key the master holds (its admin port's ``/get_all_keys``)."""
     assert master.endpoints is not None
-    url = f"http://{master.endpoints.host}:{master.endpoints.metrics_port}/get_all_keys"
-    with urllib.request.urlopen(url, timeout=5) as response:  # noqa: S310 - loopback
-        return [line for line in response.read().decode().splitlines() if line.strip()]
+    return launch.stored_keys(master.endpoints)
 
 
 def wait_for_keys(master: LocalMaster, count: int, timeout_s: float = 20.0) -> list[str]:
@@ -117,22 +87,3 @@ def wait_for_keys(master: LocalMaster, count: int, timeout_s: float = 20.0) -> l
         if len(keys) >= count or time.monotonic() > deadline:
             return keys
         time.sleep(0.05)
-
-
-def run_engine_process(spec: dict[str, Any], env: dict[str, str], timeout_s: float = 240) -> dict[str, Any]:
-    """Run ``tests/vllm/engine.py`` with ``spec`` in a new process; its RESULT line, parsed."""
-    full_env = {**os.environ, **env}
-    done = subprocess.run(
-        [sys.executable, "-m", "tests.vllm.engine", json.dumps(spec)],
-        cwd=ROOT,
-        env=full_env,
-        capture_output=True,
-        text=True,
-        timeout=timeout_s,
-        check=False,
-    )
-    lines = [line for line in done.stdout.splitlines() if line.startswith("RESULT ")]
-    assert done.returncode == 0 and lines, (
-        f"engine process failed ({done.returncode}):\n{done.stderr[-4000:]}"
-    )
-    return json.loads(lines[-1][len("RESULT ") :])

@@ -1,22 +1,20 @@
-"""Running the tiny model under vLLM, shared by the tests and their subprocess scripts.
+"""The tiny model under vLLM as the tests run it: their prompts, and an engine in this process or another.
 
-Run as a script (``python -m tests.vllm.engine SPEC_JSON``) it builds one engine from the
-spec, runs its passes and prints one ``RESULT {json}`` line: what a test in another
-process (or in vLLM's multiprocess mode, which needs a ``__main__`` guard) reports back.
+The engine set-up itself (model folder, connector configs, one timed pass) is
+:mod:`kvpipe.connector.vllm.launch`, shared with the demo and the bench; an engine
+in another process is the bench's :class:`~kvpipe.connector.bench.vllm_engine.EngineProcess`.
 """
 
 from __future__ import annotations
 
-import gc
-import json
-import os
 import random
-import sys
-import time
-from pathlib import Path
+from collections.abc import Mapping, Sequence
 from typing import Any
 
-MODEL_DIR = Path(__file__).parent / "tiny-llama"
+from kvpipe.connector.bench.vllm_engine import EngineProcess
+from kvpipe.connector.vllm import launch
+
+MODEL_DIR = launch.model_dir("tiny-llama", launch.TINY_LLAMA)
 PROMPT_TOKENS = 600
 MAX_TOKENS = 8
 BLOCK = 128
@@ -29,86 +27,23 @@ def prompts(seed: int, count: int = 2) -> list[list[int]]:
     return [[rng.randrange(1024) for _ in range(PROMPT_TOKENS)] for _ in range(count)]
 
 
-def kvpipe_transfer(extra: dict[str, Any]) -> dict[str, Any]:
-    return {
-        "kv_connector": "KVPipeConnector",
-        "kv_connector_module_path": "kvpipe.connector.vllm",
-        "kv_role": "kv_both",
-        "kv_connector_extra_config": extra,
-    }
-
-
-def mooncake_transfer(extra: dict[str, Any] | None = None) -> dict[str, Any]:
-    return {
-        "kv_connector": "MooncakeStoreConnector",
-        "kv_role": "kv_both",
-        "kv_connector_extra_config": extra or {},
-    }
-
-
-def make_llm(transfer: dict[str, Any] | None) -> Any:
-    from vllm import LLM
-    from vllm.config import KVTransferConfig
-
-    return LLM(
-        model=str(MODEL_DIR),
-        load_format="dummy",
-        skip_tokenizer_init=True,
-        enforce_eager=True,
-        max_model_len=1024,
-        dtype="bfloat16",
-        kv_cache_memory_bytes=64 << 20,
-        kv_transfer_config=KVTransferConfig(**transfer) if transfer else None,
-        disable_log_stats=False,
-    )
+def make_llm(transfer: Mapping[str, Any] | None) -> Any:
+    return launch.make_llm(MODEL_DIR, transfer)
 
 
 def generate(llm: Any, batch: list[list[int]]) -> dict[str, Any]:
-    """One pass: per prompt its output tokens and cached tokens, and the wall time."""
-    from vllm import SamplingParams
-
-    params = SamplingParams(max_tokens=MAX_TOKENS, temperature=0, ignore_eos=True, detokenize=False)
-    start = time.perf_counter()
-    outputs = llm.generate([{"prompt_token_ids": ids} for ids in batch], params, use_tqdm=False)
-    return {
-        "tokens": [list(o.outputs[0].token_ids) for o in outputs],
-        "cached": [o.num_cached_tokens for o in outputs],
-        "seconds": round(time.perf_counter() - start, 3),
-    }
+    """One pass, as a dict: the same shape an engine process answers with."""
+    return launch.generate(llm, batch, MAX_TOKENS).as_dict()
 
 
-def close_llm(llm: Any) -> None:
-    """Shut an engine down now (its connector closes its store client), not at some later GC."""
-    try:
-        llm.llm_engine.engine_core.shutdown()
-    except Exception:  # noqa: BLE001, S110 - best effort; the object is dropped anyway
-        pass
-    del llm
-    gc.collect()
+def gen(seed: int) -> dict[str, Any]:
+    """The engine-process command for one pass over ``prompts(seed)``."""
+    return {"generate": prompts(seed), "max_tokens": MAX_TOKENS}
 
 
-def run_spec(spec: dict[str, Any]) -> dict[str, Any]:
-    """Build the engine of ``spec`` and run ``spec["steps"]``: ["gen:SEED", "reset", "sleep:S", ...]."""
-    llm = make_llm(spec.get("transfer"))
-    results: list[Any] = []
-    try:
-        for step in spec["steps"]:
-            if step.startswith("sleep:"):
-                time.sleep(float(step.split(":")[1]))
-                results.append({"slept": float(step.split(":")[1])})
-            elif step == "reset":
-                results.append({"reset": bool(llm.reset_prefix_cache())})
-            else:
-                results.append(generate(llm, prompts(int(step.split(":")[1]))))
-    finally:
-        close_llm(llm)
-    return {"steps": results, "pid": os.getpid()}
-
-
-if __name__ == "__main__":
-    result = run_spec(json.loads(sys.argv[1]))
-    print("RESULT " + json.dumps(result), flush=True)
-    sys.stderr.flush()
-    # vLLM's MooncakeStoreConnector leaves its ZMQ lookup thread running after shutdown,
-    # which hangs interpreter exit; the result is out, so leave without waiting for it.
-    os._exit(0)
+def run_engine_process(
+    transfer: Mapping[str, Any], commands: Sequence[Mapping[str, Any]], env: Mapping[str, str] | None = None
+) -> list[dict[str, Any]]:
+    """A new engine process on the tiny model: each command's answer, in order."""
+    with EngineProcess({"model": str(MODEL_DIR), "transfer": dict(transfer)}, env) as process:
+        return [process.call(command) for command in commands]

@@ -8,6 +8,7 @@ from typing import Any
 import pytest
 
 from kvpipe.connector.mooncake import MooncakeStore
+from kvpipe.connector.vllm.launch import close_llm, kvpipe_transfer
 
 from . import engine
 
@@ -16,10 +17,10 @@ from . import engine
 def llm(store_section: dict[str, Any], reference: dict[int, list[list[int]]]) -> Iterator[Any]:
     """One kvpipe engine for this module (group semantics on)."""
     extra = {"store": store_section, "enable_group_semantics": True, "staging_blocks": 64}
-    transfer = {**engine.kvpipe_transfer(extra), "kv_load_failure_policy": "recompute"}
+    transfer = {**kvpipe_transfer(extra), "kv_load_failure_policy": "recompute"}
     instance = engine.make_llm(transfer)
     yield instance
-    engine.close_llm(instance)
+    close_llm(instance)
 
 
 def worker_connector() -> Any:
@@ -28,6 +29,14 @@ def worker_connector() -> Any:
     workers = [c for c in KVPipeConnector.instances if not c.is_scheduler and c._save_pipeline is not None]
     assert len(workers) == 1, workers
     return workers[0]
+
+
+def scheduler_connector() -> Any:
+    from kvpipe.connector.vllm import KVPipeConnector
+
+    schedulers = [c for c in KVPipeConnector.instances if c.is_scheduler and c._store is not None]
+    assert len(schedulers) == 1, schedulers
+    return schedulers[0]
 
 
 def test_second_pass_loads_the_stored_prefix(llm: Any, reference: dict[int, list[list[int]]]) -> None:
@@ -117,3 +126,19 @@ def test_a_failed_load_is_recomputed(
     again = engine.generate(llm, batch)
     assert connector.stats["chunks_load_failed"] - failed_before == per_batch
     assert again["tokens"] == reference[7]
+
+
+def test_the_lookups_of_one_scheduling_step_are_one_store_call(llm: Any) -> None:
+    """Four new requests admitted in one step: one ``batch_is_exist``, not one per request."""
+    calls = scheduler_connector().stats["lookup_calls"]
+    engine.generate(llm, engine.prompts(8, count=4))
+    assert scheduler_connector().stats["lookup_calls"] - calls == 1
+    assert worker_connector().drain(10.0)
+
+
+def test_each_saved_object_is_one_buffer(llm: Any) -> None:
+    """The worker stages blocks object-major: one buffer per object, not one per layer."""
+    records = [record for record, _ in worker_connector().observed]
+    assert records
+    assert {len(record.buffers) for record in records} == {1}
+    assert {record.size for record in records} == {2 * 64 * 1024}  # two layers' 64 KiB blocks

@@ -6,9 +6,10 @@ from pathlib import Path
 from typing import Any
 
 from kvpipe.connector.master import LocalMaster
+from kvpipe.connector.vllm.launch import close_llm, kvpipe_transfer, mooncake_transfer, vllm_mooncake_env
 
 from . import engine
-from .conftest import run_engine_process, stored_keys, wait_for_keys
+from .conftest import stored_keys, wait_for_keys
 
 PER_BATCH = 2 * engine.FULL_HIT // engine.BLOCK  # objects of one batch of two prompts
 
@@ -19,7 +20,7 @@ def test_objects_are_interchangeable_with_vllm_mooncake_connector(
     mooncake_json: Path,
     reference: dict[int, list[list[int]]],
 ) -> None:
-    kvpipe = engine.kvpipe_transfer({"store": store_section})
+    kvpipe = kvpipe_transfer({"store": store_section})
 
     # kvpipe stores prompts 3
     llm = engine.make_llm(kvpipe)
@@ -28,14 +29,13 @@ def test_objects_are_interchangeable_with_vllm_mooncake_connector(
         stored = engine.generate(llm, engine.prompts(3))
         assert stored["cached"] == [0, 0]
     finally:
-        engine.close_llm(llm)  # drains its saves
+        close_llm(llm)  # drains its saves
     assert len(stored_keys(master)) == before + PER_BATCH
 
     # vLLM's connector (in a process of its own: it leaves a thread behind) hits them,
     # and stores prompts 4
-    env = {"MOONCAKE_CONFIG_PATH": str(mooncake_json)}
-    spec = {"transfer": engine.mooncake_transfer(), "steps": ["gen:3", "gen:4", "sleep:1"]}
-    hit, own, _ = run_engine_process(spec, env)["steps"]
+    commands = [engine.gen(3), engine.gen(4), {"sleep": 1}]
+    hit, own, _ = engine.run_engine_process(mooncake_transfer(), commands, vllm_mooncake_env(mooncake_json))
     keys = wait_for_keys(master, before + 2 * PER_BATCH)
     assert hit["cached"] == [engine.FULL_HIT, engine.FULL_HIT]
     assert hit["tokens"] == reference[3]
@@ -47,7 +47,7 @@ def test_objects_are_interchangeable_with_vllm_mooncake_connector(
     try:
         back = engine.generate(llm, engine.prompts(4))
     finally:
-        engine.close_llm(llm)
+        close_llm(llm)
     print(
         "mooncake->kvpipe",
         back["cached"],

@@ -3,31 +3,29 @@ default multiprocess mode (scheduler and worker connector in different processes
 
 from __future__ import annotations
 
-import os
 from typing import Any
 
 import pytest
 
+from kvpipe.connector.vllm.launch import close_llm, kvpipe_transfer
+
 from . import engine
-from .conftest import run_engine_process
 
 
 @pytest.fixture(scope="module")
 def multiprocess_run(store_section: dict[str, Any], reference: dict[int, list[list[int]]]) -> dict[str, Any]:
-    transfer = engine.kvpipe_transfer({"store": store_section})
+    transfer = kvpipe_transfer({"store": store_section})
     # the first engine, in this process, stores prompts 5
     llm = engine.make_llm(transfer)
     try:
         first = engine.generate(llm, engine.prompts(5))
     finally:
-        engine.close_llm(llm)
+        close_llm(llm)
     assert first["cached"] == [0, 0]
     # the second, a new process in vLLM's default (multiprocess) mode
-    env = {key: value for key, value in os.environ.items() if key != "VLLM_ENABLE_V1_MULTIPROCESSING"}
-    spec = {"transfer": transfer, "steps": ["gen:5", "gen:6", "sleep:1", "reset", "gen:6"]}
-    os_env = dict(env)
-    result = run_engine_process(spec, os_env)
-    return {"first": first, "steps": result["steps"]}
+    commands = [engine.gen(5), engine.gen(6), {"sleep": 1}, {"reset": True}, engine.gen(6)]
+    steps = engine.run_engine_process(transfer, commands, {"VLLM_ENABLE_V1_MULTIPROCESSING": "1"})
+    return {"first": first, "steps": steps}
 
 
 def test_a_new_engine_process_hits_what_another_stored(

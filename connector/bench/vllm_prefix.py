@@ -1,0 +1,444 @@
+"""The ``vllm`` workload: the real engine on prefix-heavy prompts, store then reload.
+
+Each round, every contender runs the round's fresh prompts: pass 1 (nothing stored
+yet: it computes and its connector stores), then, once the stores have settled,
+vLLM's own prefix cache is reset before each pass 2 (what is reused must come from
+the connector). Contenders:
+
+- no connector: pass 2 recomputes, helped only by vLLM's own prefix cache within it;
+- vLLM's ``MooncakeStoreConnector``;
+- kvpipe's ``KVPipeConnector``.
+
+Each engine is a process of its own (:mod:`.vllm_engine`), all up at once, taking
+turns pass by pass (the order rotates at every turn) so the machine's slow moments
+spread over all of them. On the tiny model a pass 2 is ~0.1 s, which other work on
+a shared machine easily doubles, so each round repeats it (the store is unchanged,
+the reset comes again) for more samples. A first, small round (the quick workload's
+prompts) warms every engine and path up (first kernels, the first store
+connections) and is not counted.
+Each connector has its own master on loopback and its own segment holder (this
+process), the engines being pure clients, so every put and get crosses TCP, and its
+store is emptied after every round, so no round or contender sees another's objects.
+
+Hit tokens are counted from vLLM's own figures: the pass's prompt tokens served from
+cache (``num_cached_tokens`` summed) minus what the no-connector engine's prefix
+cache serves on the same pass, i.e. the prompt tokens the connector spared from
+recompute. That is the honest measure across connectors that load differently:
+vLLM's connector loads asynchronously, so requests sharing a system prompt each
+load their own copy (``vllm:external_prefix_cache_hits`` counts every copy); kvpipe
+loads synchronously, so the first request's loaded blocks enter vLLM's prefix cache
+in the same step and the others hit them there (counted as local hits). The table
+shows both counters too.
+"""
+
+from __future__ import annotations
+
+import json
+import random
+import statistics
+import tempfile
+import time
+from collections.abc import Iterator, Mapping, Sequence
+from contextlib import ExitStack, contextmanager
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from ..master import LocalMaster, MasterEndpoints
+from ..mooncake import MooncakeStore
+from ..vllm.launch import (
+    TINY_LLAMA,
+    kvpipe_transfer,
+    model_dir,
+    mooncake_transfer,
+    segment_holder,
+    store_section,
+    stored_keys,
+    vllm_mooncake_config,
+    vllm_mooncake_env,
+)
+from .plot import bar_plot
+from .result import BenchOptions, Target, WorkloadResult
+from .vllm_engine import EngineProcess
+
+NONE, VLLM, KVPIPE = "no connector", "vLLM MooncakeStoreConnector", "kvpipe"
+CONTENDERS = (NONE, VLLM, KVPIPE)
+BAR_LABELS = {NONE: "no connector", VLLM: "vLLM's connector", KVPIPE: "kvpipe"}
+VOCAB = 1024
+BLOCK = 128  # vLLM's default block size on CPU: tokens per stored chunk
+
+
+@dataclass(frozen=True)
+class Workload:
+    """Prefix-heavy prompts: ``requests`` share ``system_prompts`` system prompts round-robin."""
+
+    system_prompts: int
+    system_tokens: int
+    requests: int
+    user_tokens: tuple[int, int]
+    max_tokens: int
+
+    def prompts(self, seed: int) -> list[list[int]]:
+        """The round's prompts: fresh random tokens, so no round reuses another's prefixes."""
+        rng = random.Random(seed)
+        systems = [
+            [rng.randrange(VOCAB) for _ in range(self.system_tokens)] for _ in range(self.system_prompts)
+        ]
+        return [
+            systems[i % self.system_prompts]
+            + [rng.randrange(VOCAB) for _ in range(rng.randint(*self.user_tokens))]
+            for i in range(self.requests)
+        ]
+
+    @property
+    def max_model_len(self) -> int:
+        return self.system_tokens + self.user_tokens[1] + self.max_tokens
+
+
+@dataclass(frozen=True)
+class Model:
+    """A dummy-weight model and what its engine needs."""
+
+    label: str
+    name: str  # the folder name: the model part of every store key
+    config: Mapping[str, Any]
+    kv_cache_memory_bytes: int
+    segment_size: str  # the holder's segment: one round's objects, with room to spare
+
+
+TINY = Model("tiny", "tiny-llama", TINY_LLAMA, 128 << 20, "256MB")
+#: 8 layers, hidden 512 (8 heads of 64, no GQA): 256 KiB per block per layer, 2 MiB per
+#: stored object. Recomputing a 1024-token prefix costs ~0.3 s of compute here, loading
+#: its 16 MiB over loopback ~0.02 s: the case a KV cache store is for.
+BIGGER = Model(
+    "8x512",
+    "llama-8x512",
+    {
+        **TINY_LLAMA,
+        "hidden_size": 512,
+        "intermediate_size": 1536,
+        "num_hidden_layers": 8,
+        "num_attention_heads": 8,
+    },
+    512 << 20,
+    "1GB",
+)
+
+FULL = Workload(system_prompts=8, system_tokens=1024, requests=32, user_tokens=(64, 192), max_tokens=4)
+QUICK = Workload(system_prompts=2, system_tokens=512, requests=8, user_tokens=(32, 96), max_tokens=4)
+#: rounds on the bigger model at most: one costs ~20 s of compute for the three contenders
+BIGGER_ROUNDS = 4
+#: passes 2 per round on the tiny model (~0.1-0.2 s each)
+TINY_PASS2_REPEATS = 3
+
+
+@dataclass(frozen=True)
+class Plan:
+    """How much to measure on one model."""
+
+    model: Model
+    rounds: int
+    pass2_repeats: int = 1
+
+
+@dataclass
+class Passes:
+    """One contender's passes as its engine process reported them, in the order of the turns.
+
+    Every contender's lists line up: entry ``i`` of two contenders ran the same prompts.
+    """
+
+    pass1: list[Mapping[str, Any]] = field(default_factory=list)
+    pass2: list[Mapping[str, Any]] = field(default_factory=list)
+
+
+def run(options: BenchOptions) -> WorkloadResult:
+    workload = QUICK if options.quick else FULL
+    plans = (
+        [Plan(TINY, rounds=1)]
+        if options.quick
+        else [
+            Plan(TINY, options.repeats, TINY_PASS2_REPEATS),
+            Plan(BIGGER, min(options.repeats, BIGGER_ROUNDS)),
+        ]
+    )
+    rows: list[dict[str, Any]] = []
+    targets: list[Target] = []
+    plots: list[str] = []
+    pass2_samples: dict[str, dict[str, list[float]]] = {}
+    warm_up = None if options.quick else QUICK
+    with tempfile.TemporaryDirectory(prefix="kvpipe-bench-vllm-") as scratch:
+        for plan in plans:
+            model = plan.model
+            measured = _measure(plan, workload, warm_up=warm_up, scratch=Path(scratch))
+            model_rows = _rows(model, measured)
+            pass2_samples[model.label] = {
+                name: [p["seconds"] for p in measured[name].pass2] for name in CONTENDERS
+            }
+            rows.extend(model_rows)
+            targets.extend(_targets(model, {row["contender"]: row for row in model_rows}, measured))
+            path = options.out_dir / f"vllm-{model.label}.png"
+            bar_plot(
+                path,
+                f"vLLM, {model.label} model: pass 2 (after a prefix-cache reset)",
+                "seconds (median)",
+                {BAR_LABELS[row["contender"]]: row["pass2_s"] for row in model_rows},
+            )
+            plots.append(str(path))
+    return WorkloadResult(
+        workload="vllm",
+        description=(
+            f"the real vLLM engine, {workload.requests} requests over {workload.system_prompts} shared "
+            f"{workload.system_tokens}-token system prompts; pass 1 stores, vLLM's prefix cache is reset, "
+            "pass 2 loads. hit_tokens = pass-2 cached prompt tokens minus the no-connector engine's "
+            "(what the connector spared from recompute); local_hits / connector_hits = vLLM's "
+            "prefix_cache_hits / external_prefix_cache_hits counters in pass 2"
+        ),
+        columns=[
+            "model",
+            "contender",
+            "pass1_s",
+            "pass2_s",
+            "pass2_vs_none",
+            "cached_tokens",
+            "local_hits",
+            "connector_hits",
+            "hit_tokens",
+            "same_outputs",
+        ],
+        rows=rows,
+        targets=targets,
+        notes=[
+            f"models: tiny = {_describe(TINY)}; {BIGGER.label} = {_describe(BIGGER)}"
+            + (" (quick mode: tiny only)" if options.quick else ""),
+            "times are medians over all passes (fresh prompts each round, contenders taking turns); "
+            "pass2_vs_none and the pass-2 targets are medians of per-turn ratios (each pass 2 against the "
+            "other's pass 2 of the same turn, run back to back); same_outputs: every pass's greedy tokens "
+            "equal the no-connector engine's",
+            "vLLM's connector loads one copy per request (async loads keep loaded blocks out of vLLM's "
+            "prefix cache until they land); kvpipe loads one copy per prefix and vLLM's cache serves the rest",
+        ],
+        plots=plots,
+        parameters={
+            "quick": options.quick,
+            "rounds": {plan.model.label: plan.rounds for plan in plans},
+            "pass2_per_round": {plan.model.label: plan.pass2_repeats for plan in plans},
+            "requests": workload.requests,
+            "system_prompts": workload.system_prompts,
+            "system_tokens": workload.system_tokens,
+            "user_tokens": list(workload.user_tokens),
+            "max_tokens": workload.max_tokens,
+            "pass2_s_samples": pass2_samples,
+        },
+    )
+
+
+def _describe(model: Model) -> str:
+    c = model.config
+    return f"{c['num_hidden_layers']} layers, hidden {c['hidden_size']}, {c['num_attention_heads']} heads"
+
+
+def _measure(plan: Plan, workload: Workload, *, warm_up: Workload | None, scratch: Path) -> dict[str, Passes]:
+    """Every contender's passes on ``plan.model``, the engines taking turns pass by pass."""
+    model = plan.model
+    folder = model_dir(model.name, model.config, scratch / "models")
+    base = {
+        "model": str(folder),
+        "max_model_len": workload.max_model_len,
+        "kv_cache_memory_bytes": model.kv_cache_memory_bytes,
+    }
+    with ExitStack() as stack:
+        kvpipe_store = stack.enter_context(_store(model.segment_size))
+        vllm_store = stack.enter_context(_store(model.segment_size))
+        config_path = scratch / f"mooncake-{model.label}.json"
+        config_path.write_text(json.dumps(vllm_mooncake_config(vllm_store.endpoints)))
+        in_process = {"VLLM_ENABLE_V1_MULTIPROCESSING": "0"}
+        kvpipe = kvpipe_transfer({"store": store_section(kvpipe_store.endpoints)})
+        engines = {
+            NONE: EngineProcess({**base, "transfer": None}, in_process),
+            VLLM: EngineProcess(
+                {**base, "transfer": mooncake_transfer()}, {**in_process, **vllm_mooncake_env(config_path)}
+            ),
+            KVPIPE: EngineProcess({**base, "transfer": kvpipe}, in_process),
+        }
+        for engine in engines.values():
+            stack.callback(engine.close)
+        for engine in engines.values():
+            engine.wait_ready()
+        stores = [kvpipe_store, vllm_store]
+        measured = {name: Passes() for name in CONTENDERS}
+        schedule = [(workload.prompts(seed), plan.pass2_repeats, True) for seed in range(1, plan.rounds + 1)]
+        if warm_up is not None:
+            schedule.insert(0, (warm_up.prompts(seed=0), 1, False))
+        for index, (prompts, repeats, counted) in enumerate(schedule):
+            passes = _round(
+                engines, stores, {"generate": prompts, "max_tokens": workload.max_tokens}, repeats, index
+            )
+            if counted:
+                for name, done in passes.items():
+                    measured[name].pass1.extend(done.pass1)
+                    measured[name].pass2.extend(done.pass2)
+        return measured
+
+
+@dataclass(frozen=True)
+class _Store:
+    endpoints: MasterEndpoints
+    holder: MooncakeStore
+
+
+@contextmanager
+def _store(segment_size: str) -> Iterator[_Store]:
+    """A fresh master and the client holding its memory: one connector's store."""
+    with LocalMaster() as master:
+        assert master.endpoints is not None
+        with segment_holder(master.endpoints, segment_size) as holder:
+            yield _Store(master.endpoints, holder)
+
+
+def _round(
+    engines: Mapping[str, EngineProcess],
+    stores: Sequence[_Store],
+    command: Mapping[str, Any],
+    repeats: int,
+    turn: int,
+) -> dict[str, Passes]:
+    """Pass 1 for everyone, the stores settle, then ``repeats`` x (reset, pass 2) for everyone.
+
+    The order of the contenders rotates at every turn. At the end vLLM's caches are
+    reset and the stores emptied, so the next round starts from nothing.
+    """
+    passes = {name: Passes() for name in engines}
+    for name in _turn(turn):
+        passes[name].pass1.append(engines[name].call(command))
+    for store in stores:
+        _settle(store.endpoints, at_least=_full_blocks(command["generate"]))
+    for repeat in range(repeats):
+        for name in _turn(turn + repeat):
+            _reset(engines[name])
+            passes[name].pass2.append(engines[name].call(command))
+    for name in engines:
+        _reset(engines[name])
+    for store in stores:
+        _settle(store.endpoints)
+        store.holder.remove_all(force=True)
+    return passes
+
+
+def _turn(index: int) -> tuple[str, ...]:
+    """The contenders in the order of turn ``index``: each goes first as often as the others."""
+    return CONTENDERS[index % 3 :] + CONTENDERS[: index % 3]
+
+
+def _reset(engine: EngineProcess) -> None:
+    if not engine.call({"reset": True})["reset"]:
+        raise RuntimeError("vLLM's prefix cache could not be reset: pass 2 would hit it, not the connector")
+
+
+def _full_blocks(prompts: Sequence[Sequence[int]]) -> int:
+    """Distinct full blocks of the prompts: the objects a connector stores in pass 1, at least."""
+    return len({tuple(p[:end]) for p in prompts for end in range(BLOCK, len(p) + 1, BLOCK)})
+
+
+def _settle(
+    endpoints: MasterEndpoints, at_least: int = 0, quiet_s: float = 0.3, timeout_s: float = 30.0
+) -> None:
+    """Wait until the master holds ``at_least`` keys and their count stops growing.
+
+    Both connectors save in the background: pass 2 must not start before pass 1's
+    objects have landed, or it would measure a half-stored cache.
+    """
+    deadline = time.monotonic() + timeout_s
+    count, since = len(stored_keys(endpoints)), time.monotonic()
+    while (count < at_least or time.monotonic() - since < quiet_s) and time.monotonic() < deadline:
+        time.sleep(0.05)
+        now = len(stored_keys(endpoints))
+        if now != count:
+            count, since = now, time.monotonic()
+
+
+def _rows(model: Model, measured: Mapping[str, Passes]) -> list[dict[str, Any]]:
+    """One row per contender: medians over its passes, hits against the no-connector engine's."""
+    reference = measured[NONE]
+    rows = []
+    for name in CONTENDERS:
+        passes = measured[name]
+        cached = [sum(p["cached"]) for p in passes.pass2]
+        hits = [c - sum(n["cached"]) for c, n in zip(cached, reference.pass2, strict=True)]
+        pairs = [
+            *zip(passes.pass1, reference.pass1, strict=True),
+            *zip(passes.pass2, reference.pass2, strict=True),
+        ]
+        same = all(mine["tokens"] == theirs["tokens"] for mine, theirs in pairs)
+        rows.append(
+            {
+                "model": model.label,
+                "contender": name,
+                "pass1_s": statistics.median(p["seconds"] for p in passes.pass1),
+                "pass2_s": statistics.median(p["seconds"] for p in passes.pass2),
+                "pass2_vs_none": _paired_ratio(passes, reference),
+                "cached_tokens": int(statistics.median(cached)),
+                "local_hits": int(statistics.median(p["local_hits"] for p in passes.pass2)),
+                "connector_hits": int(statistics.median(p["connector_hits"] for p in passes.pass2)),
+                "hit_tokens": int(statistics.median(hits)),
+                "same_outputs": same,
+            }
+        )
+    return rows
+
+
+def _paired_ratio(mine: Passes, theirs: Passes) -> float:
+    """The median over turns of my pass 2 over theirs in the same turn (same prompts, back to back).
+
+    A slow moment of the shared machine slows both passes of a turn, so their ratio
+    holds where a ratio of medians would mix slow moments of one with quiet ones of
+    the other.
+    """
+    return statistics.median(
+        m["seconds"] / t["seconds"] for m, t in zip(mine.pass2, theirs.pass2, strict=True)
+    )
+
+
+def _targets(
+    model: Model, rows: Mapping[str, Mapping[str, Any]], measured: Mapping[str, Passes]
+) -> list[Target]:
+    kvpipe, vllm = rows[KVPIPE], rows[VLLM]
+    targets = [
+        Target(
+            name=f"{model.label}: kvpipe hit tokens / vLLM connector's",
+            measured=kvpipe["hit_tokens"] / max(1, vllm["hit_tokens"]),
+            goal=1.0,
+            op=">=",
+        ),
+        Target(
+            name=f"{model.label}: kvpipe outputs identical to no connector (1 = yes)",
+            measured=float(kvpipe["same_outputs"]),
+            goal=1.0,
+            op=">=",
+        ),
+    ]
+    if model is TINY:
+        targets += [
+            Target(
+                name="tiny: kvpipe pass 2 / vLLM connector's pass 2",
+                measured=_paired_ratio(measured[KVPIPE], measured[VLLM]),
+                goal=0.9,
+                op="<=",
+            ),
+            Target(
+                name="tiny: kvpipe pass 2 / no connector's (below 1: loading beats recomputing)",
+                measured=kvpipe["pass2_vs_none"],
+                goal=1.0,
+                op="<=",
+            ),
+        ]
+    else:
+        targets.append(
+            Target(
+                name=f"{model.label}: kvpipe pass 2 / no connector's (clearly faster)",
+                measured=kvpipe["pass2_vs_none"],
+                goal=0.7,
+                op="<=",
+            )
+        )
+    return targets

@@ -1,0 +1,215 @@
+"""Starting vLLM with a connector on a local master: what the demo, the bench and the tests share.
+
+Everything needed to run the real engine here without a download or a GPU: a dummy
+model folder written from a config dict, the ``kv_transfer_config`` dicts of both
+connectors (kvpipe's and vLLM's own ``MooncakeStoreConnector``) for one master, the
+client that holds the store's memory, and one pass of greedy generation with the
+figures a comparison needs.
+
+vLLM is imported inside the functions that run it, so a process that only builds
+configs and spawns engines (the bench's parent) does not pay ~6 s for ``import vllm``.
+"""
+
+from __future__ import annotations
+
+import gc
+import hashlib
+import json
+import os
+import tempfile
+import time
+import urllib.request
+from collections.abc import Mapping, Sequence
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from typing import Any
+
+from ..master import MasterEndpoints
+from ..mooncake import MooncakeSettings, MooncakeStore
+
+#: The tiny 2-layer Llama: 64 KiB per 128-token block per layer, compute negligible.
+#: (The CPU attention needs a head size in {32, 64, 80, ...}: hidden 128 / 4 heads = 32.)
+TINY_LLAMA: dict[str, Any] = {
+    "architectures": ["LlamaForCausalLM"],
+    "model_type": "llama",
+    "hidden_size": 128,
+    "intermediate_size": 256,
+    "num_hidden_layers": 2,
+    "num_attention_heads": 4,
+    "vocab_size": 1024,
+}
+
+#: vLLM metric counters (``llm.get_metrics()``, with ``disable_log_stats=False``) a pass reports.
+PREFIX_CACHE_HITS = "vllm:prefix_cache_hits"
+EXTERNAL_PREFIX_CACHE_HITS = "vllm:external_prefix_cache_hits"
+
+
+def model_dir(name: str, config: Mapping[str, Any], root: Path | None = None) -> Path:
+    """A folder named ``name`` holding only ``config.json``: all vLLM needs with dummy weights.
+
+    The folder's name is the model part of every store key, so it is kept as given;
+    its parent is named by the config's hash, so equal configs share one folder and
+    writing it again (another process, another test) is harmless.
+    """
+    text = json.dumps(dict(config), sort_keys=True)
+    digest = hashlib.sha256(text.encode()).hexdigest()[:12]
+    folder = (root or Path(tempfile.gettempdir()) / "kvpipe-models") / digest / name
+    target = folder / "config.json"
+    if not target.exists():
+        folder.mkdir(parents=True, exist_ok=True)
+        partial = folder / f".config.json.{os.getpid()}"
+        partial.write_text(text)
+        partial.replace(target)  # atomic: a concurrent reader sees the whole file or none
+    return folder
+
+
+def kvpipe_transfer(extra: Mapping[str, Any]) -> dict[str, Any]:
+    """``kv_transfer_config`` loading kvpipe's connector with ``extra`` as its settings."""
+    return {
+        "kv_connector": "KVPipeConnector",
+        "kv_connector_module_path": "kvpipe.connector.vllm",
+        "kv_role": "kv_both",
+        "kv_connector_extra_config": dict(extra),
+    }
+
+
+def mooncake_transfer(extra: Mapping[str, Any] | None = None) -> dict[str, Any]:
+    """``kv_transfer_config`` loading vLLM's own MooncakeStoreConnector (store from ``MOONCAKE_CONFIG_PATH``)."""
+    return {
+        "kv_connector": "MooncakeStoreConnector",
+        "kv_role": "kv_both",
+        "kv_connector_extra_config": dict(extra or {}),
+    }
+
+
+def store_section(endpoints: MasterEndpoints, global_segment_size: int | str = 0) -> dict[str, Any]:
+    """kvpipe's ``store`` setting for a running master.
+
+    ``global_segment_size=0`` makes the engine a pure client: its objects live in the
+    segment of a :func:`segment_holder`, so they outlive the engine and every put and
+    get crosses TCP, as with a store on other machines.
+    """
+    return {
+        "kind": "mooncake",
+        "master": endpoints.master_address,
+        "metadata_server": endpoints.metadata_server,
+        "global_segment_size": global_segment_size,
+    }
+
+
+def vllm_mooncake_config(endpoints: MasterEndpoints, global_segment_size: int | str = 0) -> dict[str, Any]:
+    """The JSON that ``MOONCAKE_CONFIG_PATH`` names for vLLM's connector: the same master and mode."""
+    return {
+        "metadata_server": endpoints.metadata_server,
+        "master_server_address": endpoints.master_address,
+        "protocol": "tcp",
+        "device_name": "",
+        "global_segment_size": global_segment_size,
+        "local_buffer_size": "64MB",
+        **({"mode": "standalone-store"} if global_segment_size in (0, "0") else {}),
+    }
+
+
+def vllm_mooncake_env(config_path: Path) -> dict[str, str]:
+    """The environment vLLM's connector reads: its JSON, and a loopback host name for its client."""
+    return {"MOONCAKE_CONFIG_PATH": str(config_path), "MOONCAKE_REQUESTER_LOCAL_HOSTNAME": "127.0.0.1"}
+
+
+def segment_holder(endpoints: MasterEndpoints, global_segment_size: int | str = "512MB") -> MooncakeStore:
+    """A client that mounts the memory engines with ``global_segment_size=0`` store into."""
+    return MooncakeStore.open(
+        MooncakeSettings(
+            master=endpoints.master_address,
+            metadata_server=endpoints.metadata_server,
+            global_segment_size=global_segment_size,
+        )
+    )
+
+
+def stored_keys(endpoints: MasterEndpoints) -> list[str]:
+    """Every key the master holds (its admin port's ``/get_all_keys``)."""
+    url = f"http://{endpoints.host}:{endpoints.metrics_port}/get_all_keys"
+    with urllib.request.urlopen(url, timeout=5) as response:  # noqa: S310 - a loopback master
+        return [line for line in response.read().decode().splitlines() if line.strip()]
+
+
+def make_llm(
+    model: Path | str,
+    transfer: Mapping[str, Any] | None,
+    *,
+    max_model_len: int = 1024,
+    kv_cache_memory_bytes: int = 64 << 20,
+) -> Any:
+    """An engine on ``model`` with dummy weights (fixed seed: greedy outputs repeat across engines).
+
+    Stats stay on so :func:`generate` can tell local prefix-cache hits from connector hits.
+    """
+    from vllm import LLM
+    from vllm.config import KVTransferConfig
+
+    return LLM(
+        model=str(model),
+        load_format="dummy",
+        skip_tokenizer_init=True,
+        enforce_eager=True,
+        max_model_len=max_model_len,
+        dtype="bfloat16",
+        kv_cache_memory_bytes=kv_cache_memory_bytes,
+        kv_transfer_config=KVTransferConfig(**transfer) if transfer else None,
+        disable_log_stats=False,
+    )
+
+
+@dataclass(frozen=True)
+class PassResult:
+    """One :func:`generate` pass: per prompt its output and cached tokens, and pass totals.
+
+    ``local_hits`` and ``connector_hits`` are the pass's increments of vLLM's own
+    counters: prompt tokens served by the engine's prefix cache, and by the connector.
+    """
+
+    tokens: list[list[int]]
+    cached: list[int]
+    seconds: float
+    local_hits: int
+    connector_hits: int
+
+    def as_dict(self) -> dict[str, Any]:
+        return asdict(self)
+
+
+def generate(llm: Any, prompts: Sequence[Sequence[int]], max_tokens: int = 8) -> PassResult:
+    """One pass of greedy generation over ``prompts`` (token ids), timed."""
+    from vllm import SamplingParams
+
+    params = SamplingParams(max_tokens=max_tokens, temperature=0, ignore_eos=True, detokenize=False)
+    before = _hit_counters(llm)
+    start = time.perf_counter()
+    outputs = llm.generate([{"prompt_token_ids": list(ids)} for ids in prompts], params, use_tqdm=False)
+    seconds = time.perf_counter() - start
+    after = _hit_counters(llm)
+    return PassResult(
+        tokens=[list(o.outputs[0].token_ids) for o in outputs],
+        cached=[o.num_cached_tokens or 0 for o in outputs],
+        seconds=round(seconds, 4),
+        local_hits=after[PREFIX_CACHE_HITS] - before[PREFIX_CACHE_HITS],
+        connector_hits=after[EXTERNAL_PREFIX_CACHE_HITS] - before[EXTERNAL_PREFIX_CACHE_HITS],
+    )
+
+
+def _hit_counters(llm: Any) -> dict[str, int]:
+    counters = dict.fromkeys((PREFIX_CACHE_HITS, EXTERNAL_PREFIX_CACHE_HITS), 0)
+    for metric in llm.get_metrics():
+        if metric.name in counters:
+            counters[metric.name] += int(getattr(metric, "value", 0))
+    return counters
+
+
+def close_llm(llm: Any) -> None:
+    """Shut an engine down now (its connector closes its store client), not at some later GC."""
+    try:
+        llm.llm_engine.engine_core.shutdown()
+    except Exception:  # noqa: BLE001, S110 - best effort; the object is dropped anyway
+        pass
+    del llm
+    gc.collect()
