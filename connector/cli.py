@@ -16,20 +16,20 @@ import logging
 import sys
 from collections.abc import Sequence
 from pathlib import Path
-from typing import Any
+from typing import Any, NoReturn
 
 import structlog
 from pydantic import ValidationError
 
 from kvpipe.pipeline import BuildError
-from kvpipe.pipeline.config import describe_validation_error, load_yaml
+from kvpipe.pipeline.config import describe_validation_error, load_yaml, one_line
 
 from .master import MasterError
 from .mooncake import MooncakeError
 from .run.config import RunConfig, apply_override
 from .run.job import RunResult, run
 from .run.report import ProgressLine, summary_table
-from .stores import without_store_tag
+from .stores import MooncakeStoreConfig, without_store_tag
 
 USAGE_ERROR = 2
 
@@ -39,20 +39,24 @@ class UsageError(Exception):
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    parser = _parser()
-    args = parser.parse_args(argv)
-    _configure_logging(args.verbose)
     try:
+        args = _parser().parse_args(argv)
+        _configure_logging(args.verbose)
         return args.command(args)
     except UsageError as error:
         print(f"kvpipe: error: {error}", file=sys.stderr)
         return USAGE_ERROR
 
 
+class _ArgumentParser(argparse.ArgumentParser):
+    """Bad arguments as every other bad input: one line, exit code 2 (argparse adds its usage)."""
+
+    def error(self, message: str) -> NoReturn:
+        raise UsageError(f"{message} (see {self.prog} --help)")
+
+
 def _parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(
-        prog="kvpipe", description="Move LLM KV-cache blocks into Mooncake Store."
-    )
+    parser = _ArgumentParser(prog="kvpipe", description="Move LLM KV-cache blocks into Mooncake Store.")
     parser.add_argument("-v", "--verbose", action="count", default=0, help="more logging (-vv: debug)")
     commands = parser.add_subparsers(required=True, metavar="COMMAND")
     run_parser = commands.add_parser("run", help="save a synthetic KV workload, read it back, report")
@@ -86,15 +90,17 @@ def _parser() -> argparse.ArgumentParser:
 
 def _run_command(args: argparse.Namespace) -> int:
     config = load_run_config(args.config, args.set)
-    if args.dump_objects is not None and not args.dump_objects.parent.is_dir():
-        raise UsageError(f"--dump-objects: folder {str(args.dump_objects.parent)!r} does not exist")
+    if args.dump_objects is not None:
+        _check_file_to_write("--dump-objects", args.dump_objects)
     progress = ProgressLine()
     try:
         result = run(config, on_progress=progress)
     except (MasterError, MooncakeError, BuildError, ValueError) as error:
         if args.verbose:  # -v: the whole story, traceback included
             raise
-        raise UsageError(str(error).splitlines()[0]) from None
+        field = _unreachable_store_field(config, error)
+        message = one_line(str(error))
+        raise UsageError(f"{field}: {message}" if field else message) from None
     finally:
         progress.close()
     if args.dump_objects is not None:
@@ -113,8 +119,8 @@ def _bench_command(args: argparse.Namespace) -> int:
         raise UsageError(f"--repeats: must be >= 1, got {args.repeats}")
     if args.out.exists() and not args.out.is_dir():
         raise UsageError(f"--out: {str(args.out)!r} is a file, not a folder")
-    if args.markdown is not None and not args.markdown.parent.is_dir():
-        raise UsageError(f"--markdown: folder {str(args.markdown.parent)!r} does not exist")
+    if args.markdown is not None:
+        _check_file_to_write("--markdown", args.markdown)
     options = BenchOptions(quick=args.quick, repeats=args.repeats, out_dir=args.out)
     results = run_suite(args.workloads, options, as_json=args.json)
     if args.markdown is not None:
@@ -132,7 +138,8 @@ def load_run_config(path: Path, overrides: Sequence[str]) -> RunConfig:
     except BuildError as error:
         raise UsageError(str(error)) from None
     if not isinstance(document, dict):
-        raise UsageError(f"{path}: must be a mapping of sections (store, model, workload, ...)")
+        kind = type(document).__name__
+        raise UsageError(f"{path}: must be a mapping of sections (store, model, workload, ...), got a {kind}")
     for assignment in overrides:
         try:
             apply_override(document, assignment)
@@ -141,9 +148,29 @@ def load_run_config(path: Path, overrides: Sequence[str]) -> RunConfig:
     try:
         return RunConfig.model_validate(document)
     except ValidationError as error:
-        first, *rest = describe_validation_error(error, "", without_store_tag).splitlines()
-        more = f" (and {len(rest)} more)" if rest else ""
-        raise UsageError(f"{path}: {first}{more}") from None
+        raise UsageError(
+            f"{path}: {one_line(describe_validation_error(error, '', without_store_tag))}"
+        ) from None
+
+
+def _check_file_to_write(flag: str, path: Path) -> None:
+    """Refuse, before any work, a file that could not be written after it."""
+    if path.is_dir():
+        raise UsageError(f"{flag}: {str(path)!r} is a folder, not a file")
+    if not path.parent.is_dir():
+        raise UsageError(f"{flag}: folder {str(path.parent)!r} does not exist")
+
+
+def _unreachable_store_field(config: RunConfig, error: Exception) -> str | None:
+    """``store.master`` or ``store.metadata_server`` when a configured endpoint did not answer.
+
+    (A spawned master's endpoints are kvpipe's own, so its failures name no field.)
+    """
+    store = config.store
+    configured = isinstance(store, MooncakeStoreConfig) and store.master != "spawn"
+    if not configured or not isinstance(error, MasterError):
+        return None
+    return "store.metadata_server" if "metadata server" in str(error) else "store.master"
 
 
 def _dump_objects(result: RunResult, path: Path) -> None:

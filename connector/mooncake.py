@@ -9,6 +9,10 @@ adds only what the raw client lacks and production needs:
 - **Fast, one-line connection errors.** With no master listening, ``setup()``
   retries for ~90 s. :meth:`MooncakeStore.open` first checks that the master
   (and an HTTP metadata server) accept connections, within ``connect_timeout_s``.
+- **A deadline on every master RPC.** A stopped master makes each call wait
+  30 s before -901; ``rpc_timeout_ms`` (2 s by default) bounds that wait. The
+  client reads it from ``MC_RPC_TIMEOUT_MS`` at set-up, so it is the process's:
+  an explicit ``MC_RPC_TIMEOUT_MS`` in the environment wins.
 - **A master for the asking.** ``master: spawn`` starts a ``mooncake_master`` on
   free loopback ports (:class:`~.master.LocalMaster`) and the store stops it on close.
 - **vLLM's config file.** :meth:`MooncakeSettings.from_vllm_file` reads the JSON
@@ -65,6 +69,9 @@ log = logging.getLogger(__name__)
 MiB = 1 << 20
 MIN_SEGMENT_BYTES = 16 * MiB  # the client's floor: setup() returns -600 below it
 CONFIG_PATH_ENV = "MOONCAKE_CONFIG_PATH"
+RPC_TIMEOUT_ENV = "MC_RPC_TIMEOUT_MS"
+#: set by whoever started the process: then it is theirs, and settings leave it alone
+_RPC_TIMEOUT_FROM_USER = RPC_TIMEOUT_ENV in os.environ
 LOCAL_HOSTNAME_ENV = "MOONCAKE_REQUESTER_LOCAL_HOSTNAME"
 P2P_HANDSHAKE = "P2PHANDSHAKE"
 INSTALL_HINT = "pip install 'kvpipe[mooncake]' (mooncake-transfer-engine-non-cuda==0.3.13.post1)"
@@ -187,6 +194,7 @@ class MooncakeSettings(BaseModel):
     local_hostname: str = "127.0.0.1"
     tenant_id: str = "default"
     connect_timeout_s: float = Field(5.0, gt=0)
+    rpc_timeout_ms: int = Field(2000, gt=0)
     lease_ttl_ms: int | None = Field(None, ge=0)
     eviction_high_watermark: float | None = Field(None, gt=0, le=1)
     eviction_ratio: float | None = Field(None, ge=0, le=1)
@@ -441,6 +449,8 @@ class MooncakeStore:
             metadata_server = settings.metadata_server
         try:
             _check_reachable(master_address, metadata_server, settings.connect_timeout_s)
+            if not _RPC_TIMEOUT_FROM_USER:
+                os.environ[RPC_TIMEOUT_ENV] = str(settings.rpc_timeout_ms)  # read by setup() below
             client = client_cls()
             extra = {} if settings.tenant_id == "default" else {"tenant_id": settings.tenant_id}
             code = client.setup(

@@ -1,4 +1,9 @@
-"""Choosing and opening a store from configuration: ``store: {kind: memory | mooncake, ...}``."""
+"""Choosing and opening a store from configuration: ``store: {kind: memory | mooncake, ...}``.
+
+Either kind takes ``breaker: {failures_to_open, open_s}`` (or ``null`` to go
+without): the opened store is wrapped in a :class:`~.breaker.GuardedStore`,
+so a master that stops answering costs a few timed-out calls, not one per save.
+"""
 
 from __future__ import annotations
 
@@ -8,6 +13,7 @@ from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, BeforeValidator, ConfigDict, Field, model_validator
 
+from .breaker import BreakerSettings, CircuitBreaker, GuardedStore
 from .memory import MemoryStore
 from .mooncake import MooncakeSettings, MooncakeStore, parse_size
 from .store import Store
@@ -26,6 +32,7 @@ class MemoryStoreConfig(BaseModel):
     eviction_ratio: float = Field(0.05, gt=0, le=1)
     lease_ttl_s: float = Field(5.0, ge=0)
     group_ids_supported: bool = True  # False: present as a Mooncake without group ids
+    breaker: BreakerSettings | None = Field(default_factory=BreakerSettings)
 
     def build(self) -> MemoryStore:
         return MemoryStore(
@@ -45,15 +52,21 @@ class MooncakeStoreConfig(MooncakeSettings):
     """
 
     kind: Literal["mooncake"] = "mooncake"
+    breaker: BreakerSettings | None = Field(default_factory=BreakerSettings)
+
+    def settings(self) -> MooncakeSettings:
+        """The client's own settings: this config without the kvpipe-side fields."""
+        return MooncakeSettings.model_validate(self.model_dump(exclude={"kind", "breaker"}))
 
     @model_validator(mode="before")
     @classmethod
     def _from_vllm_file(cls, data: Any) -> Any:
         if not isinstance(data, dict) or "vllm_config" not in data:
             return data
-        overrides = {k: v for k, v in data.items() if k not in ("kind", "vllm_config")}
+        ours = {k: data[k] for k in ("breaker",) if k in data}
+        overrides = {k: v for k, v in data.items() if k not in ("kind", "vllm_config", *ours)}
         settings = MooncakeSettings.from_vllm_file(data["vllm_config"], **overrides)
-        return {"kind": "mooncake", **settings.model_dump()}
+        return {"kind": "mooncake", **settings.model_dump(), **ours}
 
 
 StoreConfig = Annotated[MemoryStoreConfig | MooncakeStoreConfig, Field(discriminator="kind")]
@@ -73,8 +86,14 @@ def open_store(config: MemoryStoreConfig | MooncakeStoreConfig) -> Iterator[Stor
     if isinstance(config, MemoryStoreConfig):
         store = config.build()
     else:
-        store = MooncakeStore.open(config)
+        store = MooncakeStore.open(config.settings())
+    store = guarded(store, config.breaker)
     try:
         yield store
     finally:
         store.close()
+
+
+def guarded(store: Store, breaker: BreakerSettings | None) -> Store:
+    """``store`` behind a circuit breaker, or as it is when ``breaker`` is None."""
+    return store if breaker is None else GuardedStore(store, CircuitBreaker(breaker))

@@ -17,7 +17,7 @@ offending stage's path too.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Hashable, Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -57,6 +57,12 @@ class PipelineConfig(BaseModel):
     stages: list[StageConfig] = Field(min_length=1)
 
 
+def one_line(problems: str) -> str:
+    """The first of several problems (one per line), and how many more there are."""
+    first, *rest = problems.splitlines()
+    return f"{first} (and {len(rest)} more)" if rest else first
+
+
 def format_path(root: str, loc: Sequence[str | int]) -> str:
     """``("stages", 3, "batch")`` under ``pipeline`` -> ``pipeline.stages[3].batch``."""
     path = root
@@ -72,6 +78,7 @@ _MESSAGES = {
     "less_than_equal": "must be <= {le}",
     "missing": "is required",
     "extra_forbidden": "is not a known field",
+    "union_tag_not_found": "needs its {discriminator} field",
 }
 
 
@@ -89,10 +96,11 @@ def describe_validation_error(
     for problem in error.errors():
         loc = relocate(tuple(problem["loc"]))
         message = _message(problem, loc)
-        line = f"{format_path(root, loc)}: {message}"
+        path = format_path(root, loc)
+        line = f"{path}: {message}" if path else message  # a whole-document rule names its fields itself
         if (
             problem["type"] != "missing"
-            and ", got " not in message
+            and f"got {problem['input']!r}" not in message
             and not isinstance(problem["input"], dict)
         ):
             line += f", got {problem['input']!r}"  # (a whole section as "value" would bury the message)
@@ -165,17 +173,55 @@ def _build_stage(
     )
 
 
+class _UniqueKeyLoader(yaml.SafeLoader):
+    """``yaml.safe_load``'s loader, but a key given twice in one mapping is an error.
+
+    (PyYAML keeps the last silently, so a second ``model:`` section would drop the first.)
+    """
+
+    def construct_mapping(self, node: yaml.MappingNode, deep: bool = False) -> dict[Any, Any]:
+        seen: set[Any] = set()
+        for key_node, _ in node.value:
+            if key_node.tag == "tag:yaml.org,2002:merge":
+                continue  # ``<<: *defaults``: keys given beside it override the merged ones
+            key = self.construct_object(key_node, deep=deep)
+            if isinstance(key, Hashable):
+                if key in seen:
+                    raise yaml.constructor.ConstructorError(
+                        None, None, f"found duplicate key {key!r}", key_node.start_mark
+                    )
+                seen.add(key)
+        return super().construct_mapping(node, deep)
+
+
 def load_yaml(source: str | Path) -> Any:
-    """Parse a YAML file (a Path) or YAML text (a str); a clear error if malformed."""
+    """Parse a YAML file (a Path) or YAML text (a str); a one-line error if unreadable or malformed."""
     try:
         if isinstance(source, Path):
-            with source.open() as handle:
-                return yaml.safe_load(handle)
-        return yaml.safe_load(source)
+            with source.open(encoding="utf-8") as handle:
+                return yaml.load(handle, _UniqueKeyLoader)
+        return yaml.load(source, _UniqueKeyLoader)
     except FileNotFoundError:
         raise BuildError(f"{source}: no such file") from None
+    except IsADirectoryError:
+        raise BuildError(f"{source}: is a folder, not a YAML file") from None
+    except OSError as exc:
+        raise BuildError(f"{source}: cannot read: {exc.strerror or exc}") from None
+    except UnicodeDecodeError as exc:
+        raise BuildError(f"{source}: not valid YAML: not UTF-8 text (byte {exc.start})") from None
     except yaml.YAMLError as exc:
-        raise BuildError(f"{source if isinstance(source, Path) else 'YAML'}: not valid YAML: {exc}") from None
+        where = source if isinstance(source, Path) else "YAML"
+        raise BuildError(f"{where}: not valid YAML: {_yaml_problem(exc)}") from None
+
+
+def _yaml_problem(error: yaml.YAMLError) -> str:
+    """PyYAML's several-line message as one line: where, what, and while doing what."""
+    if not isinstance(error, yaml.MarkedYAMLError) or error.problem is None:
+        return " ".join(str(error).split())
+    mark = error.problem_mark
+    where = "" if mark is None else f"line {mark.line + 1}, column {mark.column + 1}: "
+    context = f" ({error.context})" if error.context else ""
+    return f"{where}{error.problem}{context}"
 
 
 def graph_from_yaml(

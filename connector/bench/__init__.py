@@ -16,8 +16,11 @@ Workloads (each a module with ``run(options) -> WorkloadResult``):
 ``framework``
     Five no-op stages: items/s, and submit latency from a foreign thread.
 ``vllm``
-    The real vLLM engine, prefix-heavy prompts, store then reload: kvpipe's
-    connector against vLLM's MooncakeStoreConnector and no connector.
+    The real vLLM engine (the tiny 2-layer dummy Llama, and an 8-layer, 512-wide
+    one where recompute costs more than a load), 32 requests over 8 shared
+    1024-token system prompts, store then reset the prefix cache and reload:
+    kvpipe's connector against vLLM's MooncakeStoreConnector and no connector.
+    Hit tokens are the prompt tokens a connector spared from recompute.
 ``fragmentation``
     Partial-chunk bytes over live bytes as the store's capacity shrinks, with
     group semantics on and off (the shape of Mooncake RFC #2127's table).

@@ -8,14 +8,18 @@ checked exactly like the file.
 
 from __future__ import annotations
 
-from typing import Any, Literal
+from typing import Annotated, Any, Literal
 
 import yaml
-from pydantic import BaseModel, ConfigDict, Field, model_validator
+from pydantic import BaseModel, ConfigDict, Field, ValidationInfo, field_validator, model_validator
 
 from kvpipe.connector.stores import MemoryStoreConfig, StoreConfig
 from kvpipe.pipeline import WhenFull
-from kvpipe.stages import GroupKind, StrictFlag
+from kvpipe.stages import GroupKind, GroupSpec, StrictFlag, project_groups
+from kvpipe.stages.projection import MAMBA_ALIGN_MODE
+
+#: A positive whole number as written: ``true`` or ``"8"`` is an error, not 1 or 8.
+Count = Annotated[int, Field(gt=0, strict=True)]
 
 
 class _Section(BaseModel):
@@ -26,9 +30,16 @@ class GroupConfig(_Section):
     """One KV-cache group. ``layers`` defaults to the model's; ring buffers are not prefix-cacheable."""
 
     kind: GroupKind = GroupKind.FULL_ATTENTION
-    layers: int | None = Field(None, gt=0)
+    layers: Count | None = None
     prefix_cacheable: bool | None = None
-    mamba_mode: str | None = None
+    mamba_mode: str | None = Field(None, validate_default=True)
+
+    @field_validator("mamba_mode")
+    @classmethod
+    def _mamba_state_is_saved_in_align_mode_only(cls, mode: str | None, info: ValidationInfo) -> str | None:
+        if info.data.get("kind") is GroupKind.MAMBA and mode != MAMBA_ALIGN_MODE:
+            raise ValueError(f"a mamba group's state can only be saved in mode {MAMBA_ALIGN_MODE!r}")
+        return mode
 
     @property
     def is_prefix_cacheable(self) -> bool:
@@ -39,22 +50,30 @@ class GroupConfig(_Section):
 
 class ModelConfig(_Section):
     name: str = Field("synthetic-llama", min_length=1)
-    layers: int = Field(4, gt=0)
-    kv_heads: int = Field(4, gt=0)
-    head_size: int = Field(64, gt=0)
+    layers: Count = 4
+    kv_heads: Count = 4
+    head_size: Count = 64
     dtype: Literal["bfloat16", "float16", "float32"] = "bfloat16"
-    block_size: int = Field(16, gt=0)
-    hash_block_size: int | None = Field(None, gt=0)
-    num_blocks: int = Field(2048, gt=1)
+    block_size: Count = 16
+    hash_block_size: Count | None = None
+    num_blocks: int = Field(2048, gt=1, strict=True)
     groups: list[GroupConfig] = Field(default_factory=lambda: [GroupConfig()], min_length=1)
 
-    @model_validator(mode="after")
-    def _hash_block_divides_block(self) -> ModelConfig:
-        if self.block_size % self.effective_hash_block_size:
-            raise ValueError(
-                f"block_size ({self.block_size}) must be a multiple of hash_block_size ({self.hash_block_size})"
-            )
-        return self
+    @field_validator("groups")
+    @classmethod
+    def _some_group_is_storable(cls, groups: list[GroupConfig]) -> list[GroupConfig]:
+        """The save path's own verdict (its projection), given before any store is opened."""
+        block_size = 1  # plays no part in which groups are stored
+        project_groups([GroupSpec(g.kind, block_size, g.is_prefix_cacheable, g.mamba_mode) for g in groups])
+        return groups  # (a ProjectionError is a ValueError: reported at model.groups)
+
+    @field_validator("hash_block_size")
+    @classmethod
+    def _hash_block_divides_block(cls, hash_block_size: int | None, info: ValidationInfo) -> int | None:
+        block_size = info.data.get("block_size")
+        if hash_block_size is not None and block_size is not None and block_size % hash_block_size:
+            raise ValueError(f"must divide block_size ({block_size})")
+        return hash_block_size
 
     @property
     def effective_hash_block_size(self) -> int:
@@ -62,21 +81,21 @@ class ModelConfig(_Section):
 
 
 class ParallelConfig(_Section):
-    tp_size: int = Field(1, gt=0)
+    tp_size: Count = 1
 
 
 class WorkloadConfig(_Section):
-    seed: int = 0
-    requests: int = Field(300, gt=0)
-    system_prompts: int = Field(4, gt=0)
+    seed: int = Field(0, strict=True)
+    requests: Count = 300
+    system_prompts: Count = 4
     system_prompt_tokens: tuple[int, int] = (64, 512)
     user_tokens: tuple[int, int] = (16, 128)
     output_tokens: tuple[int, int] = (16, 64)
-    max_turns: int = Field(4, gt=0)
-    vocab_size: int = Field(32000, gt=1)
-    concurrency: int = Field(32, gt=0)
-    prefill_tokens_per_step: int = Field(256, gt=0)
-    decode_tokens_per_step: int = Field(8, gt=0)
+    max_turns: Count = 4
+    vocab_size: int = Field(32000, gt=1, strict=True)
+    concurrency: Count = 32
+    prefill_tokens_per_step: Count = 256
+    decode_tokens_per_step: Count = 8
 
     @model_validator(mode="after")
     def _ranges_are_ordered(self) -> WorkloadConfig:
@@ -90,8 +109,8 @@ class WorkloadConfig(_Section):
 class SaveConfig(_Section):
     enable_group_semantics: StrictFlag = False
     cache_prefix: str = ""
-    max_buffers_per_call: int = Field(2048, gt=0)
-    queue_capacity: int = Field(1024, gt=0)
+    max_buffers_per_call: Count = 2048
+    queue_capacity: Count = 1024
     when_full: WhenFull = WhenFull.WAIT
 
 

@@ -43,9 +43,10 @@ from kvpipe.stages import (
 )
 from kvpipe.stages.flags import ConfigError
 
+from ..breaker import BreakerSettings
 from ..memory import MemoryStore
 from ..mooncake import MooncakeSettings, MooncakeStore
-from ..stores import MemoryStoreConfig, MooncakeStoreConfig
+from ..stores import MemoryStoreConfig, MooncakeStoreConfig, guarded
 
 if TYPE_CHECKING:
     from vllm.config import VllmConfig
@@ -150,9 +151,10 @@ class KVPipeConnector(KVConnectorBase_V1, SupportsHMA):
     def _open_store(self) -> Any:
         config = self.settings.store
         if isinstance(config, MemoryStoreConfig):
-            return _shared_memory_store(config)
+            return guarded(_shared_memory_store(config), config.breaker)
         if config is None:
             settings: MooncakeSettings = MooncakeSettings.from_vllm_env()
+            breaker: BreakerSettings | None = BreakerSettings()
         else:
             assert isinstance(config, MooncakeStoreConfig)
             if config.master == "spawn":
@@ -160,10 +162,10 @@ class KVPipeConnector(KVConnectorBase_V1, SupportsHMA):
                     "kv_connector_extra_config.store.master: 'spawn' cannot serve vLLM (the scheduler and the "
                     "worker must share one master); give 'host:port' of a running mooncake_master, got 'spawn'"
                 )
-            settings = MooncakeSettings.model_validate(config.model_dump(exclude={"kind"}))
+            settings, breaker = config.settings(), config.breaker
         if self.is_scheduler:
             settings = settings.model_copy(update={"global_segment_size": 0})  # lookups only
-        return MooncakeStore.open(settings)
+        return guarded(MooncakeStore.open(settings), breaker)
 
     # -- scheduler side ------------------------------------------------------------------
 

@@ -9,7 +9,7 @@ from typing import Any
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
 from kvpipe.pipeline import BuildError
-from kvpipe.pipeline.config import describe_validation_error, load_yaml
+from kvpipe.pipeline.config import describe_validation_error, load_yaml, one_line
 from kvpipe.stages import StrictFlag
 from kvpipe.stages.flags import ConfigError
 
@@ -45,6 +45,10 @@ def settings_from(extra: Mapping[str, Any] | None) -> ConnectorSettings:
         if "store" in loaded:
             document["store"] = loaded["store"]
         save = loaded.get("save") or {}
+        if not isinstance(save, dict):
+            raise ConfigError(
+                f"kv_connector_extra_config.config: {str(path)!r}: save: must be a mapping, got {save!r}"
+            )
         known = set(ConnectorSettings.model_fields) - {"store", "config"}
         document.update({k: v for k, v in save.items() if k in known})
     document.update(extra)
@@ -52,5 +56,5 @@ def settings_from(extra: Mapping[str, Any] | None) -> ConnectorSettings:
         return ConnectorSettings.model_validate(document)
     except ValidationError as exc:
         raise ConfigError(
-            describe_validation_error(exc, "kv_connector_extra_config", without_store_tag)
+            one_line(describe_validation_error(exc, "kv_connector_extra_config", without_store_tag))
         ) from None

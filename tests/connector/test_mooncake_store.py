@@ -523,3 +523,20 @@ def test_close_waits_for_calls_in_flight_before_closing_the_client() -> None:
     caller.join(5)
     closer.join(5)
     assert answers == [[1]] and client.closes == 1 and not client.closed_while_busy
+
+
+# -- a stopped master: the RPC deadline ------------------------------------------------------
+
+
+def test_a_stopped_master_costs_a_call_rpc_timeout_ms_not_30_s_and_keys_survive() -> None:
+    settings = MooncakeSettings(global_segment_size="16MB", local_buffer_size=0, rpc_timeout_ms=500)
+    with MooncakeStore.open(settings) as store:
+        assert store.spawned_master is not None
+        store.spawned_master.pause()
+        try:
+            started = time.monotonic()
+            assert store.batch_is_exist(["a", "b"]) == [Code.RPC_TIMEOUT] * 2
+            assert time.monotonic() - started < 3.0
+        finally:
+            store.spawned_master.resume()
+        assert store.batch_is_exist(["a"]) == [0]  # the master is back: answers again at once
