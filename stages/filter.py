@@ -48,15 +48,17 @@ class FilterStage(BatchStage):
         for entry in batch:
             emit = entry.emit
             missing = []
+            existing = []
             for record in entry.item:
                 if call_error is not None:
                     self._outcomes.failed(emit, record, f"exist {record.key}: {call_error}")
                 elif (answer := answers[record.key]) == EXISTS:
-                    self._outcomes.existing(emit, record)
+                    existing.append(record)
                 elif answer == ABSENT:
                     missing.append(record)
                 else:
                     self._outcomes.failed(emit, record, f"exist {record.key}: {describe(answer)}")
+            self._outcomes.all_existing(emit, existing)
             if missing:
                 await emit(tuple(missing))
             else:

@@ -11,6 +11,7 @@ object, a connector tracking the chunks it may announce), not just how many.
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from enum import StrEnum
 from typing import Protocol
 
@@ -44,6 +45,23 @@ class Outcomes:
     def existing(self, emit: Emit, record: StoreObject) -> None:
         self._settle(emit, record, ObjectStatus.EXISTING)
         emit.succeed()
+
+    def all_stored(self, emit: Emit, records: Sequence[StoreObject]) -> None:
+        """:meth:`stored` for several records of one job, counted at once."""
+        self._all(emit, records, ObjectStatus.PUT)
+
+    def all_existing(self, emit: Emit, records: Sequence[StoreObject]) -> None:
+        """:meth:`existing` for several records of one job, counted at once."""
+        self._all(emit, records, ObjectStatus.EXISTING)
+
+    def _all(self, emit: Emit, records: Sequence[StoreObject], status: ObjectStatus) -> None:
+        if not records:
+            return
+        emit.count(status.value, len(records))
+        emit.succeed(len(records))
+        if self._observer is not None:
+            for record in records:
+                self._observer(record, status)
 
     def failed(self, emit: Emit, record: StoreObject, message: str) -> None:
         self._settle(emit, record, ObjectStatus.FAILED)

@@ -52,6 +52,8 @@ def split_into_calls(records: Sequence[StoreObject], max_buffers: int) -> list[l
     refused. Chunks keep the order of their first record. Every record must fit
     the budget on its own (the caller fails those that don't).
     """
+    if sum(len(record.transfer_buffers) for record in records) <= max_buffers:
+        return [list(records)] if records else []  # one call: every chunk is whole in it
     chunks: dict[bytes, list[StoreObject]] = {}
     for record in records:
         chunks.setdefault(record.chunk_hash, []).append(record)
@@ -123,15 +125,21 @@ class PutStage(BatchStage):
                         self._outcomes.failed(emit, held, f"put {held.key}: {error}")
                 continue
             rolled_back = await self._remove_torn_chunks(call, codes)
+            stored: dict[int, tuple[Emit, list[StoreObject]]] = {}  # per job, counted at once
             for record, code in zip(call, codes, strict=True):
                 (emit, held), *sharers = holders[record.key]
                 if record.key in rolled_back:
                     for emit, held in holders[record.key]:
                         self._outcomes.failed(emit, held, f"put {held.key}: {ROLLED_BACK}")
                     continue
-                self._settle(emit, held, code)
+                if code == Code.OK:
+                    stored.setdefault(id(emit), (emit, []))[1].append(held)
+                else:
+                    self._settle(emit, held, code)
                 for emit, held in sharers:  # their object is there now, stored for the first
                     self._settle(emit, held, Code.ALREADY_EXISTS if code == Code.OK else code)
+            for emit, records in stored.values():
+                self._outcomes.all_stored(emit, records)
 
     async def _put(self, call: Sequence[StoreObject]) -> list[int]:
         """One store call for ``call``'s records, after any back-off; per-record codes."""
@@ -159,6 +167,8 @@ class PutStage(BatchStage):
             for record, code in zip(call, codes, strict=True)
             if record.group_id and code not in (Code.OK, Code.ALREADY_EXISTS)
         }
+        if not refused:
+            return set()
         torn = [
             r.key for r, code in zip(call, codes, strict=True) if code == Code.OK and r.group_id in refused
         ]
