@@ -46,6 +46,8 @@ DEFAULT_SAVE_PIPELINE: dict[str, Any] = {
             "name": "put",
             "type": "put",
             "after": "gather",
+            "workers": 2,
+            "threads": 2,
             "batch": {"max_items": 256, "max_wait_ms": 1},
             "params": {"max_buffers_per_call": 2048},
         },

@@ -49,6 +49,8 @@ KiB = 1024
 MiB = 1024 * KiB
 #: objects copied per round (one copy call): about 10 ms of copying at most
 ROUND_OBJECTS = 128
+#: the first round of a batch: its objects reach the put after ~1 ms of copying
+FIRST_ROUND_OBJECTS = 16
 
 
 class GatherParams(BaseModel):
@@ -102,15 +104,18 @@ class GatherStage(BatchStage):
                 await entry.emit(entry.item)
             return
         # Rounds of at most half the slots: a round never waits on itself, and one
-        # round's objects can be in the put while the next round is copied.
+        # round's objects can be in the put while the next round is copied. Rounds
+        # start small and double, so the first put of a burst starts early.
         round_: list[tuple[BatchEntry[Records], list[int]]] = []
         wanted = 0
+        limit = min(FIRST_ROUND_OBJECTS, self._round_limit)
         for entry in batch:
             chosen = [i for i, record in enumerate(entry.item) if self.worth_gathering(record)]
             chosen = chosen[: self._round_limit]
-            if round_ and wanted + len(chosen) > self._round_limit:
+            if round_ and wanted + len(chosen) > limit:
                 await self._gather_round(round_)
                 round_, wanted = [], 0
+                limit = min(2 * limit, self._round_limit)
             round_.append((entry, chosen))
             wanted += len(chosen)
         if round_:
