@@ -132,7 +132,7 @@ class GatherStage(BatchStage):
             try:
                 if not self._pool.allocated:
                     await self.run_blocking(self._pool.allocate)
-                slots = [await self._pool.acquire() for _ in todo]
+                slots = await self._pool.acquire_run(len(todo))
                 await self.run_blocking(copy_into_slots, records, slots)
             except Exception as error:  # the engine's buffers are still good: send those
                 for slot in slots:

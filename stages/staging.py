@@ -62,7 +62,13 @@ class StagingSlot:
 
 
 class StagingPool:
-    """``slots`` registered slots of ``slot_bytes`` each, handed out one record at a time."""
+    """``slots`` registered slots of ``slot_bytes`` each, handed out in runs of neighbours.
+
+    Slots go out as a ring: each run starts where the last one ended. Puts finish
+    roughly in the order their objects were gathered, so the slots ahead are free
+    again by the time the ring comes round, and a run of neighbours lets a round's
+    copy write straight into its slots (one pass over the bytes, not two).
+    """
 
     def __init__(self, store: ObjectStore, slots: int, slot_bytes: int) -> None:
         if slots <= 0 or slot_bytes <= 0:
@@ -71,9 +77,10 @@ class StagingPool:
         self.slot_bytes = slot_bytes
         self._store = store
         self._memory: torch.Tensor | None = None
-        self._free_send, self._free_receive = anyio.create_memory_object_stream[int](slots)
-        for index in range(slots):
-            self._free_send.send_nowait(index)
+        self._held = bytearray(slots)  # 1 while a record holds the slot
+        self._free = slots
+        self._next = 0  # where the next run starts
+        self._released: anyio.Event | None = None  # made by the first waiter (needs the loop)
 
     @property
     def allocated(self) -> bool:
@@ -91,7 +98,7 @@ class StagingPool:
 
     @property
     def free(self) -> int:
-        return self._free_receive.statistics().current_buffer_used
+        return self._free
 
     def allocate(self) -> None:
         """Allocate and register the slots (blocking: call from a worker thread)."""
@@ -111,12 +118,28 @@ class StagingPool:
             self._store.unregister_buffer(self._memory.data_ptr())
             self._memory = None
 
-    async def acquire(self) -> StagingSlot:
-        """A free slot; waits while every slot is held by a record in flight."""
-        return StagingSlot(self, await self._free_receive.receive())
+    async def acquire_run(self, count: int) -> list[StagingSlot]:
+        """``count`` neighbouring slots (at most all of them); waits while they are held."""
+        if not 0 < count <= self.slots:
+            raise ValueError(f"a run of {count} slots from a pool of {self.slots}")
+        while True:
+            start = self._next if self._next + count <= self.slots else 0  # a run does not wrap
+            if not any(self._held[start : start + count]):
+                self._held[start : start + count] = b"\x01" * count
+                self._free -= count
+                self._next = (start + count) % self.slots
+                return [StagingSlot(self, index) for index in range(start, start + count)]
+            if self._released is None:
+                self._released = anyio.Event()
+            await self._released.wait()
 
     def give_back(self, index: int) -> None:
-        self._free_send.send_nowait(index)
+        """One slot is free again (on the pipeline's loop); wakes whoever waits for a run."""
+        self._held[index] = 0
+        self._free += 1
+        if self._released is not None:
+            self._released.set()
+            self._released = None
 
 
 def copy_into_slots(records: Sequence[StoreObject], slots: Sequence[StagingSlot]) -> None:
@@ -204,11 +227,22 @@ def _gather_rows(
 def _indexed_copy(
     source: torch.Tensor, index: torch.Tensor, columns: torch.Tensor, slot_rows: torch.Tensor
 ) -> None:
-    """``columns[slot_rows[i]] = concat(source[index[i, :]])`` for every object i, in GRAIN pieces."""
+    """``columns[slot_rows[i]] = concat(source[index[i, :]])`` for every object i, in GRAIN pieces.
+
+    When the slots are neighbours and the columns their whole rows (the usual
+    case: a run from the pool, objects of the largest layout), the rows are
+    selected straight into the slots; otherwise through a temporary.
+    """
     objects, rows_per_object = index.shape
     width = rows_per_object * source.shape[1]
     step = max(1, GRAIN // width)
+    first = int(slot_rows[0])
+    in_place = columns.is_contiguous() and bool((slot_rows == torch.arange(first, first + objects)).all())
     for start in range(0, objects, step):
         part = index[start : start + step]
-        gathered = source.index_select(0, part.reshape(-1)).view(len(part), width)
-        columns.index_copy_(0, slot_rows[start : start + step], gathered)
+        if in_place:
+            target = columns.narrow(0, first + start, len(part)).view(len(part) * rows_per_object, -1)
+            torch.index_select(source, 0, part.reshape(-1), out=target)
+        else:
+            gathered = source.index_select(0, part.reshape(-1)).view(len(part), width)
+            columns.index_copy_(0, slot_rows[start : start + step], gathered)

@@ -18,7 +18,10 @@ from kvpipe.stages import (
     GatherParams,
     GatherStage,
     ProjectedRequest,
+    StagingPool,
+    StagingSlot,
     StoreObject,
+    copy_into_slots,
     default_save_graph,
     storable_groups,
 )
@@ -225,3 +228,57 @@ def test_a_gather_with_nothing_to_gather_passes_through():
     assert GatherStage(GatherParams(), fixture.kv, MemoryStore()).passes_through  # local puts: never
     assert GatherStage(GatherParams(mode="never"), fixture.kv, NetworkStore()).passes_through
     assert not GatherStage(GatherParams(), fixture.kv, NetworkStore()).passes_through
+
+
+class _NoRegistration:
+    def register_buffer(self, addr, nbytes):
+        return 0
+
+    def unregister_buffer(self, addr):
+        return 0
+
+
+async def test_the_pool_hands_out_runs_of_neighbours_that_never_wrap():
+    pool = StagingPool(_NoRegistration(), slots=8, slot_bytes=64)
+    pool.allocate()
+    first = await pool.acquire_run(5)
+    for slot in first:
+        slot.release()
+    second = await pool.acquire_run(4)  # 5..8 would pass the end: it starts again at 0
+    assert [s.index for s in first] == [0, 1, 2, 3, 4]
+    assert [s.index for s in second] == [0, 1, 2, 3]
+    assert pool.free == 4
+
+
+async def test_a_run_waits_until_its_slots_are_given_back():
+    pool = StagingPool(_NoRegistration(), slots=4, slot_bytes=64)
+    pool.allocate()
+    held = await pool.acquire_run(4)
+    got = []
+
+    async def take():
+        got.append(await pool.acquire_run(2))
+
+    async with anyio.create_task_group() as tasks:
+        tasks.start_soon(take)
+        await anyio.sleep(0.01)
+        assert got == []
+        held[0].release()
+        held[1].release()
+    assert [s.index for s in got[0]] == [0, 1]
+
+
+def test_a_run_larger_than_the_pool_is_refused():
+    with pytest.raises(ValueError, match="a run of 5 slots from a pool of 4"):
+        anyio.run(StagingPool(_NoRegistration(), slots=4, slot_bytes=64).acquire_run, 5)
+
+
+async def test_slots_out_of_order_get_the_same_bytes_as_a_run():
+    fixture = make_kv(layers=LAYERS)
+    records = await _records(fixture.kv)
+    pool = StagingPool(_NoRegistration(), slots=8, slot_bytes=records[0].size)
+    pool.allocate()
+    scattered = [StagingSlot(pool, index) for index in (6, 1, 4, 3)]
+    copy_into_slots(records, scattered)
+    for record, slot in zip(records, scattered, strict=True):
+        assert ctypes.string_at(slot.address, record.size) == b"".join(_read(b) for b in record.buffers)
