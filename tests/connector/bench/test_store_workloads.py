@@ -5,6 +5,7 @@ contender stored what it was given and that the results are complete, not speed.
 """
 
 import json
+import os
 from pathlib import Path
 
 import pytest
@@ -73,3 +74,15 @@ def test_bad_bench_arguments_are_one_line_and_exit_2(argv, message, capsys):
     assert main(argv) == 2
     [line] = capsys.readouterr().err.splitlines()
     assert line.startswith(f"kvpipe: error: {message}")
+
+
+def test_a_suite_of_several_workloads_runs_each_in_a_process_of_its_own(options, monkeypatch):
+    from kvpipe.connector.bench import suite
+
+    ran_here = []
+    monkeypatch.setattr(suite, "workload_runner", lambda name: ran_here.append(name))
+    with open(os.devnull, "w") as quiet:
+        results = suite.run_suite(["framework", "local"], options, out=quiet)
+    assert [result.workload for result in results] == ["local", "framework"]  # the suite's order
+    assert ran_here == []  # both came back from child processes
+    assert sorted(path.name for path in options.out_dir.glob("*.json")) == ["framework.json", "local.json"]
