@@ -13,6 +13,12 @@ adds only what the raw client lacks and production needs:
   30 s before -901; ``rpc_timeout_ms`` (2 s by default) bounds that wait. The
   client reads it from ``MC_RPC_TIMEOUT_MS`` at set-up, so it is the process's:
   an explicit ``MC_RPC_TIMEOUT_MS`` in the environment wins.
+- **No 4.5 s calls while the master is gone.** A killed master makes the first
+  call fail at once (-900), but every later one spends ~4.5 s in the client's
+  reconnection attempts, whatever ``MC_RPC_TIMEOUT_MS`` says. So after a call
+  whose every key came back -900, each call first checks that the master's port
+  accepts a connection (within ``rpc_timeout_ms``) and answers -900 itself when
+  it does not; once it does, calls go to the client again, which reconnects.
 - **A master for the asking.** ``master: spawn`` starts a ``mooncake_master`` on
   free loopback ports (:class:`~.master.LocalMaster`) and the store stops it on close.
 - **vLLM's config file.** :meth:`MooncakeSettings.from_vllm_file` reads the JSON
@@ -50,7 +56,7 @@ from pydantic_core import PydanticCustomError
 
 from kvpipe.stages.store import Code, describe
 
-from .master import LocalMaster, MasterEndpoints, MasterError, wait_until_listening
+from .master import LocalMaster, MasterEndpoints, MasterError, is_listening, wait_until_listening
 from .store import replicate_config_supports_group_ids
 
 __all__ = [
@@ -420,6 +426,10 @@ class MooncakeStore:
         self._state = threading.Condition()
         self._in_flight = 0
         self._closed = False
+        # set when a call found the master gone (every key -900): see _master_back
+        self._master_lost = False
+        self._master_host, self._master_port = split_host_port(master_address)
+        self._rpc_timeout_s = _rpc_timeout_ms(settings) / 1000
         self._release = weakref.finalize(self, _release, client, master)
 
     @classmethod
@@ -529,7 +539,7 @@ class MooncakeStore:
         return self._config_cls()
 
     def batch_is_exist(self, keys: Sequence[str]) -> list[int]:
-        return self._batch(len(keys), lambda c: c.batch_is_exist(list(keys)))
+        return self._master_call(len(keys), lambda c: c.batch_is_exist(list(keys)))
 
     def batch_put_from_multi_buffers(
         self,
@@ -538,7 +548,7 @@ class MooncakeStore:
         sizes: Sequence[Sequence[int]],
         config: Any,
     ) -> list[int]:
-        return self._batch(
+        return self._master_call(
             len(keys), lambda c: c.batch_put_from_multi_buffers(list(keys), ptrs, sizes, config)
         )
 
@@ -548,26 +558,26 @@ class MooncakeStore:
         ptrs: Sequence[Sequence[int]],
         sizes: Sequence[Sequence[int]],
     ) -> list[int]:
-        return self._batch(len(keys), lambda c: c.batch_get_into_multi_buffers(list(keys), ptrs, sizes))
+        return self._master_call(len(keys), lambda c: c.batch_get_into_multi_buffers(list(keys), ptrs, sizes))
 
     def batch_put_from(
         self, keys: Sequence[str], ptrs: Sequence[int], sizes: Sequence[int], config: Any
     ) -> list[int]:
-        return self._batch(len(keys), lambda c: c.batch_put_from(list(keys), ptrs, sizes, config))
+        return self._master_call(len(keys), lambda c: c.batch_put_from(list(keys), ptrs, sizes, config))
 
     def batch_get_into(self, keys: Sequence[str], ptrs: Sequence[int], sizes: Sequence[int]) -> list[int]:
-        return self._batch(len(keys), lambda c: c.batch_get_into(list(keys), ptrs, sizes))
+        return self._master_call(len(keys), lambda c: c.batch_get_into(list(keys), ptrs, sizes))
 
     def get_size(self, key: str) -> int:
-        return self._one(lambda c: c.get_size(key))
+        return self._master_call(1, lambda c: [c.get_size(key)])[0]
 
     def remove(self, key: str, *, force: bool = False) -> int:
         """As the protocol says; ``force`` also removes a leased object (cleanup only)."""
-        return self._one(lambda c: c.remove(key, force))
+        return self._master_call(1, lambda c: [c.remove(key, force)])[0]
 
     def remove_all(self, *, force: bool = False) -> int:
         """As the protocol says; ``force`` also removes leased objects (cleanup only)."""
-        return self._one(lambda c: c.remove_all(force))
+        return self._master_call(1, lambda c: [c.remove_all(force)])[0]
 
     def register_buffer(self, addr: int, nbytes: int) -> int:
         return self._one(lambda c: c.register_buffer(addr, nbytes))
@@ -602,6 +612,23 @@ class MooncakeStore:
 
     # -- internals --------------------------------------------------------------------------
 
+    def _master_call(self, n_keys: int, call: Callable[[Any], list[int]]) -> list[int]:
+        """A call that needs the master: -900 at once while it is known gone and not back."""
+        if self._master_lost and not self._master_back():
+            return [Code.RPC_FAILED] * n_keys
+        results = self._batch(n_keys, call)
+        if results:
+            self._master_lost = all(code == Code.RPC_FAILED for code in results) and not self._closed
+        return results
+
+    def _master_back(self) -> bool:
+        """Whether the lost master's port accepts connections again (bounded by the RPC deadline).
+
+        The client's own call would find out only after ~4.5 s of reconnection
+        attempts; a connection refused on the port says the same at once.
+        """
+        return is_listening(self._master_host, self._master_port, timeout_s=self._rpc_timeout_s)
+
     def _batch(self, n_keys: int, call: Callable[[Any], list[int]]) -> list[int]:
         if not self._enter():
             return [Code.RPC_FAILED] * n_keys
@@ -630,6 +657,16 @@ class MooncakeStore:
             self._in_flight -= 1
             if self._in_flight == 0:
                 self._state.notify_all()
+
+
+def _rpc_timeout_ms(settings: MooncakeSettings) -> int:
+    """The RPC deadline the client was set up with: the user's ``MC_RPC_TIMEOUT_MS`` or ours."""
+    if _RPC_TIMEOUT_FROM_USER:
+        try:
+            return max(1, int(os.environ[RPC_TIMEOUT_ENV]))
+        except (KeyError, ValueError):
+            pass
+    return settings.rpc_timeout_ms
 
 
 def open_mooncake_store(settings: MooncakeSettings | None = None) -> MooncakeStore:
