@@ -61,5 +61,7 @@ class FilterStage(BatchStage):
             self._outcomes.all_existing(emit, existing)
             if missing:
                 await emit(tuple(missing))
-            else:
+            elif len(existing) == len(entry.item):
+                # Everything is stored already. (Had any record failed, a drop would
+                # count as partial success and hide that nothing was stored.)
                 emit.drop("no object left to put")

@@ -2,9 +2,12 @@
 
 import pytest
 
+from kvpipe.connector.memory import Faults, MemoryStore
+from kvpipe.pipeline import Outcome, Pipeline
 from kvpipe.pipeline.testing import batch_of
-from kvpipe.stages import FilterStage
+from kvpipe.stages import FilterStage, default_save_graph
 
+from .kv_fixtures import make_kv, make_request
 from .stores import RecordingStore, ScriptedStore, fake_record
 
 
@@ -47,14 +50,23 @@ async def test_an_error_code_fails_the_record_and_is_not_taken_as_missing():
     assert emit.counts["failed"] == 1
 
 
-async def test_an_entry_with_no_record_left_is_dropped():
+async def test_an_entry_whose_records_all_exist_is_dropped():
     batch = batch_of([(fake_record("a"), fake_record("b")), (fake_record("c"),)])
 
-    await FilterStage(_store({"a": 1, "b": -901, "c": 0})).process_batch(batch)
+    await FilterStage(_store({"a": 1, "b": 1, "c": 0})).process_batch(batch)
 
     assert batch[0].emit.dropped == ["no object left to put"]
     assert not batch[0].emit.emitted
     assert batch[1].emit.emitted["out"] == [(fake_record("c"),)]
+
+
+async def test_an_entry_left_with_nothing_to_put_because_of_failures_is_not_dropped():
+    batch = batch_of([(fake_record("a"), fake_record("b"))])
+
+    await FilterStage(_store({"a": 1, "b": -901})).process_batch(batch)
+
+    assert (batch[0].emit.dropped, batch[0].emit.emitted["out"]) == ([], [])
+    assert batch[0].emit.counts == {"existing": 1, "failed": 1}
 
 
 async def test_a_key_shared_by_two_requests_is_asked_once_and_answers_both():
@@ -78,7 +90,15 @@ async def test_a_wrong_length_answer_fails_every_record_of_the_batch():
         ["exist a: store answered 2 results for 3 keys", "exist b: store answered 2 results for 3 keys"],
         ["exist c: store answered 2 results for 3 keys"],
     ]
-    assert all(entry.emit.dropped and not entry.emit.emitted for entry in batch)
+    assert all(not entry.emit.dropped and not entry.emit.emitted for entry in batch)
+
+
+async def test_a_save_whose_every_exist_failed_ends_failed_not_partial():
+    fixture = make_kv()
+    store = MemoryStore(faults=Faults(outage="down"))
+    async with Pipeline(default_save_graph(fixture.kv, store)) as pipeline:
+        job = await pipeline.submit(make_request(fixture.kv, 32))
+    assert job.outcome is Outcome.FAILED
 
 
 async def test_a_store_call_that_raises_fails_every_record_instead_of_the_pipeline():
