@@ -30,8 +30,11 @@ def main() -> None:
 
 
 @contextmanager
-def remote_segment(master: str, metadata: str, segment_bytes: int) -> Iterator[None]:
-    """Run a peer holding ``segment_bytes`` on ``master`` for the duration of the block."""
+def remote_segment(master: str, metadata: str, segment_bytes: int) -> Iterator[subprocess.Popen[str]]:
+    """Run a peer holding ``segment_bytes`` on ``master`` for the block; yields its process.
+
+    (Fault tests kill it mid-run; a peer already dead is only reaped on the way out.)
+    """
     peer = subprocess.Popen(
         [sys.executable, "-m", __name__, master, metadata, str(segment_bytes)],
         stdin=subprocess.PIPE,
@@ -44,9 +47,9 @@ def remote_segment(master: str, metadata: str, segment_bytes: int) -> Iterator[N
         line = peer.stdout.readline().strip()
         if line != READY:
             raise RuntimeError(f"the peer store client did not start (exit code {peer.wait(5)})")
-        yield
+        yield peer
     finally:
-        if peer.stdin is not None:
+        if peer.poll() is None and peer.stdin is not None:
             peer.stdin.close()
         try:
             peer.wait(timeout=15)

@@ -24,8 +24,6 @@ from __future__ import annotations
 
 import logging
 import os
-import subprocess
-import sys
 import threading
 import time
 from collections.abc import Callable, Iterator
@@ -36,7 +34,7 @@ from pathlib import Path
 import pytest
 import structlog
 
-from kvpipe.connector.bench import peer as peer_module
+from kvpipe.connector.bench.peer import remote_segment
 from kvpipe.connector.breaker import BreakerSettings, CircuitBreaker, GuardedStore
 from kvpipe.connector.master import LocalMaster, MasterEndpoints
 from kvpipe.connector.mooncake import MooncakeSettings, MooncakeStore
@@ -321,26 +319,8 @@ def peer_segment(master: LocalMaster, segment_bytes: int = 64 << 20) -> Iterator
     """A peer process holding a segment on ``master`` (the bench's peer); yields a kill -9."""
     assert master.endpoints is not None
     e = master.endpoints
-    process = subprocess.Popen(
-        [sys.executable, "-m", peer_module.__name__, e.master_address, e.metadata_server, str(segment_bytes)],
-        stdin=subprocess.PIPE,
-        stdout=subprocess.PIPE,
-        stderr=subprocess.DEVNULL,
-        text=True,
-    )
-    try:
-        assert process.stdout is not None
-        assert process.stdout.readline().strip() == peer_module.READY
-        yield process.kill
-    finally:
-        if process.poll() is None:
-            assert process.stdin is not None
-            process.stdin.close()
-            try:
-                process.wait(timeout=15)
-            except subprocess.TimeoutExpired:
-                process.kill()
-        process.wait()
+    with remote_segment(e.master_address, e.metadata_server, segment_bytes) as peer:
+        yield peer.kill
 
 
 def test_a_peer_holding_the_only_segment_killed_and_replaced(master: LocalMaster) -> None:
