@@ -311,7 +311,13 @@ def test_a_killed_master_replaced_on_the_same_ports_is_picked_up(master: LocalMa
         run.mark("back")
         recovery(run, run.marks["back"])
         time.sleep(0.5)
-    check_jobs(run, job_bound_s=(BREAKER.failures_to_open + 2) * _rpc_timeout_s() + 1.0)
+    # Besides the calls of a stalled master, a job caught by the restart can wait
+    # for the master to come up (~1.1 s) and for the segment to remount (puts
+    # answer -200, with back-off, for ~1 s: MOONCAKE.md).
+    restart_s, remount_s = 1.5, 1.0
+    check_jobs(
+        run, job_bound_s=(BREAKER.failures_to_open + 2) * _rpc_timeout_s() + 1.0 + restart_s + remount_s
+    )
 
 
 @contextmanager
