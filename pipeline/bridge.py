@@ -82,9 +82,8 @@ class SyncPipeline:
         self._lock = threading.Lock()
         self._room = threading.Condition(self._lock)  # waited on only when full, under "wait"
         self._waiting = 0
-        # Accepted minus taken is what waits in the inbox. ``_taken`` has one writer,
+        # Submitted minus taken is what waits in the inbox. ``_taken`` has one writer,
         # the pump, which so needs no lock per item (see _pump for the wake-up order).
-        self._accepted = 0
         self._taken = 0
         self._state = _State.NEW
         self._dropped = 0
@@ -150,14 +149,13 @@ class SyncPipeline:
         """
         job = Job(item)
         with self._lock:
-            if self._accepted - self._taken >= self._capacity and not self._wait_for_room(timeout_s):
+            if self._submitted - self._taken >= self._capacity and not self._wait_for_room(timeout_s):
                 self._dropped += 1
                 refused = True
             else:
                 if self._state is not _State.RUNNING:
                     raise PipelineClosed(f"{self.name} is {self._state.value}; no new items")
                 refused = False
-                self._accepted += 1
                 self._submitted += 1
                 self._inbox.append(job)
                 wake = self._pump_idle
@@ -175,7 +173,7 @@ class SyncPipeline:
         self._waiting += 1
         try:
             return self._room.wait_for(
-                lambda: self._accepted - self._taken < self._capacity or self._state is not _State.RUNNING,
+                lambda: self._submitted - self._taken < self._capacity or self._state is not _State.RUNNING,
                 timeout_s,
             )
         finally:
@@ -216,7 +214,7 @@ class SyncPipeline:
     @property
     def queued(self) -> int:
         """Items submitted but not yet in the pipeline's entry queue."""
-        return self._accepted - self._taken
+        return self._submitted - self._taken
 
     def metrics(self) -> dict[str, StageSnapshot]:
         """Per-stage snapshots (taken on the loop thread while it runs)."""
@@ -282,7 +280,7 @@ class SyncPipeline:
                     self._taken += 1
                     # Wake blocked submitters once half the inbox is free, not per
                     # item: one wake-up per item is a GIL hand-off per item.
-                    if self._waiting and self._accepted - self._taken <= self._capacity // 2:
+                    if self._waiting and self._submitted - self._taken <= self._capacity // 2:
                         with self._lock:
                             self._room.notify_all()
                 if self._stop_requested is not None and self._stop_requested.is_set():

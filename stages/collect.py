@@ -17,7 +17,6 @@ from kvpipe.pipeline.stage import Emit, Stage
 from .chunks import Chunk, full_chunks, tail_chunks
 from .keys import object_key_prefix
 from .model import (
-    BlockBuffers,
     KVCache,
     ProjectedRequest,
     Records,
@@ -44,7 +43,7 @@ def chunk_records(
                     object_key_prefix(shard.namespace, group.store_group) + hex_hash,
                     chunk_hash,
                     group.store_group,
-                    BlockBuffers(shard.layouts[group.engine_group], block_id),
+                    shard.layouts[group.engine_group].buffers(block_id),
                     None,
                     request_id,
                 )

@@ -78,7 +78,6 @@ class StagingPool:
         self._store = store
         self._memory: torch.Tensor | None = None
         self._held = bytearray(slots)  # 1 while a record holds the slot
-        self._free = slots
         self._next = 0  # where the next run starts
         self._released: anyio.Event | None = None  # made by the first waiter (needs the loop)
 
@@ -98,7 +97,7 @@ class StagingPool:
 
     @property
     def free(self) -> int:
-        return self._free
+        return self._held.count(0)
 
     def allocate(self) -> None:
         """Allocate and register the slots (blocking: call from a worker thread)."""
@@ -126,7 +125,6 @@ class StagingPool:
             start = self._next if self._next + count <= self.slots else 0  # a run does not wrap
             if not any(self._held[start : start + count]):
                 self._held[start : start + count] = b"\x01" * count
-                self._free -= count
                 self._next = (start + count) % self.slots
                 return [StagingSlot(self, index) for index in range(start, start + count)]
             if self._released is None:
@@ -136,7 +134,6 @@ class StagingPool:
     def give_back(self, index: int) -> None:
         """One slot is free again (on the pipeline's loop); wakes whoever waits for a run."""
         self._held[index] = 0
-        self._free += 1
         if self._released is not None:
             self._released.set()
             self._released = None

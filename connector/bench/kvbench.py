@@ -9,6 +9,7 @@ connector would.
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import time
 import warnings
@@ -28,6 +29,7 @@ from kvpipe.stages import (
     Region,
     SaveRequest,
     Shard,
+    StoreGroup,
     StoreObject,
     chunk_records,
     default_save_graph,
@@ -101,10 +103,17 @@ class BenchCache:
             )
         return requests
 
+    @functools.cached_property
+    def store_groups(self) -> tuple[StoreGroup, ...]:
+        """Projected once, as the pipeline's project stage does at build time."""
+        return storable_groups(self.kv)
+
     def records_of(self, request: SaveRequest) -> tuple[StoreObject, ...]:
         """The objects of ``request``, as the collect stage makes them."""
-        groups = storable_groups(self.kv)
-        chunks = [chunk for group in groups for chunk in full_chunks(request, group, self.kv.hash_block_size)]
+        hash_block_size = self.kv.hash_block_size
+        chunks = [
+            chunk for group in self.store_groups for chunk in full_chunks(request, group, hash_block_size)
+        ]
         return chunk_records(chunks, self.kv.shards, request.request_id)
 
 
@@ -179,13 +188,9 @@ def open_local_store(segment_bytes: int) -> MooncakeStore:
     return MooncakeStore.open(MooncakeSettings(global_segment_size=segment_bytes, local_buffer_size=16 * MiB))
 
 
-def clear(store: Store) -> None:
-    """Remove every object between rounds, so each round stores from scratch."""
-    remove_all = store.remove_all
-    try:
-        remove_all(force=True)  # type: ignore[call-arg]  # MooncakeStore: leases don't block a cleanup
-    except TypeError:
-        remove_all()
+def clear(store: MooncakeStore) -> None:
+    """Remove every object between rounds, so each round stores from scratch (leased ones too)."""
+    store.remove_all(force=True)
 
 
 def _check(code: int, what: str) -> None:
