@@ -23,6 +23,11 @@ class ProjectionError(ValueError):
     """The engine's cache cannot be saved as configured; the message says why."""
 
 
+def savable_mode(kind: GroupKind, mamba_mode: str | None) -> bool:
+    """Whether a group of ``kind`` can be saved in ``mamba_mode`` (a mamba group: ``align`` only)."""
+    return kind is not GroupKind.MAMBA or mamba_mode == MAMBA_ALIGN_MODE
+
+
 def project_groups(groups: Sequence[GroupSpec]) -> tuple[StoreGroup, ...]:
     """The storable groups of the engine's ``groups``, numbered 0..k-1 in engine order.
 
@@ -32,7 +37,7 @@ def project_groups(groups: Sequence[GroupSpec]) -> tuple[StoreGroup, ...]:
     """
     storable: list[StoreGroup] = []
     for engine_group, spec in enumerate(groups):
-        if spec.kind is GroupKind.MAMBA and spec.mamba_mode != MAMBA_ALIGN_MODE:
+        if not savable_mode(spec.kind, spec.mamba_mode):
             raise ProjectionError(
                 f"engine group {engine_group} is a mamba group in mode {spec.mamba_mode!r}; "
                 f"its state can only be saved in mode {MAMBA_ALIGN_MODE!r}"

@@ -16,7 +16,7 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationInfo, field_validat
 from kvpipe.connector.stores import MemoryStoreConfig, StoreConfig
 from kvpipe.pipeline import WhenFull
 from kvpipe.stages import GroupKind, GroupSpec, StrictFlag, project_groups
-from kvpipe.stages.projection import MAMBA_ALIGN_MODE
+from kvpipe.stages.projection import MAMBA_ALIGN_MODE, savable_mode
 
 #: A positive whole number as written: ``true`` or ``"8"`` is an error, not 1 or 8.
 Count = Annotated[int, Field(gt=0, strict=True)]
@@ -37,7 +37,8 @@ class GroupConfig(_Section):
     @field_validator("mamba_mode")
     @classmethod
     def _mamba_state_is_saved_in_align_mode_only(cls, mode: str | None, info: ValidationInfo) -> str | None:
-        if info.data.get("kind") is GroupKind.MAMBA and mode != MAMBA_ALIGN_MODE:
+        kind = info.data.get("kind")
+        if kind is not None and not savable_mode(kind, mode):  # the projection's rule, at this field
             raise ValueError(f"a mamba group's state can only be saved in mode {MAMBA_ALIGN_MODE!r}")
         return mode
 
