@@ -20,7 +20,7 @@ import threading
 import time
 from collections.abc import Callable, Sequence
 from enum import StrEnum
-from typing import Any, TypeVar
+from typing import Any
 
 import structlog
 from pydantic import BaseModel, ConfigDict, Field
@@ -31,7 +31,6 @@ from .store import Store
 
 log = structlog.get_logger("kvpipe.connector.breaker")
 
-T = TypeVar("T")
 MASTER_TROUBLE = frozenset((Code.RPC_FAILED, Code.RPC_TIMEOUT))
 
 
