@@ -5,7 +5,9 @@ Mooncake's Python wheel is client-only: the master is a separate program
 starts one bound to 127.0.0.1 on ports picked free at start (the admin/metrics
 port too: its default, 9003, clashes between masters), waits until it accepts
 connections, and stops it on exit. Only loopback: a spawned master is never
-reachable from another machine.
+reachable from another machine. That is also why it runs no HTTP metadata
+server: that server binds 0.0.0.0 whatever host it is given, so clients of a
+spawned master exchange their segment metadata peer to peer (``P2PHANDSHAKE``).
 
 :func:`wait_until_listening` is also how a configured master is checked before
 ``setup()``: with no master listening, the client's setup retries for ~90 s before
@@ -27,6 +29,7 @@ from pathlib import Path
 from typing import Self
 
 LOOPBACK = "127.0.0.1"
+P2P_HANDSHAKE = "P2PHANDSHAKE"
 
 
 class MasterError(RuntimeError):
@@ -37,7 +40,6 @@ class MasterError(RuntimeError):
 class MasterEndpoints:
     host: str
     rpc_port: int
-    metadata_port: int
     metrics_port: int
 
     @property
@@ -46,7 +48,8 @@ class MasterEndpoints:
 
     @property
     def metadata_server(self) -> str:
-        return f"http://{self.host}:{self.metadata_port}/metadata"
+        """What clients of this master pass as their metadata server (see the module docstring)."""
+        return P2P_HANDSHAKE
 
 
 def free_port(host: str = LOOPBACK) -> int:
@@ -146,7 +149,7 @@ class LocalMaster:
             raise MasterError("this master is already running")
         attempts = 1 if endpoints is not None else 3
         for attempt in range(1, attempts + 1):
-            self.endpoints = endpoints or MasterEndpoints(LOOPBACK, *free_ports(3))
+            self.endpoints = endpoints or MasterEndpoints(LOOPBACK, *free_ports(2))
             try:
                 return self._launch()
             except MasterError as exc:
@@ -161,9 +164,7 @@ class LocalMaster:
             str(find_master_binary()),
             f"--rpc_port={e.rpc_port}",
             f"--rpc_address={e.host}",
-            "--enable_http_metadata_server=true",
-            f"--http_metadata_server_port={e.metadata_port}",
-            f"--http_metadata_server_host={e.host}",
+            "--enable_http_metadata_server=false",
             f"--metrics_port={e.metrics_port}",
             f"--metrics_host={e.host}",
             *(f"--{name}={value}" for name, value in self._flags.items()),
@@ -184,17 +185,15 @@ class LocalMaster:
     def _wait_ready(self) -> None:
         assert self._process is not None and self.endpoints is not None
         deadline = time.monotonic() + self._startup_timeout_s
-        for port in (self.endpoints.rpc_port, self.endpoints.metadata_port):
-            while not is_listening(self.endpoints.host, port, timeout_s=0.2):
-                if self._process.poll() is not None:
-                    raise MasterError(
-                        f"mooncake_master exited with {self._process.returncode}: {self.log_tail()}"
-                    )
-                if time.monotonic() >= deadline:
-                    raise MasterError(
-                        f"mooncake_master did not listen on port {port} within {self._startup_timeout_s:g} s"
-                    )
-                time.sleep(0.05)
+        port = self.endpoints.rpc_port
+        while not is_listening(self.endpoints.host, port, timeout_s=0.2):
+            if self._process.poll() is not None:
+                raise MasterError(f"mooncake_master exited with {self._process.returncode}: {self.log_tail()}")
+            if time.monotonic() >= deadline:
+                raise MasterError(
+                    f"mooncake_master did not listen on port {port} within {self._startup_timeout_s:g} s"
+                )
+            time.sleep(0.05)
 
     def log_tail(self, lines: int = 5) -> str:
         if self._log_path is None or not self._log_path.exists():

@@ -56,7 +56,14 @@ from pydantic_core import PydanticCustomError
 
 from kvpipe.stages.store import Code, describe
 
-from .master import LocalMaster, MasterEndpoints, MasterError, is_listening, wait_until_listening
+from .master import (
+    P2P_HANDSHAKE,
+    LocalMaster,
+    MasterEndpoints,
+    MasterError,
+    is_listening,
+    wait_until_listening,
+)
 from .store import replicate_config_supports_group_ids
 
 __all__ = [
@@ -79,7 +86,6 @@ RPC_TIMEOUT_ENV = "MC_RPC_TIMEOUT_MS"
 #: set by whoever started the process: then it is theirs, and settings leave it alone
 _RPC_TIMEOUT_FROM_USER = RPC_TIMEOUT_ENV in os.environ
 LOCAL_HOSTNAME_ENV = "MOONCAKE_REQUESTER_LOCAL_HOSTNAME"
-P2P_HANDSHAKE = "P2PHANDSHAKE"
 INSTALL_HINT = "pip install 'kvpipe[mooncake]' (mooncake-transfer-engine-non-cuda==0.3.13.post1)"
 
 

@@ -41,10 +41,9 @@ def listening() -> Iterator[tuple[LocalMaster, dict[int, str]]]:
         yield master, {c.laddr.port: c.laddr.ip for c in connections if c.status == psutil.CONN_LISTEN}
 
 
-def test_the_master_listens_on_its_three_ports_and_no_other(listening):
+def test_the_master_listens_on_its_two_ports_and_no_other(listening):
     master, bound = listening
-    endpoints = master.endpoints
-    assert set(bound) == {endpoints.rpc_port, endpoints.metadata_port, endpoints.metrics_port}
+    assert set(bound) == {master.endpoints.rpc_port, master.endpoints.metrics_port}
 
 
 @pytest.mark.parametrize("port", ["rpc_port", "metrics_port"])
@@ -53,15 +52,10 @@ def test_the_master_port_is_bound_to_loopback_only(listening, port):
     assert bound[getattr(master.endpoints, port)] == LOOPBACK
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="mooncake_master 0.3.13.post1 binds its HTTP metadata server to 0.0.0.0 although "
-    "LocalMaster passes --http_metadata_server_host=127.0.0.1 (see MOONCAKE.md); "
-    "the master has no other flag for it",
-)
-def test_the_metadata_port_is_bound_to_loopback_only(listening):
-    master, bound = listening
-    assert bound[master.endpoints.metadata_port] == LOOPBACK
+def test_clients_of_a_spawned_master_exchange_metadata_peer_to_peer(listening):
+    """No HTTP metadata server: mooncake_master binds that one to 0.0.0.0 whatever it is told."""
+    master, _ = listening
+    assert master.endpoints.metadata_server == "P2PHANDSHAKE"
 
 
 # -- cache prefixes --------------------------------------------------------------------------
