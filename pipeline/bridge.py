@@ -3,8 +3,14 @@
 An inference engine calls us from its model-step thread, which must never wait on
 our queues. :class:`SyncPipeline` runs the pipeline on an event loop in a thread
 of its own, and :meth:`SyncPipeline.submit` only appends the item to a deque and,
-if the loop is idle, pokes it awake (one ``call_soon_threadsafe``): a few
-microseconds, whatever the pipeline is doing.
+if the loop is idle, asks a waker thread to poke it awake: a few microseconds,
+whatever the pipeline is doing.
+
+Why a waker thread: waking the loop means ``call_soon_threadsafe``, whose
+self-pipe write releases the GIL. On a busy machine the submitter then waits
+for a store or loop thread to give the GIL back, up to a switch interval (5 ms):
+measured 2-5 ms submits under store faults. Putting a token on a
+``queue.SimpleQueue`` never releases the GIL, so the waker pays that instead.
 
 The entry is bounded by ``queue_capacity`` (a semaphore counts items that are
 submitted but not yet in the pipeline's entry queue). When it is full the policy
@@ -76,9 +82,10 @@ class SyncPipeline:
         self._capacity = queue_capacity
         self._inbox: deque[Job] = deque()
         self._completed: queue.SimpleQueue[Job] = queue.SimpleQueue()
-        # One plain lock guards the state, the inbox and its count: a submit takes
-        # it once. (A threading.Semaphore per submit cost more than the submit's
-        # own work, and every extra lock hand-off is a GIL hand-off too.)
+        # One plain lock guards the state and the submitted count among submitters:
+        # a submit takes it once; the pump only to wake blocked ones (a contended lock is a
+        # GIL hand-off). (A threading.Semaphore per submit cost more than the
+        # submit's own work.)
         self._lock = threading.Lock()
         self._room = threading.Condition(self._lock)  # waited on only when full, under "wait"
         self._waiting = 0
@@ -89,6 +96,8 @@ class SyncPipeline:
         self._dropped = 0
         self._submitted = 0
         self._thread: threading.Thread | None = None
+        self._waker: threading.Thread | None = None
+        self._wake_requests: queue.SimpleQueue[bool] = queue.SimpleQueue()  # True: wake; False: exit
         self._started = threading.Event()
         self._startup_error: BaseException | None = None
         self._drain_deadline_s: float | None = None
@@ -96,7 +105,7 @@ class SyncPipeline:
         # Loop-side state, created on the loop thread.
         self._loop: asyncio.AbstractEventLoop | None = None
         self._pipeline: Pipeline | None = None
-        self._pump_idle = False
+        self._pump_idle = False  # raised by the pump, lowered by the submit that wakes it
         self._wakeup: anyio.Event | None = None
         self._stop_requested: anyio.Event | None = None
 
@@ -108,7 +117,9 @@ class SyncPipeline:
                 raise RuntimeError(f"{self.name} was already started")
             self._state = _State.RUNNING
         self._thread = threading.Thread(target=self._thread_main, name=f"kvpipe-{self.name}", daemon=True)
+        self._waker = threading.Thread(target=self._waker_main, name=f"kvpipe-{self.name}-waker", daemon=True)
         self._thread.start()
+        self._waker.start()
         if not self._started.wait(timeout_s):
             raise TimeoutError(f"{self.name} did not start within {timeout_s} s")
         if self._startup_error is not None:
@@ -128,8 +139,9 @@ class SyncPipeline:
             self._room.notify_all()  # blocked submits give up: the pipeline is closing
         self._drain_deadline_s = deadline_s
         self._call_soon(self._request_stop)
-        assert self._thread is not None
+        assert self._thread is not None and self._waker is not None
         self._thread.join()
+        self._waker.join()
         return self._drained
 
     def __enter__(self) -> Self:
@@ -158,12 +170,14 @@ class SyncPipeline:
                 refused = False
                 self._submitted += 1
                 self._inbox.append(job)
-                wake = self._pump_idle
-                self._pump_idle = False
         if refused:
             return self._refuse(job)
-        if wake:
-            self._call_soon(self._wake)
+        # After the append: the pump raises the flag before its last look at the
+        # inbox, so either it sees this job or this sees the flag (an extra wake-up
+        # from both seeing is harmless).
+        if self._pump_idle:
+            self._pump_idle = False
+            self._wake_requests.put(True)
         return job
 
     def _wait_for_room(self, timeout_s: float | None) -> bool:
@@ -241,6 +255,7 @@ class SyncPipeline:
             else:
                 self._startup_error = exc  # raised by start()
         finally:
+            self._wake_requests.put(False)
             self._end_leftovers()
             self._started.set()
 
@@ -285,14 +300,19 @@ class SyncPipeline:
                             self._room.notify_all()
                 if self._stop_requested is not None and self._stop_requested.is_set():
                     return
-                with self._lock:
-                    self._pump_idle = not self._inbox
-                if self._pump_idle:
-                    assert self._wakeup is not None
-                    await self._wakeup.wait()
-                    self._wakeup = anyio.Event()
+                self._pump_idle = True
+                if self._inbox:  # appended before the flag was up (see submit)
+                    self._pump_idle = False
+                    continue
+                assert self._wakeup is not None
+                await self._wakeup.wait()
+                self._wakeup = anyio.Event()
         finally:
             done.set()
+
+    def _waker_main(self) -> None:
+        while self._wake_requests.get():
+            self._call_soon(self._wake)
 
     def _wake(self) -> None:
         if self._wakeup is not None:

@@ -54,6 +54,7 @@ from .put import PutParams, PutStage, split_into_calls
 from .registry import KV_STAGES
 from .staging import StagingError, StagingPool, StagingSlot, copy_into_slots
 from .store import Code, ObjectStore, describe
+from .throttle import SlowStoreThrottle, ThrottleParams
 
 __all__ = [
     "DEFAULT_LOAD_PIPELINE",
@@ -103,6 +104,8 @@ __all__ = [
     "ProjectedRequest",
     "ProjectionError",
     "PutParams",
+    "SlowStoreThrottle",
+    "ThrottleParams",
     "PutStage",
     "Records",
     "Region",

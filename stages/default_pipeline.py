@@ -17,6 +17,7 @@ from .model import KVCache
 from .outcomes import ObjectObserver
 from .registry import KV_STAGES
 from .store import ObjectStore
+from .throttle import DEFAULT_THROTTLE, ThrottleParams
 
 DEFAULT_SAVE_PIPELINE: dict[str, Any] = {
     "stages": [
@@ -49,7 +50,10 @@ DEFAULT_SAVE_PIPELINE: dict[str, Any] = {
             "workers": 2,
             "threads": 2,
             "batch": {"max_items": 256, "max_wait_ms": 1},
-            "params": {"max_buffers_per_call": 2048},
+            "params": {
+                "max_buffers_per_call": 2048,
+                "throttle": {"slow_s": 0.25, "recovered_s": 0.05, "probe_every_s": 0.5},
+            },
         },
     ]
 }
@@ -62,18 +66,21 @@ def default_save_graph(
     enable_group_semantics: bool | str = False,
     max_buffers_per_call: int = 2048,
     gather: str = "auto",
+    throttle: ThrottleParams | None = DEFAULT_THROTTLE,
     observer: ObjectObserver | None = None,
 ) -> Graph:
     """The default save graph over ``kv`` and ``store``.
 
     ``enable_group_semantics`` is parsed strictly (``"true"``/``"false"`` strings
     accepted, anything else is an error naming the field). ``gather`` is the
-    gather stage's mode (``auto``, ``always``, ``never``). ``observer`` is told
-    the final status of every object.
+    gather stage's mode (``auto``, ``always``, ``never``). ``throttle`` is the
+    put stage's slow-store detector (None: never skip a put). ``observer`` is
+    told the final status of every object.
     """
     document = copy.deepcopy(DEFAULT_SAVE_PIPELINE)
     stages = {stage["name"]: stage for stage in document["stages"]}
     stages["group_ids"]["params"]["enable_group_semantics"] = enable_group_semantics
     stages["put"]["params"]["max_buffers_per_call"] = max_buffers_per_call
     stages["gather"]["params"]["mode"] = gather
+    stages["put"]["params"]["throttle"] = None if throttle is None else throttle.model_dump()
     return build_graph(document, KV_STAGES, {"kv": kv, "store": store, "observer": observer})

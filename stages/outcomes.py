@@ -1,9 +1,10 @@
 """What became of each store object: reported to its job and, optionally, to an observer.
 
 Every record that reaches ``filter`` ends as exactly one of :class:`ObjectStatus`:
-``existing`` (the store had it), ``put`` (we stored it) or ``failed``. The job of
+``existing`` (the store had it), ``put`` (we stored it), ``failed``, or
+``throttled`` (not sent: the store was too slow, see ``throttle.py``). The job of
 the request it came from counts it under that name, so ``considered = existing +
-put + failed`` holds per job. An :class:`ObjectObserver` (the build resource
+put + failed + throttled`` holds per job. An :class:`ObjectObserver` (the build resource
 ``observer``) additionally sees each record with its status, on the pipeline's
 loop thread: how a caller learns *which* objects were stored (a report of every
 object, a connector tracking the chunks it may announce), not just how many.
@@ -24,6 +25,7 @@ class ObjectStatus(StrEnum):
     PUT = "put"
     EXISTING = "existing"
     FAILED = "failed"
+    THROTTLED = "throttled"
 
 
 class ObjectObserver(Protocol):
@@ -53,6 +55,16 @@ class Outcomes:
     def all_existing(self, emit: Emit, records: Sequence[StoreObject]) -> None:
         """:meth:`existing` for several records of one job, counted at once."""
         self._all(emit, records, ObjectStatus.EXISTING)
+
+    def all_throttled(self, emit: Emit, records: Sequence[StoreObject]) -> None:
+        """Records of one job not sent because the store is slow: a deliberate drop, not a failure."""
+        if not records:
+            return
+        emit.count(ObjectStatus.THROTTLED.value, len(records))
+        emit.drop("store slow: put skipped")
+        if self._observer is not None:
+            for record in records:
+                self._observer(record, ObjectStatus.THROTTLED)
 
     def _all(self, emit: Emit, records: Sequence[StoreObject], status: ObjectStatus) -> None:
         if not records:

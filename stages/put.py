@@ -10,6 +10,7 @@ list always describes the same object.
 
 from __future__ import annotations
 
+import time
 from collections.abc import Sequence
 from typing import Any, ClassVar
 
@@ -22,6 +23,7 @@ from .batch_calls import StoreCallError, call_per_key
 from .model import Records, StoreObject
 from .outcomes import ObjectObserver, Outcomes
 from .store import Code, ObjectStore, describe
+from .throttle import DEFAULT_THROTTLE, SlowStoreThrottle, ThrottleParams
 
 ROLLED_BACK = "removed again: another object of its chunk was refused"
 
@@ -32,6 +34,7 @@ class PutParams(BaseModel):
     max_buffers_per_call: int = Field(2048, gt=0)
     backoff_initial_s: float = Field(0.01, ge=0)
     backoff_max_s: float = Field(0.2, ge=0)
+    throttle: ThrottleParams | None = DEFAULT_THROTTLE  # None: never skip a put
 
     @model_validator(mode="after")
     def _backoff_grows(self) -> PutParams:
@@ -92,10 +95,15 @@ class PutStage(BatchStage):
         self._outcomes = Outcomes(observer)
         self._max_buffers = params.max_buffers_per_call
         self._backoff = Backoff(params.backoff_initial_s, params.backoff_max_s)
+        self.throttle = None if params.throttle is None else SlowStoreThrottle(params.throttle)
 
     async def process_batch(self, batch: Sequence[BatchEntry[Records]]) -> None:
         try:
-            await self._put_batch(batch)
+            if self.throttle is None or self.throttle.allow():
+                await self._put_batch(batch)
+            else:
+                for entry in batch:
+                    self._outcomes.all_throttled(entry.emit, entry.item)
         finally:  # staged copies are no longer read once their put returned, whatever it said
             for entry in batch:
                 for record in entry.item:
@@ -149,7 +157,14 @@ class PutStage(BatchStage):
             config.group_ids = [record.group_id or "" for record in call]
         keys = [record.key for record in call]
         ptrs, sizes = zip(*(record.transfer_spans() for record in call), strict=True)
-        codes = await call_per_key(self, self._store.batch_put_from_multi_buffers, keys, ptrs, sizes, config)
+        started = time.monotonic()
+        try:
+            codes = await call_per_key(
+                self, self._store.batch_put_from_multi_buffers, keys, ptrs, sizes, config
+            )
+        finally:
+            if self.throttle is not None:
+                self.throttle.record(time.monotonic() - started, sum(map(sum, sizes)))
         self._backoff.record(pressured=Code.NO_SPACE in codes)
         return codes
 

@@ -100,8 +100,8 @@ def count_chunks(store: Store, records: Iterable[StoreObject]) -> ChunkCounts:
 def final_statuses(
     observed: Iterable[tuple[StoreObject, ObjectStatus]],
 ) -> dict[str, tuple[StoreObject, ObjectStatus]]:
-    """One status per key over all requests that offered it: put, else existing, else failed."""
-    rank = {ObjectStatus.PUT: 2, ObjectStatus.EXISTING: 1, ObjectStatus.FAILED: 0}
+    """One status per key over all requests that offered it: put, else existing, else not stored."""
+    rank = {ObjectStatus.PUT: 2, ObjectStatus.EXISTING: 1, ObjectStatus.FAILED: 0, ObjectStatus.THROTTLED: 0}
     final: dict[str, tuple[StoreObject, ObjectStatus]] = {}
     for record, status in observed:
         if record.key not in final or rank[status] > rank[final[record.key][1]]:

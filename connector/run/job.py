@@ -114,7 +114,9 @@ def _run_on(
     elapsed = time.perf_counter() - started
 
     objects = final_statuses(observed)
-    stored = [record for record, status in objects.values() if status is not ObjectStatus.FAILED]
+    stored = [
+        record for record, status in objects.values() if status in (ObjectStatus.PUT, ObjectStatus.EXISTING)
+    ]
     chunks = count_chunks(store, (record for record, _ in objects.values()))
     verification = verify(store, cache, stored)
     bytes_put = sum(record.size for record, status in observed if status is ObjectStatus.PUT)
@@ -130,6 +132,7 @@ def _run_on(
             "existing": totals.counts["existing"],
             "put": totals.counts["put"],
             "failed": totals.counts["failed"],
+            "throttled": totals.counts["throttled"],
             "distinct_keys": len(objects),
         },
         "bytes_put": bytes_put,

@@ -50,7 +50,7 @@ def summary_table(report: dict[str, Any]) -> str:
         f"group semantics {semantics})",
         f"requests     {report['requests']:,}",
         f"objects      {objects['considered']:,} considered: {objects['existing']:,} existing, "
-        f"{objects['put']:,} put, {objects['failed']:,} failed",
+        f"{objects['put']:,} put, {objects['failed']:,} failed, {objects['throttled']:,} throttled",
         f"bytes put    {report['bytes_put']:,} in {report['elapsed_s']:.2f} s ({report['put_gbps']:.3f} GB/s)",
         f"chunks       {chunks['total']:,}: {chunks['complete']:,} complete, {chunks['partial']:,} partial, "
         f"{chunks['absent']:,} absent",

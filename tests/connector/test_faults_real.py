@@ -7,7 +7,7 @@ feeder thread submits a request every couple of milliseconds, as an engine's
 step loop would. In the middle of the run the fault strikes; then the test checks
 what an engine needs from the connector whatever the store does:
 
-- ``submit`` never blocks (its latency is measured around every call);
+- ``submit`` never blocks (the time it slept is measured around every call);
 - every job ends, ok or failed, within a bound derived from the settings, and
   has released the engine's blocks when it does; the entry queue stays bounded;
 - within 3 s of the master's (or the segment's) return, new saves are stored;
@@ -53,18 +53,16 @@ QUEUE_CAPACITY = 32
 SUBMIT_EVERY_S = 0.002
 TOKENS = 32  # two 16-token blocks: two objects per request
 RECOVERY_S = 3.0  # the issue's bound: healthy again within 3 s of the master's return
-# Submit appends to a deque (~15 us). Measured: p99 0.15-0.2 ms, max 0.4-2.7 ms. Every
-# submit over 1 ms we caught was one that woke the idle loop (call_soon_threadsafe: its
-# self-pipe send releases the GIL, and on 2 busy cores getting it back costs up to a
-# switch interval), so the max is asserted with a 5 ms tolerance, the p99 at 1 ms.
+# Submit appends to a deque (~15 us) and never sleeps: asserted per call, as its time
+# blocked (wall time minus time on a CPU or in the run queue). Measured p99 32-92 us;
+# its wall time has outliers of up to ~5 ms with 0 us blocked: the OS sharing 2 cores
+# with the store's threads, the master and the peer. The wall max is asserted loosely.
+SUBMIT_BLOCKED_MAX_S = 0.001
 SUBMIT_P99_S = 0.001
-SUBMIT_MAX_S = 0.005
-# With the segment in a peer process every put is a TCP transfer that process serves on
-# the same 2 cores; the wake-ups then wait longer (measured p99 0.9-1.6 ms, max 5.5-7.6 ms).
-PEER_SUBMIT_P99_S = 0.003
-PEER_SUBMIT_MAX_S = 0.015
+SUBMIT_MAX_S = 0.015
 # A put to a dead peer's segment fails (-800) after ~1 s, the transfer engine's own
-# timeout (not a master RPC: neither MC_RPC_TIMEOUT_MS nor the breaker bound it).
+# timeout (not a master RPC: neither MC_RPC_TIMEOUT_MS nor the breaker bound it; the
+# put stage's slow-store throttle does).
 TRANSFER_FAIL_S = 1.0
 RSS_GROWTH_BYTES = 64 << 20
 PAGE = os.sysconf("SC_PAGE_SIZE")
@@ -78,6 +76,22 @@ def _native_threads() -> int:
     return len(os.listdir("/proc/self/task"))
 
 
+class ScheduledTime:
+    """Seconds this thread was on a CPU or waiting in the run queue for one (its schedstat).
+
+    A submit's wall time minus that is the time it slept: waiting for a lock, the
+    GIL or I/O, which is what "blocks" means. The rest is the OS sharing 2 cores
+    among this process's threads, the master and the peer: no code of ours waits.
+    """
+
+    def __init__(self) -> None:
+        self._fd = os.open("/proc/thread-self/schedstat", os.O_RDONLY)  # of the calling thread
+
+    def seconds(self) -> float:
+        on_cpu, in_run_queue, _ = os.pread(self._fd, 128, 0).split()
+        return (int(on_cpu) + int(in_run_queue)) / 1e9
+
+
 @dataclass
 class Feeder:
     """A thread that submits fresh requests at a steady pace and times every submit."""
@@ -86,6 +100,7 @@ class Feeder:
     fixture: KVFixture
     jobs: list[Job] = field(default_factory=list)
     latencies: list[float] = field(default_factory=list)
+    blocked: list[float] = field(default_factory=list)
     starts: list[float] = field(default_factory=list)
     max_queued: int = 0
     _stop: threading.Event = field(default_factory=threading.Event)
@@ -104,11 +119,15 @@ class Feeder:
     def _run(self) -> None:
         i = 0
         clock = time.monotonic
+        scheduled = ScheduledTime()
         while not self._stop.is_set():
             request = make_request(self.fixture.kv, TOKENS, request_id=f"r{i}")  # fresh hashes
+            before = scheduled.seconds()
             started = clock()
             job = self.pipeline.submit(request)
-            self.latencies.append(clock() - started)
+            latency = clock() - started
+            self.latencies.append(latency)
+            self.blocked.append(max(0.0, latency - (scheduled.seconds() - before)))
             self.starts.append(started)
             self.jobs.append(job)
             self.max_queued = max(self.max_queued, self.pipeline.queued)
@@ -214,17 +233,21 @@ def _report(run: Run, threads_before: int, native_before: int, rss_before: int) 
     for job in jobs:
         outcomes[str(job.outcome)] = outcomes.get(str(job.outcome), 0) + 1
     t0 = run.marks.get("fault", 0.0)
-    pairs = sorted(zip(run.feeder.latencies, run.feeder.starts, strict=True), reverse=True)[:6]
-    slowest = [(round(start - t0, 3), round(lat * 1e6)) for lat, start in pairs]
+    triples = zip(run.feeder.latencies, run.feeder.blocked, run.feeder.starts, strict=True)
+    slowest = [
+        (round(start - t0, 3), round(lat * 1e6), round(blocked * 1e6))
+        for lat, blocked, start in sorted(triples, reverse=True)[:6]
+    ]
     print(
         f"\n  jobs={len(jobs)} outcomes={outcomes} breaker_opened={run.store.breaker.opened}"
-        f" refused={run.store.breaker.refused}"
+        f" refused={run.store.breaker.refused} throttled={sum(job.counts['throttled'] for job in jobs)}"
         f"\n  submit: p50={latencies[len(latencies) // 2] * 1e6:.0f}us p99={p99 * 1e6:.0f}us"
         f" p99.9={p999 * 1e6:.0f}us max={latencies[-1] * 1e6:.0f}us max_queued={run.feeder.max_queued}"
         f"\n  job s: p50={durations[len(durations) // 2]:.3f} p99={durations[int(0.99 * (len(durations) - 1))]:.3f}"
         f" max={durations[-1]:.3f}"
         f"\n  marks (s after the fault): { {k: round(v - t0, 3) for k, v in run.marks.items()} }"
-        f"\n  slowest submits (s after the fault, us): {slowest}"
+        f" blocked max={max(run.feeder.blocked) * 1e6:.0f}us"
+        f"\n  slowest submits (s after the fault, wall us, blocked us): {slowest}"
         f"\n  python threads {threads_before}->{threads_after}, native threads {native_before}->{native_after},"
         f" rss {rss_before >> 20}->{rss_after >> 20} MiB"
     )
@@ -233,9 +256,7 @@ def _report(run: Run, threads_before: int, native_before: int, rss_before: int) 
     assert rss_after - rss_before < RSS_GROWTH_BYTES
 
 
-def check_jobs(
-    run: Run, job_bound_s: float, submit_p99_s: float = SUBMIT_P99_S, submit_max_s: float = SUBMIT_MAX_S
-) -> None:
+def check_jobs(run: Run, job_bound_s: float) -> None:
     """Every job ended, within ``job_bound_s``, released; the entry never overfilled; submit was quick."""
     jobs = run.feeder.jobs
     assert jobs and all(job.done for job in jobs)
@@ -247,9 +268,10 @@ def check_jobs(
     ]
     assert not slow, f"{len(slow)} jobs outlived {job_bound_s:.2f} s: {slow[:5]}"
     assert run.feeder.max_queued <= QUEUE_CAPACITY
+    assert max(run.feeder.blocked) < SUBMIT_BLOCKED_MAX_S
     latencies = sorted(run.feeder.latencies)
-    assert latencies[int(0.99 * (len(latencies) - 1))] < submit_p99_s
-    assert latencies[-1] < submit_max_s
+    assert latencies[int(0.99 * (len(latencies) - 1))] < SUBMIT_P99_S
+    assert latencies[-1] < SUBMIT_MAX_S
 
 
 def recovery(run: Run, since: float) -> float:
@@ -341,14 +363,13 @@ def test_a_peer_holding_the_only_segment_killed_and_replaced(master: LocalMaster
             recovery(run, run.marks["back"])
             time.sleep(0.5)
     # -800 is the store working, so the breaker stays closed and each put call costs
-    # TRANSFER_FAIL_S: a job waits for the call in flight in its worker, makes its own,
-    # and (its batch split) at most one more; plus the exist call and scheduling.
-    check_jobs(
-        run,
-        job_bound_s=3 * TRANSFER_FAIL_S + 0.5,
-        submit_p99_s=PEER_SUBMIT_P99_S,
-        submit_max_s=PEER_SUBMIT_MAX_S,
-    )
+    # TRANSFER_FAIL_S. The put stage's throttle sheds puts after the first such call, so
+    # a job waits at most for the call in flight in its worker and its own (a probe);
+    # plus the exist call and scheduling.
+    (put,) = [spec.stage for spec in run.pipeline.graph.specs if spec.name == "put"]
+    assert put.throttle.slow_spells >= 1
+    assert sum(job.counts["throttled"] for job in run.feeder.jobs) > 0
+    check_jobs(run, job_bound_s=2 * TRANSFER_FAIL_S + 0.5)
 
 
 def test_while_a_killed_master_is_down_calls_fail_at_once_not_after_4_s() -> None:

@@ -4,7 +4,8 @@ Hypothesis draws a store that misbehaves (per-operation error codes with their
 probabilities, small latencies, outages switched on and off in the middle of a
 run), a cache shape (1-2 TP shards, maybe a hybrid of full attention, a ring
 buffer and an aligned mamba group, maybe partial tails), group semantics on or
-off (and a store with or without group ids), gathering into staging or not, a
+off (and a store with or without group ids), gathering into staging or not, the
+put stage's slow-store throttle (default, scaled to shed under these latencies, or off), a
 store small enough to evict or not, the bridge's wait or drop policy, and a
 chat-like workload of 250 save requests whose prefixes are shared between
 requests; a few keys are first stored by a "foreign writer" with the wrong
@@ -13,7 +14,7 @@ save graph behind the sync bridge into a :class:`MemoryStore`; afterwards:
 
 - every job ended (and was released), was handed back once, and the bridge's
   outcome tally covers every submit; no staging slot is left held;
-- per job, ``considered = existing + put + failed``, its failed and succeeded
+- per job, ``considered = existing + put + failed + throttled``, its failed and succeeded
   units are exactly those records (no stage raised), and its outcome follows;
 - no object was ever stored under a group id other than the one its own key's
   chunk hash gives (checked on every put call and on what the store holds);
@@ -51,6 +52,7 @@ from kvpipe.stages import (
     ObjectStatus,
     SaveRequest,
     StoreObject,
+    ThrottleParams,
     default_load_graph,
     default_save_graph,
     group_id,
@@ -206,8 +208,12 @@ class Scenario:
     when_full: str
     queue_capacity: int
     gather: str
+    throttle: ThrottleParams | None
     seed: int
 
+
+# Scaled to the drawn latencies (0-2 ms), so that slow puts start and end shedding.
+QUICK_THROTTLE = ThrottleParams(slow_s=0.001, recovered_s=0.0003, ema_weight=0.5, probe_every_s=0.005)
 
 scenarios = st.builds(
     Scenario,
@@ -220,6 +226,7 @@ scenarios = st.builds(
     when_full=st.sampled_from(("wait", "wait", "drop")),
     queue_capacity=st.sampled_from((8, 64, 1024)),
     gather=st.sampled_from(("auto", "always")),  # auto never gathers for a local store
+    throttle=st.sampled_from((QUICK_THROTTLE, ThrottleParams(), QUICK_THROTTLE, None)),
     seed=st.integers(0, 2**16),
 )
 
@@ -287,11 +294,11 @@ def check_job(job: Job) -> None:
     if job.outcome is Outcome.DROPPED:
         assert counts["considered"] == 0
         return
-    settled = counts["existing"] + counts["put"] + counts["failed"]
-    assert counts["considered"] == settled, f"{job}: considered != existing + put + failed"
+    settled = counts["existing"] + counts["put"] + counts["failed"] + counts["throttled"]
+    assert counts["considered"] == settled, f"{job}: considered != existing + put + failed + throttled"
     assert job.failed_units == counts["failed"], f"{job}: failures beside the records' ({job.first_error})"
     assert job.succeeded_units == counts["existing"] + counts["put"], job
-    if counts["failed"] == 0:
+    if counts["failed"] == 0:  # throttled records are deliberate drops, not failures
         assert job.outcome is Outcome.OK, job
     elif counts["existing"] + counts["put"]:
         assert job.outcome is Outcome.PARTIAL, job
@@ -308,6 +315,7 @@ def save_all(scenario: Scenario, faults: Faults, switches, fixture, store, chain
         store,
         enable_group_semantics=scenario.group_semantics,
         gather=scenario.gather,
+        throttle=scenario.throttle,
         observer=seen,
     )
     jobs: list[Job] = []
@@ -403,7 +411,7 @@ def test_fault_matrix_jobs_end_counts_add_up_and_bytes_survive(scenario: Scenari
         totals.update(job.counts)
     assert totals["considered"] == sum(seen.statuses.values())
     assert {status.value: n for status, n in seen.statuses.items()} == {
-        name: totals[name] for name in ("existing", "put", "failed") if totals[name]
+        name: totals[name] for name in ("existing", "put", "failed", "throttled") if totals[name]
     }
 
     # No object under another object's group id, at put time or now.
