@@ -19,6 +19,9 @@ must not lose work), ``"drop"`` refuses the item at once and ends its job as
 ``dropped`` (for a connector in the engine's hot loop: a lost save costs a cache
 miss later; a blocked step costs every request now).
 
+With ``job_deadline_s`` every job gets that deadline (see :class:`Job`): the
+stages that call out start no new call for a job past it.
+
 Completed jobs are handed back through :meth:`completed` (poll) or
 :meth:`Job.wait`. :meth:`stop` drains within a deadline and then cancels, and in
 every case ends every job it ever returned.
@@ -72,9 +75,13 @@ class SyncPipeline:
         when_full: WhenFull | str = WhenFull.WAIT,
         name: str = "pipeline",
         keep_completed: bool = True,
+        job_deadline_s: float | None = None,
     ) -> None:
         if queue_capacity <= 0:
             raise ValueError(f"queue_capacity: must be > 0, got {queue_capacity}")
+        if job_deadline_s is not None and job_deadline_s <= 0:
+            raise ValueError(f"job_deadline_s: must be > 0, got {job_deadline_s}")
+        self.job_deadline_s = job_deadline_s
         self.graph = graph
         self.name = name
         self.when_full = WhenFull(when_full)
@@ -159,7 +166,7 @@ class SyncPipeline:
         already done and ``dropped``. Under ``"wait"`` it waits for room, at most
         ``timeout_s`` (then the job is ``dropped`` too).
         """
-        job = Job(item)
+        job = Job(item, self.job_deadline_s)
         with self._lock:
             if self._submitted - self._taken >= self._capacity and not self._wait_for_room(timeout_s):
                 self._dropped += 1

@@ -8,6 +8,11 @@ away. The job completes when it reaches zero, which is exactly when no work
 derived from it can happen any more, across fan-out, batches mixing jobs, drops
 and errors. A KV connector uses that moment to learn what became of a request's blocks.
 
+A job may have a deadline (``deadline_s`` after its submit). Nothing in flight
+is interrupted at the deadline (a store call may be reading the lent memory), but
+stages that call out check :attr:`Job.expired` and start no new call for it, so
+a job ends within its deadline plus one call.
+
 A second number, ``borrowing``, counts only the items that may still read
 memory the submitter lent with the item (a KV connector's blocks). A stage that
 copied what it needed (a gather into its own staging) emits with
@@ -22,6 +27,7 @@ other threads only wait on the job (:meth:`Job.wait`) or read it once done.
 from __future__ import annotations
 
 import itertools
+import math
 import threading
 import time
 from collections import Counter
@@ -67,6 +73,7 @@ class Job:
         "id",
         "item",
         "submitted_at",
+        "deadline",
         "finished_at",
         "outcome",
         "counts",
@@ -83,10 +90,11 @@ class Job:
         "_release_callbacks",
     )
 
-    def __init__(self, item: Any) -> None:
+    def __init__(self, item: Any, deadline_s: float | None = None) -> None:
         self.id: int = next(_job_ids)
         self.item = item
         self.submitted_at = time.monotonic()
+        self.deadline = math.inf if deadline_s is None else self.submitted_at + deadline_s
         self.finished_at: float | None = None
         self.outcome: Outcome | None = None
         self.counts = Counts()
@@ -109,6 +117,11 @@ class Job:
     @property
     def done(self) -> bool:
         return self.outcome is not None
+
+    @property
+    def expired(self) -> bool:
+        """Whether the job's deadline has passed: start no new work for it."""
+        return self.deadline < math.inf and time.monotonic() > self.deadline
 
     @property
     def elapsed_s(self) -> float | None:

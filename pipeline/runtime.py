@@ -106,6 +106,10 @@ class _Emit:
     def count(self, name: str, n: int = 1) -> None:
         self._job.counts[name] += n
 
+    @property
+    def expired(self) -> bool:
+        return self._job.expired
+
 
 @dataclass
 class _Node:
@@ -132,9 +136,13 @@ class Pipeline:
         *,
         name: str = "pipeline",
         on_job_done: Callable[[Job], None] | None = None,
+        job_deadline_s: float | None = None,
     ) -> None:
+        if job_deadline_s is not None and job_deadline_s <= 0:
+            raise ValueError(f"job_deadline_s: must be > 0, got {job_deadline_s}")
         self.graph = graph
         self.name = name
+        self.job_deadline_s = job_deadline_s
         self.jobs = JobTracker(on_complete=on_job_done)
         self._nodes: dict[str, _Node] = {}
         for spec in graph.specs:
@@ -242,7 +250,7 @@ class Pipeline:
     def _open(self, item: Any) -> Job:
         if self._closing:
             raise PipelineClosed(f"{self.name} is closing; no new items")
-        job = Job(item)
+        job = Job(item, self.job_deadline_s)
         self.adopt(job)
         return job
 

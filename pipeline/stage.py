@@ -60,6 +60,11 @@ class Emit(Protocol):
 
     def count(self, name: str, n: int = 1) -> None: ...
 
+    @property
+    def expired(self) -> bool:
+        """The job's deadline has passed: a stage should fail the item rather than call out for it."""
+        ...
+
 
 @dataclass(frozen=True, slots=True)
 class BatchEntry(Generic[T]):

@@ -25,6 +25,7 @@ class RecordingEmit:
     failed_units: int = 0
     succeeded_units: int = 0
     counts: Counter[str] = field(default_factory=Counter)
+    expired: bool = False
 
     async def __call__(self, item: Any, port: str = DEFAULT_PORT, *, released: bool = False) -> None:
         self.emitted[port].append(item)

@@ -4,7 +4,8 @@ Shared by both paths and batched across requests: one ``batch_is_exist`` answers
 for every record of the batch, because each store call costs a round trip and a
 GIL hand-back, while the answer for 2048 keys costs about a millisecond. An error
 code is "don't know", never "absent": such a record fails rather than being put
-blindly over a store that is in trouble.
+blindly over a store that is in trouble. A request whose job is past its
+deadline is not asked about: its records fail at once.
 """
 
 from __future__ import annotations
@@ -34,6 +35,7 @@ class FilterStage(BatchStage):
         self._outcomes = Outcomes(observer)
 
     async def process_batch(self, batch: Sequence[BatchEntry[Records]]) -> None:
+        batch = self._outcomes.fail_expired(batch, "exist")
         # Requests sharing a prefix share keys: each key is asked once.
         keys = list(dict.fromkeys(record.key for entry in batch for record in entry.item))
         answers: dict[str, int] = {}

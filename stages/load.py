@@ -27,6 +27,7 @@ from kvpipe.pipeline.stage import BatchEntry, BatchStage, Emit
 from .batch_calls import StoreCallError, call_per_key
 from .keys import object_key
 from .model import KVCache, Shard, StoreGroup, StoreObject, spans
+from .outcomes import DEADLINE_PASSED
 from .projection import storable_groups
 from .put import split_into_calls
 from .store import describe
@@ -202,7 +203,9 @@ class LoadStage(BatchStage):
             if not targets:
                 holder.emit.drop("no chunk to load")
             for target in targets:
-                if len(target.record.buffers) > self._max_buffers:
+                if holder.emit.expired:  # its blocks are recomputed: a miss, not a late load
+                    self._failed(holder, target, f"load {target.record.key}: {DEADLINE_PASSED}")
+                elif len(target.record.buffers) > self._max_buffers:
                     self._failed(
                         holder,
                         target,

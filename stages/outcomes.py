@@ -16,9 +16,11 @@ from collections.abc import Sequence
 from enum import StrEnum
 from typing import Protocol
 
-from kvpipe.pipeline.stage import Emit
+from kvpipe.pipeline.stage import BatchEntry, Emit
 
-from .model import StoreObject
+from .model import Records, StoreObject
+
+DEADLINE_PASSED = "the job's deadline passed; not sent"
 
 
 class ObjectStatus(StrEnum):
@@ -74,6 +76,17 @@ class Outcomes:
         if self._observer is not None:
             for record in records:
                 self._observer(record, status)
+
+    def fail_expired(self, batch: Sequence[BatchEntry[Records]], call: str) -> list[BatchEntry[Records]]:
+        """Fail the records of entries whose job is past its deadline; the other entries."""
+        live = []
+        for entry in batch:
+            if entry.emit.expired:
+                for record in entry.item:
+                    self.failed(entry.emit, record, f"{call} {record.key}: {DEADLINE_PASSED}")
+            else:
+                live.append(entry)
+        return live
 
     def failed(self, emit: Emit, record: StoreObject, message: str) -> None:
         self._settle(emit, record, ObjectStatus.FAILED)

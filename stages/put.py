@@ -21,7 +21,7 @@ from kvpipe.pipeline.stage import BatchEntry, BatchStage, Emit
 from .backoff import Backoff
 from .batch_calls import StoreCallError, call_per_key
 from .model import Records, StoreObject
-from .outcomes import ObjectObserver, Outcomes
+from .outcomes import DEADLINE_PASSED, ObjectObserver, Outcomes
 from .store import Code, ObjectStore, describe
 from .throttle import DEFAULT_THROTTLE, SlowStoreThrottle, ThrottleParams
 
@@ -125,6 +125,10 @@ class PutStage(BatchStage):
                     holders.setdefault(record.key, []).append((entry.emit, record))
         first_of_each_key = [held[0][1] for held in holders.values()]  # requests sharing a prefix share keys
         for call in split_into_calls(first_of_each_key, self._max_buffers):
+            # Checked per call: the calls before it may have outlasted a job's deadline.
+            call = self._fail_expired(call, holders)
+            if not call:
+                continue
             try:
                 codes = await self._put(call)
             except StoreCallError as error:
@@ -148,6 +152,19 @@ class PutStage(BatchStage):
                     self._settle(emit, held, Code.ALREADY_EXISTS if code == Code.OK else code)
             for emit, records in stored.values():
                 self._outcomes.all_stored(emit, records)
+
+    def _fail_expired(
+        self, call: list[StoreObject], holders: dict[str, list[tuple[Emit, StoreObject]]]
+    ) -> list[StoreObject]:
+        """Fail the records every holder of which is past its job's deadline; the rest."""
+        live = []
+        for record in call:
+            if all(emit.expired for emit, _ in holders[record.key]):
+                for emit, held in holders[record.key]:
+                    self._outcomes.failed(emit, held, f"put {held.key}: {DEADLINE_PASSED}")
+            else:
+                live.append(record)
+        return live
 
     async def _put(self, call: Sequence[StoreObject]) -> list[int]:
         """One store call for ``call``'s records, after any back-off; per-record codes."""
