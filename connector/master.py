@@ -188,7 +188,9 @@ class LocalMaster:
         port = self.endpoints.rpc_port
         while not is_listening(self.endpoints.host, port, timeout_s=0.2):
             if self._process.poll() is not None:
-                raise MasterError(f"mooncake_master exited with {self._process.returncode}: {self.log_tail()}")
+                raise MasterError(
+                    f"mooncake_master exited with {self._process.returncode}: {self.log_tail()}"
+                )
             if time.monotonic() >= deadline:
                 raise MasterError(
                     f"mooncake_master did not listen on port {port} within {self._startup_timeout_s:g} s"

@@ -38,7 +38,8 @@ import os
 import re
 import threading
 import weakref
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
+from contextlib import contextmanager
 from pathlib import Path
 from typing import Annotated, Any, Literal, Self
 from urllib.parse import urlsplit
@@ -465,20 +466,19 @@ class MooncakeStore:
             metadata_server = settings.metadata_server
         try:
             _check_reachable(master_address, metadata_server, settings.connect_timeout_s)
-            if not _RPC_TIMEOUT_FROM_USER:
-                os.environ[RPC_TIMEOUT_ENV] = str(settings.rpc_timeout_ms)  # read by setup() below
             client = client_cls()
             extra = {} if settings.tenant_id == "default" else {"tenant_id": settings.tenant_id}
-            code = client.setup(
-                settings.local_hostname,
-                metadata_server,
-                settings.global_segment_size,
-                settings.local_buffer_size,
-                settings.protocol,
-                settings.device_name,
-                master_address,
-                **extra,
-            )
+            with _rpc_timeout_for_setup(settings):
+                code = client.setup(
+                    settings.local_hostname,
+                    metadata_server,
+                    settings.global_segment_size,
+                    settings.local_buffer_size,
+                    settings.protocol,
+                    settings.device_name,
+                    master_address,
+                    **extra,
+                )
             if code != 0:
                 hint = _SETUP_HINTS.get(code, "see the client's log above")
                 raise MooncakeError(
@@ -663,6 +663,27 @@ class MooncakeStore:
             self._in_flight -= 1
             if self._in_flight == 0:
                 self._state.notify_all()
+
+
+@contextmanager
+def _rpc_timeout_for_setup(settings: MooncakeSettings) -> Iterator[None]:
+    """``MC_RPC_TIMEOUT_MS`` as ``setup()`` must read it, then as it was.
+
+    Left set, it would outlive this store: processes started later (an engine's
+    workers) inherit the environment and would take it for the user's.
+    """
+    if _RPC_TIMEOUT_FROM_USER:
+        yield
+        return
+    previous = os.environ.get(RPC_TIMEOUT_ENV)
+    os.environ[RPC_TIMEOUT_ENV] = str(settings.rpc_timeout_ms)
+    try:
+        yield
+    finally:
+        if previous is None:
+            os.environ.pop(RPC_TIMEOUT_ENV, None)
+        else:
+            os.environ[RPC_TIMEOUT_ENV] = previous
 
 
 def _rpc_timeout_ms(settings: MooncakeSettings) -> int:

@@ -11,7 +11,8 @@ Load it with::
   ``{kind: memory}`` (in-process only, for unit use). Without it the store comes from
   vLLM's Mooncake JSON (``MOONCAKE_CONFIG_PATH``), so existing vLLM setups work as they are.
 - ``enable_group_semantics`` (true/false, strict), ``cache_prefix``, ``queue_capacity``,
-  ``max_buffers_per_call``, ``staging_blocks``.
+  ``max_buffers_per_call``, ``staging_blocks``, ``save_deadline_s`` (10) and
+  ``load_deadline_s`` (5): past its deadline a job starts no new store call.
 - ``config``: a kvpipe YAML file whose ``store`` and ``save`` sections give defaults;
   keys given inline override them.
 
@@ -34,7 +35,9 @@ How it works:
   The step never waits on the store, and vLLM may reuse the engine blocks at once; the
   slots are freed when the save job completes. With no free slot a save is dropped and
   counted. Loads run synchronously in ``start_load_kv`` through the load pipeline;
-  blocks that failed go to ``get_block_ids_with_load_errors``.
+  blocks that failed go to ``get_block_ids_with_load_errors``. With vLLM's default
+  ``kv_load_failure_policy="fail"`` such a request fails; ``"recompute"`` (which the
+  connector recommends with a warning at start) turns a failed load into a miss.
 
 Importing this package does not import vLLM (~6 s): the connector classes load on
 first use, so :mod:`.launch` serves processes that only build configs and spawn

@@ -91,6 +91,11 @@ class KVPipeConnector(KVConnectorBase_V1, SupportsHMA):
             raise ConfigError("KVPipeConnector needs vLLM's kv_cache_config (vLLM >= 0.32)")
         self.settings = settings_from(vllm_config.kv_transfer_config.kv_connector_extra_config)
         self.is_scheduler = role == KVConnectorRole.SCHEDULER
+        if self.is_scheduler and vllm_config.kv_transfer_config.kv_load_failure_policy == "fail":
+            log.warning(
+                "kv_load_failure_policy is 'fail': a load the store fails (master down, object "
+                "evicted) fails its request; set 'recompute' to recompute those blocks instead"
+            )
         mamba_mode = getattr(vllm_config.cache_config, "mamba_cache_mode", None)
         self.group_specs = groups_of(kv_cache_config, mamba_mode)
         self.hash_block_size = int(kv_cache_config.hash_block_size)
@@ -326,6 +331,7 @@ class KVPipeConnector(KVConnectorBase_V1, SupportsHMA):
             queue_capacity=self.settings.queue_capacity,
             when_full="drop",
             name="kvpipe-save",
+            job_deadline_s=self.settings.save_deadline_s,
         ).start()
         self._load_pipeline = SyncPipeline(
             default_load_graph(
@@ -337,6 +343,7 @@ class KVPipeConnector(KVConnectorBase_V1, SupportsHMA):
             queue_capacity=self.settings.queue_capacity,
             when_full="wait",
             name="kvpipe-load",
+            job_deadline_s=self.settings.load_deadline_s,
         ).start()
 
     def _group_layers(self, kv_caches: Mapping[str, torch.Tensor]) -> dict[int, list[str]]:

@@ -27,6 +27,10 @@ class ConnectorSettings(BaseModel):
     queue_capacity: int = Field(1024, gt=0)
     max_buffers_per_call: int = Field(2048, gt=0)
     staging_blocks: int = Field(256, gt=0)
+    # Past these, a job starts no new store call (see Job): a late load is a miss to
+    # recompute, and a stuck save gives its staging slots back.
+    save_deadline_s: float = Field(10.0, gt=0)
+    load_deadline_s: float = Field(5.0, gt=0)
     config: str | None = None
 
 

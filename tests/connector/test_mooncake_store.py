@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import ctypes
 import json
+import os
 import socket
 import subprocess
 import sys
@@ -540,3 +541,10 @@ def test_a_stopped_master_costs_a_call_rpc_timeout_ms_not_30_s_and_keys_survive(
         finally:
             store.spawned_master.resume()
         assert store.batch_is_exist(["a"]) == [0]  # the master is back: answers again at once
+
+
+def test_opening_a_store_leaves_the_rpc_timeout_environment_as_it_found_it() -> None:
+    """Processes started later (an engine's workers) inherit it and would take ours for the user's."""
+    assert "MC_RPC_TIMEOUT_MS" not in os.environ
+    with MooncakeStore.open(MooncakeSettings(global_segment_size="16MB", rpc_timeout_ms=500)):
+        assert "MC_RPC_TIMEOUT_MS" not in os.environ

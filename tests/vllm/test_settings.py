@@ -20,6 +20,12 @@ def test_defaults_and_inline_values() -> None:
     assert settings_from(None).store is None  # then MOONCAKE_CONFIG_PATH decides
 
 
+def test_every_save_and_load_job_has_a_deadline_by_default() -> None:
+    settings = settings_from(None)
+
+    assert (settings.save_deadline_s, settings.load_deadline_s) == (10.0, 5.0)
+
+
 @pytest.mark.parametrize(
     ("extra", "words"),
     [
@@ -27,6 +33,8 @@ def test_defaults_and_inline_values() -> None:
         ({"staging_blocks": 0}, ["staging_blocks", "0"]),
         ({"store": {"kind": "redis"}}, ["store", "redis"]),
         ({"queue_capcity": 3}, ["queue_capcity", "3"]),
+        ({"load_deadline_s": 0}, ["load_deadline_s", "0"]),
+        ({"save_deadline_s": "soon"}, ["save_deadline_s", "'soon'"]),
     ],
 )
 def test_bad_values_name_the_field_and_the_value(extra: dict[str, object], words: list[str]) -> None:
