@@ -12,8 +12,8 @@ for a store or loop thread to give the GIL back, up to a switch interval (5 ms):
 measured 2-5 ms submits under store faults. Putting a token on a
 ``queue.SimpleQueue`` never releases the GIL, so the waker pays that instead.
 
-The entry is bounded by ``queue_capacity`` (a semaphore counts items that are
-submitted but not yet in the pipeline's entry queue). When it is full the policy
+The entry is bounded by ``queue_capacity``: at most that many items are
+submitted but not yet in the pipeline's entry queue. When it is full the policy
 decides: ``"wait"`` blocks the caller until there is room (for batch jobs that
 must not lose work), ``"drop"`` refuses the item at once and ends its job as
 ``dropped`` (for a connector in the engine's hot loop: a lost save costs a cache

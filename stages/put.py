@@ -99,11 +99,7 @@ class PutStage(BatchStage):
 
     async def process_batch(self, batch: Sequence[BatchEntry[Records]]) -> None:
         try:
-            if self.throttle is None or self.throttle.allow():
-                await self._put_batch(batch)
-            else:
-                for entry in batch:
-                    self._outcomes.all_throttled(entry.emit, entry.item)
+            await self._put_batch(batch)
         finally:  # staged copies are no longer read once their put returned, whatever it said
             for entry in batch:
                 for record in entry.item:
@@ -125,9 +121,13 @@ class PutStage(BatchStage):
                     holders.setdefault(record.key, []).append((entry.emit, record))
         first_of_each_key = [held[0][1] for held in holders.values()]  # requests sharing a prefix share keys
         for call in split_into_calls(first_of_each_key, self._max_buffers):
-            # Checked per call: the calls before it may have outlasted a job's deadline.
+            # Checked per call: the calls before it may have outlasted a job's deadline,
+            # or shown the store to be slow.
             call = self._fail_expired(call, holders)
             if not call:
+                continue
+            if self.throttle is not None and not self.throttle.allow():
+                self._shed(call, holders)
                 continue
             try:
                 codes = await self._put(call)
@@ -165,6 +165,15 @@ class PutStage(BatchStage):
             else:
                 live.append(record)
         return live
+
+    def _shed(self, call: list[StoreObject], holders: dict[str, list[tuple[Emit, StoreObject]]]) -> None:
+        """Count ``call``'s records throttled in their jobs, without a store call."""
+        by_job: dict[int, tuple[Emit, list[StoreObject]]] = {}
+        for record in call:
+            for emit, held in holders[record.key]:
+                by_job.setdefault(id(emit), (emit, []))[1].append(held)
+        for emit, records in by_job.values():
+            self._outcomes.all_throttled(emit, records)
 
     async def _put(self, call: Sequence[StoreObject]) -> list[int]:
         """One store call for ``call``'s records, after any back-off; per-record codes."""

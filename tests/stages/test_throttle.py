@@ -143,3 +143,14 @@ async def test_without_a_throttle_every_put_is_sent_however_slow():
         await stage.process_batch(batch_of([(fake_record(key),)]))
 
     assert store.put_keys == ["a", "b", "c"] and stage.throttle is None
+
+
+async def test_a_slow_call_sheds_the_calls_after_it_in_the_same_batch():
+    store = _slow_store(0.05)
+    stage = PutStage(PutParams(max_buffers_per_call=1, throttle=QUICK), store)
+    batch = batch_of([(fake_record("a"), fake_record("b"), fake_record("c"))])
+
+    await stage.process_batch(batch)
+
+    assert store.put_keys == ["a"]
+    assert (batch[0].emit.counts["put"], batch[0].emit.counts["throttled"]) == (1, 2)
