@@ -25,8 +25,9 @@ class StageSnapshot:
     queue_depth: int
     p50_ms: float
     p99_ms: float
+    wired_around: bool = False  # it passes items through unchanged, so the runtime never runs it
 
-    def as_dict(self) -> dict[str, float | int]:
+    def as_dict(self) -> dict[str, float | int | bool]:
         return {
             "in": self.items_in,
             "out": self.items_out,
@@ -35,6 +36,7 @@ class StageSnapshot:
             "queue_depth": self.queue_depth,
             "p50_ms": self.p50_ms,
             "p99_ms": self.p99_ms,
+            "wired_around": self.wired_around,
         }
 
 
@@ -58,7 +60,7 @@ class StageMetrics:
         self.durations: deque[float] = deque(maxlen=WINDOW)
         self.queue_depth = queue_depth
 
-    def snapshot(self) -> StageSnapshot:
+    def snapshot(self, *, wired_around: bool = False) -> StageSnapshot:
         durations = sorted(self.durations)
         return StageSnapshot(
             stage=self.stage,
@@ -69,4 +71,5 @@ class StageMetrics:
             queue_depth=self.queue_depth(),
             p50_ms=percentile(durations, 0.50) * 1e3,
             p99_ms=percentile(durations, 0.99) * 1e3,
+            wired_around=wired_around,
         )

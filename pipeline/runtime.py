@@ -257,7 +257,10 @@ class Pipeline:
     # -- observability ------------------------------------------------------
 
     def metrics(self) -> dict[str, StageSnapshot]:
-        return {name: node.metrics.snapshot() for name, node in self._nodes.items()}
+        return {
+            name: node.metrics.snapshot(wired_around=self._bypassed(name))
+            for name, node in self._nodes.items()
+        }
 
     # -- the workers --------------------------------------------------------
 

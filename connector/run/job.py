@@ -160,7 +160,7 @@ def _save_graph(config: RunConfig, cache: SyntheticCache, store: Store, observer
     return build_graph(config.pipeline, KV_STAGES, {"kv": cache.kv, "store": store, "observer": observer})
 
 
-def _stage_report(snapshot: dict[str, float | int]) -> dict[str, float | int]:
+def _stage_report(snapshot: dict[str, float | int | bool]) -> dict[str, float | int | bool]:
     return {
         key: round(value, 3) if isinstance(value, float) else value
         for key, value in snapshot.items()

@@ -59,6 +59,9 @@ def summary_table(report: dict[str, Any]) -> str:
         f"{'stage':<10} {'in':>8} {'out':>8} {'dropped':>8} {'errors':>7} {'p50 ms':>8} {'p99 ms':>8}",
     ]
     for name, stage in report["stages"].items():
+        if stage["wired_around"]:
+            lines.append(f"{name:<10} (wired around: it would pass every item through unchanged)")
+            continue
         lines.append(
             f"{name:<10} {stage['in']:>8,} {stage['out']:>8,} {stage['dropped']:>8,} {stage['errors']:>7,} "
             f"{stage['p50_ms']:>8.3f} {stage['p99_ms']:>8.3f}"

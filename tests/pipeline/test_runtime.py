@@ -313,3 +313,14 @@ async def test_an_entry_stage_that_passes_through_still_runs():
     async with Pipeline(chain(entry, sink)) as pipeline:
         await pipeline.submit(1)
     assert (entry.calls, sink.items) == (1, [1])
+
+
+async def test_metrics_mark_the_stages_wired_around():
+    async with Pipeline(chain(AddOne(), _PassThrough(), Collect())) as pipeline:
+        await pipeline.submit(1)
+
+    assert {name: s.wired_around for name, s in pipeline.metrics().items()} == {
+        "s0": False,
+        "s1": True,
+        "s2": False,
+    }
