@@ -436,7 +436,7 @@ class MooncakeStore:
         # set when a call found the master gone (every key -900): see _master_back
         self._master_lost = False
         self._master_host, self._master_port = split_host_port(master_address)
-        self._rpc_timeout_s = _rpc_timeout_ms(settings) / 1000
+        self.rpc_timeout_s = _rpc_timeout_ms(settings) / 1000  # the deadline the client really has
         self._release = weakref.finalize(self, _release, client, master)
 
     @classmethod
@@ -633,7 +633,7 @@ class MooncakeStore:
         The client's own call would find out only after ~4.5 s of reconnection
         attempts; a connection refused on the port says the same at once.
         """
-        return is_listening(self._master_host, self._master_port, timeout_s=self._rpc_timeout_s)
+        return is_listening(self._master_host, self._master_port, timeout_s=self.rpc_timeout_s)
 
     def _batch(self, n_keys: int, call: Callable[[Any], list[int]]) -> list[int]:
         if not self._enter():

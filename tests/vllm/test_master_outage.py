@@ -222,7 +222,7 @@ def outage(llm: Any, outage_master: LocalMaster, reference: dict[int, list[list[
     scheduler, worker = connectors(outage_master)
     breakers = {"scheduler": scheduler._store.breaker, "worker": worker._store.breaker}
     assert all(b.settings == BREAKER for b in breakers.values())  # on by default, with the defaults
-    rpc_s = worker._store.inner._rpc_timeout_s  # the deadline the clients really have
+    rpc_s = worker._store.inner.rpc_timeout_s
     assert rpc_s == RPC_TIMEOUT_MS / 1000, "MC_RPC_TIMEOUT_MS set by the user overrides the test's deadline"
 
     # 1. master up
