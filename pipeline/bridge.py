@@ -44,7 +44,7 @@ import structlog
 
 from .errors import PipelineClosed
 from .graph import Graph
-from .jobs import Job, Outcome
+from .jobs import Job, Outcome, checked_deadline
 from .metrics import StageSnapshot
 from .runtime import Pipeline
 
@@ -79,9 +79,7 @@ class SyncPipeline:
     ) -> None:
         if queue_capacity <= 0:
             raise ValueError(f"queue_capacity: must be > 0, got {queue_capacity}")
-        if job_deadline_s is not None and job_deadline_s <= 0:
-            raise ValueError(f"job_deadline_s: must be > 0, got {job_deadline_s}")
-        self.job_deadline_s = job_deadline_s
+        self.job_deadline_s = checked_deadline(job_deadline_s)
         self.graph = graph
         self.name = name
         self.when_full = WhenFull(when_full)

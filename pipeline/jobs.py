@@ -66,6 +66,13 @@ class Counts(dict[str, int]):
         return 0
 
 
+def checked_deadline(job_deadline_s: float | None) -> float | None:
+    """``job_deadline_s`` as a pipeline takes it: None (no deadline) or > 0."""
+    if job_deadline_s is not None and job_deadline_s <= 0:
+        raise ValueError(f"job_deadline_s: must be > 0, got {job_deadline_s}")
+    return job_deadline_s
+
+
 class Job:
     """One submitted item and the outcome of all work derived from it."""
 

@@ -31,7 +31,7 @@ from anyio.streams.memory import MemoryObjectReceiveStream, MemoryObjectSendStre
 
 from .errors import PipelineClosed
 from .graph import Graph, StageSpec
-from .jobs import Job, JobTracker, Outcome
+from .jobs import Job, JobTracker, Outcome, checked_deadline
 from .metrics import StageMetrics, StageSnapshot
 from .stage import DEFAULT_PORT, BatchEntry, BatchStage
 
@@ -138,11 +138,9 @@ class Pipeline:
         on_job_done: Callable[[Job], None] | None = None,
         job_deadline_s: float | None = None,
     ) -> None:
-        if job_deadline_s is not None and job_deadline_s <= 0:
-            raise ValueError(f"job_deadline_s: must be > 0, got {job_deadline_s}")
+        self.job_deadline_s = checked_deadline(job_deadline_s)
         self.graph = graph
         self.name = name
-        self.job_deadline_s = job_deadline_s
         self.jobs = JobTracker(on_complete=on_job_done)
         self._nodes: dict[str, _Node] = {}
         for spec in graph.specs:

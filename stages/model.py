@@ -113,9 +113,7 @@ class BlockBuffers(Sequence[Buffer]):
         return [region.base + block_id * region.bytes_per_block for region in self.layout.regions]
 
     def __iter__(self) -> Iterator[Buffer]:
-        block_id = self.block_id
-        for region in self.layout.regions:
-            yield Buffer(region.base + block_id * region.bytes_per_block, region.bytes_per_block)
+        return map(Buffer, self.addresses(), self.layout.sizes)
 
     def __eq__(self, other: object) -> bool:
         if isinstance(other, BlockBuffers):

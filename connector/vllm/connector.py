@@ -417,13 +417,8 @@ class KVPipeConnector(KVConnectorBase_V1, SupportsHMA):
                 *full_chunks(save, group, self.hash_block_size),
                 *tail_chunks(save, group, self.hash_block_size),
             ):
-                plan.append(
-                    (
-                        group.engine_group,
-                        chunk.tokens_end // bs - 1 if chunk.tokens_end % bs == 0 else chunk.tokens_end // bs,
-                        chunk.block_id,
-                    )
-                )
+                # the block its last token falls in (a tail's block is partly filled)
+                plan.append((group.engine_group, (chunk.tokens_end - 1) // bs, chunk.block_id))
         staging = self._staging
         if not plan or staging is None:
             return

@@ -53,12 +53,18 @@ def test_drop_policy_never_blocks_and_counts_what_it_refuses():
     assert bridge.outcomes()["dropped"] == len(dropped)
 
 
+def _full_waiting_bridge(gate: threading.Event) -> SyncPipeline:
+    """A started bridge under ``wait`` with no room left until ``gate`` is set."""
+    bridge = SyncPipeline(chain(ThreadGate(gate), capacity=1), queue_capacity=1, when_full="wait").start()
+    for i in range(3):  # the gate, its inbox and the bridge queue each hold one
+        bridge.submit(i, timeout_s=1)
+    return bridge
+
+
 def test_wait_policy_blocks_until_room_then_gives_up_after_the_timeout():
     released = threading.Event()
-    bridge = SyncPipeline(chain(ThreadGate(released), capacity=1), queue_capacity=1, when_full="wait").start()
+    bridge = _full_waiting_bridge(released)
     try:
-        for i in range(3):
-            bridge.submit(i, timeout_s=1)
         late = bridge.submit(99, timeout_s=0.05)
         assert late.outcome is Outcome.DROPPED
     finally:
@@ -68,10 +74,8 @@ def test_wait_policy_blocks_until_room_then_gives_up_after_the_timeout():
 
 def test_a_submit_waiting_for_room_is_let_in_as_soon_as_the_pipeline_takes_an_item():
     released = threading.Event()
-    bridge = SyncPipeline(chain(ThreadGate(released), capacity=1), queue_capacity=1, when_full="wait").start()
+    bridge = _full_waiting_bridge(released)
     try:
-        for i in range(3):  # the gate, its inbox and the bridge queue each hold one
-            bridge.submit(i, timeout_s=1)
         threading.Timer(0.05, released.set).start()
         assert bridge.submit(99, timeout_s=5).outcome is not Outcome.DROPPED
     finally:
@@ -81,9 +85,7 @@ def test_a_submit_waiting_for_room_is_let_in_as_soon_as_the_pipeline_takes_an_it
 
 def test_a_submit_waiting_for_room_gives_up_when_the_bridge_stops():
     never = threading.Event()
-    bridge = SyncPipeline(chain(ThreadGate(never), capacity=1), queue_capacity=1, when_full="wait").start()
-    for i in range(3):
-        bridge.submit(i, timeout_s=1)
+    bridge = _full_waiting_bridge(never)
     outcome: list[object] = []
     waiter = threading.Thread(target=lambda: outcome.append(_submit_or_error(bridge, 99)))
     waiter.start()
