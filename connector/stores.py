@@ -79,15 +79,29 @@ def without_store_tag(loc: tuple[str | int, ...]) -> tuple[str | int, ...]:
     return loc
 
 
-@contextmanager
-def open_store(config: MemoryStoreConfig | MooncakeStoreConfig) -> Iterator[Store]:
-    """The configured store, closed (and a spawned master stopped) on exit."""
+def connect(config: MemoryStoreConfig | MooncakeStoreConfig, *, mount_segment: bool = True) -> Store:
+    """The configured store, open and behind its breaker: the one way kvpipe opens a store.
+
+    ``mount_segment=False`` opens a Mooncake client that lends the store no memory
+    (``global_segment_size: 0``), for a process that only asks what exists. The
+    caller closes the store. Raises :class:`~.mooncake.MasterError` (one line) when
+    the master cannot be reached or set up.
+    """
     store: Store
     if isinstance(config, MemoryStoreConfig):
         store = config.build()
     else:
-        store = MooncakeStore.open(config.settings())
-    store = guarded(store, config.breaker)
+        settings = config.settings()
+        if not mount_segment:
+            settings = settings.model_copy(update={"global_segment_size": 0})
+        store = MooncakeStore.open(settings)
+    return guarded(store, config.breaker)
+
+
+@contextmanager
+def open_store(config: MemoryStoreConfig | MooncakeStoreConfig) -> Iterator[Store]:
+    """The configured store (:func:`connect`), closed (and a spawned master stopped) on exit."""
+    store = connect(config)
     try:
         yield store
     finally:

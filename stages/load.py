@@ -17,7 +17,7 @@ from the first block that did not load (vLLM's ``get_block_ids_with_load_errors`
 from __future__ import annotations
 
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, ClassVar, Protocol, runtime_checkable
 
 from pydantic import BaseModel, ConfigDict, Field
@@ -162,11 +162,33 @@ def touched_block_ids(groups: Sequence[StoreGroup], request: LoadRequest) -> fro
 
 @dataclass(slots=True)
 class _Pending:
-    """One entry of the batch while its records are out: its handle and failed blocks."""
+    """One entry of the batch while its records are out: its handle and what became of each.
+
+    Outcomes are held until the batch's calls are done, so the observer hears of
+    a request's failed blocks before any of its records settles: a caller that
+    sees the job complete has always been told already.
+    """
 
     emit: Emit
     request: LoadRequest
-    failed_block_ids: set[int]
+    failed_block_ids: set[int] = field(default_factory=set)
+    loaded: int = 0
+    failures: list[str] = field(default_factory=list)
+    rejected: str | None = None  # the request itself is invalid: nothing of it was sent
+
+    def settle(self) -> None:
+        if self.rejected is not None:
+            self.emit.fail(self.rejected)
+            return
+        if not self.loaded and not self.failures:
+            self.emit.drop("no chunk to load")
+            return
+        for _ in range(self.loaded):
+            self.emit.count("loaded")
+            self.emit.succeed()
+        for message in self.failures:
+            self.emit.count("failed")
+            self.emit.fail(message)
 
 
 class LoadStage(BatchStage):
@@ -191,17 +213,15 @@ class LoadStage(BatchStage):
         self._max_buffers = params.max_buffers_per_call
 
     async def process_batch(self, batch: Sequence[BatchEntry[LoadRequest]]) -> None:
-        pending = [_Pending(entry.emit, entry.item, set()) for entry in batch]
+        pending = [_Pending(entry.emit, entry.item) for entry in batch]
         sendable: list[tuple[_Pending, LoadTarget]] = []
         for holder in pending:
             try:
                 targets = load_targets(self._groups, self._shards, self._hash_block_size, holder.request)
             except ValueError as error:
-                holder.emit.fail(str(error))
+                holder.rejected = str(error)
                 holder.failed_block_ids.update(touched_block_ids(self._groups, holder.request))
                 continue
-            if not targets:
-                holder.emit.drop("no chunk to load")
             for target in targets:
                 if holder.emit.expired:  # its blocks are recomputed: a miss, not a late load
                     self._failed(holder, target, f"load {target.record.key}: {DEADLINE_PASSED}")
@@ -216,9 +236,10 @@ class LoadStage(BatchStage):
                     sendable.append((holder, target))
         for call in self._calls(sendable):
             await self._load(call)
-        if self._observer is not None:
-            for holder in pending:
+        for holder in pending:
+            if self._observer is not None:
                 self._observer(holder.request.request_id, frozenset(holder.failed_block_ids))
+            holder.settle()
 
     def _calls(self, sendable: list[tuple[_Pending, LoadTarget]]) -> list[list[tuple[_Pending, LoadTarget]]]:
         """Calls within the buffer budget, each key at most once per call.
@@ -256,8 +277,7 @@ class LoadStage(BatchStage):
         for (holder, target), result in zip(call, results, strict=True):
             expected = target.record.size
             if result == expected:
-                holder.emit.count("loaded")
-                holder.emit.succeed()
+                holder.loaded += 1
             elif result < 0:
                 self._failed(holder, target, f"load {target.record.key}: {describe(result)}")
             else:
@@ -268,6 +288,5 @@ class LoadStage(BatchStage):
                 )
 
     def _failed(self, holder: _Pending, target: LoadTarget, message: str) -> None:
-        holder.emit.count("failed")
-        holder.emit.fail(message)
+        holder.failures.append(message)
         holder.failed_block_ids.add(target.block_id)

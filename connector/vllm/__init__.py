@@ -15,29 +15,27 @@ Load it with::
   ``load_deadline_s`` (5): past its deadline a job starts no new store call.
 - ``config``: a kvpipe YAML file whose ``store`` and ``save`` sections give defaults;
   keys given inline override them.
+- ``load_async`` (true): loads run beside the engine's steps and are reported by
+  ``get_finished``; false loads before the forward (one KV-cache group only).
+  ``save_decode_cache`` (false): also store chunks completed while decoding.
 
-How it works:
+The modules, one job each:
 
-- Each role opens its own store client: in vLLM's default multiprocess mode the scheduler
-  and the worker live in different processes. The scheduler only asks ``batch_is_exist``
-  (it mounts no segment); the worker stores.
-- Scheduler: a chunk is a hit when its key exists for every TP rank
-  (:func:`~kvpipe.stages.longest_stored_prefix`). A lookup asks one ``batch_is_exist``
-  for its keys and those of every request still waiting, and later lookups of the same
-  scheduling step are answered from it: one store call per step, not per request. Loads are synchronous, so a loaded prefix
-  is in vLLM's own prefix cache for the requests after it in the same step.
-  ``build_connector_meta`` plans, per request, the load (once) and the save of the
-  chunks completed by the end of this step, each chunk offered once.
-- Worker: at the end of a step (``wait_for_save``) the blocks to save are copied into a
-  staging area the connector owns, object-major so each object is one buffer
-  (:mod:`.staging`), and a :class:`~kvpipe.stages.SaveRequest` over the staging slots
-  goes to the save pipeline (``SyncPipeline`` with ``when_full="drop"``).
-  The step never waits on the store, and vLLM may reuse the engine blocks at once; the
-  slots are freed when the save job completes. With no free slot a save is dropped and
-  counted. Loads run synchronously in ``start_load_kv`` through the load pipeline;
-  blocks that failed go to ``get_block_ids_with_load_errors``. With vLLM's default
-  ``kv_load_failure_policy="fail"`` such a request fails; ``"recompute"`` (which the
-  connector recommends with a warning at start) turns a failed load into a miss.
+- :mod:`.connector`: the class vLLM loads; it hands each call to its role's object.
+- :mod:`.scheduler`: lookups (one store call per scheduling step), load planning
+  (one load per shared prefix, a stale hit recomputes once) and save planning.
+- :mod:`.worker`: the engine's KV memory, the save and load pipelines, what finished.
+- :mod:`.kv_layout`: engine KV tensors -> block layouts, for every layout vLLM has.
+- :mod:`.staging`: host slots that hold whole objects (saves; loads of device caches).
+- :mod:`.engine_cache`: what both roles derive from vLLM's config, and the store they open.
+- :mod:`.settings`, :mod:`.messages`: ``kv_connector_extra_config``; what crosses processes.
+
+Each role opens its own store client: in vLLM's default multiprocess mode the
+scheduler and the worker live in different processes. The scheduler only asks
+``batch_is_exist`` (it mounts no segment); the worker stores and loads. With vLLM's
+default ``kv_load_failure_policy="fail"`` a failed load fails its request;
+``"recompute"`` (which the connector recommends with a warning at start) turns it
+into a miss.
 
 Importing this package does not import vLLM (~6 s): the connector classes load on
 first use, so :mod:`.launch` serves processes that only build configs and spawn
@@ -49,7 +47,7 @@ from __future__ import annotations
 import importlib
 from typing import TYPE_CHECKING, Any
 
-from .engine_cache import groups_of
+from .engine_cache import EngineCache, groups_of
 from .settings import ConnectorSettings, settings_from
 
 if TYPE_CHECKING:
@@ -70,6 +68,7 @@ def __getattr__(name: str) -> Any:
 
 __all__ = [
     "ConnectorSettings",
+    "EngineCache",
     "KVPipeConnector",
     "KVPipeMetadata",
     "KVPipeStats",

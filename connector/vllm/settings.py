@@ -31,6 +31,10 @@ class ConnectorSettings(BaseModel):
     # recompute, and a stuck save gives its staging slots back.
     save_deadline_s: float = Field(10.0, gt=0)
     load_deadline_s: float = Field(5.0, gt=0)
+    # As vLLM's MooncakeStoreConnector: loads run beside the engine's steps, and
+    # decode-phase chunks (rarely shared) are not stored unless asked for.
+    load_async: StrictFlag = True
+    save_decode_cache: StrictFlag = False
     config: str | None = None
 
 

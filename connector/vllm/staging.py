@@ -1,17 +1,21 @@
-"""The worker's staging area: blocks to save are copied here, object-major, one buffer per object.
+"""The worker's staging area: host slots that hold whole objects, one buffer each.
 
 Why a copy at all: the step must not wait on the store, and vLLM may reuse a block
-as soon as the step ends, so the worker copies what it saves and the save pipeline
-reads the copy at its own pace.
+as soon as the step ends, so the worker copies what it saves into a slot and the
+save pipeline reads the slot at its own pace.
 
-Why object-major: vLLM's CPU cache is one tensor per layer, so a store object (a
-block's bytes in every layer, concatenated in layer order: the value layout vLLM's
-MooncakeStoreConnector reads and writes) is one buffer per layer in the engine's
-memory. Over TCP every buffer costs ~30 us, whatever its size. Here a slot of a
-KV-cache group holds that group's layers side by side, so the object is ONE buffer.
+Why object-major: a store object is a block's bytes in every region of its group
+(:mod:`.kv_layout`), which in the engine's memory is one buffer per layer (or per
+head). Over TCP every buffer costs ~30 us whatever its size. A slot holds one
+object's regions side by side, so the object is ONE buffer.
 
-Loads do not come through here: they go straight into the engine's blocks, where a
+Why host memory: a GPU cache cannot be registered with a store built without
+CUDA, so on a device the slots are pinned host memory: saves copy device ->
+slot (non-blocking, settled once per step by :meth:`StagingArea.settle`) and
+loads land in slots and are copied slot -> device blocks before the forward.
+On CPU, loads skip the slots and land straight in the engine's blocks, where a
 staging copy would cost more memcpy than the per-buffer overhead it saves.
+The same torch calls serve both: nothing here knows which device it runs on.
 """
 
 from __future__ import annotations
@@ -23,46 +27,41 @@ import torch
 
 from kvpipe.stages import BlockLayout, Region
 
-
-def block_rows(tensor: torch.Tensor) -> torch.Tensor:
-    """``tensor``'s blocks (dimension 0) as rows of bytes, over the same memory."""
-    row = tensor.stride(0) * tensor.element_size()
-    storage = torch.tensor([], dtype=torch.uint8).set_(tensor.untyped_storage())
-    start = tensor.storage_offset() * tensor.element_size()
-    return storage[start : start + tensor.shape[0] * row].view(tensor.shape[0], row)
+from .kv_layout import GroupLayout
 
 
 @dataclass(frozen=True)
 class _GroupArea:
     """One KV-cache group's part of the arena: ``rows[slot]`` is one object."""
 
-    layers: tuple[str, ...]  # the group's layers in the engine's order
-    offsets: tuple[int, ...]  # where each layer's block starts within an object
-    rows: torch.Tensor  # [slots, object bytes], uint8
+    layout: GroupLayout
+    offsets: tuple[int, ...]  # where each region's block starts within an object
+    rows: torch.Tensor  # [slots, object bytes], uint8, host
 
 
 class StagingArea:
-    """``slots`` object slots per storable group, in one allocation, and the free-slot pool.
+    """``slots`` object slots per storable group, in one host allocation, and the free-slot pool.
 
     A slot number is shared by every group (slot ``s`` of group ``g`` holds one
     chunk of ``g``), so one pool serves them all.
     """
 
-    def __init__(
-        self, kv_caches: Mapping[str, torch.Tensor], group_layers: Mapping[int, Sequence[str]], slots: int
-    ) -> None:
-        self._engine = {
-            name: block_rows(kv_caches[name]) for layers in group_layers.values() for name in layers
-        }
-        sizes = {g: [self._engine[name].shape[1] for name in layers] for g, layers in group_layers.items()}
-        self.arena = torch.empty(slots * sum(sum(s) for s in sizes.values()), dtype=torch.uint8)
+    def __init__(self, layouts: Mapping[int, GroupLayout], slots: int) -> None:
+        devices = {region.rows.device for layout in layouts.values() for region in layout.regions}
+        self.device = devices.pop() if len(devices) == 1 else torch.device("cpu")
+        if devices:
+            raise ValueError(f"a KV cache on several devices cannot be staged: {sorted(map(str, devices))}")
+        pinned = self.device.type != "cpu"
+        total = slots * sum(layout.object_size for layout in layouts.values())
+        self.arena = torch.empty(total, dtype=torch.uint8, pin_memory=pinned)
         self._areas: dict[int, _GroupArea] = {}
         start = 0
-        for group, layers in group_layers.items():
-            size = sum(sizes[group])
-            offsets = tuple(sum(sizes[group][:i]) for i in range(len(layers)))
+        for group, layout in layouts.items():
+            size = layout.object_size
+            sizes = [r.region.bytes_per_block for r in layout.regions]
+            offsets = tuple(sum(sizes[:i]) for i in range(len(sizes)))
             rows = self.arena[start : start + slots * size].view(slots, size)
-            self._areas[group] = _GroupArea(tuple(layers), offsets, rows)
+            self._areas[group] = _GroupArea(layout, offsets, rows)
             start += slots * size
         self._free = list(range(slots - 1, -1, -1))
 
@@ -82,9 +81,29 @@ class StagingArea:
         self._free.extend(slots)
 
     def copy_in(self, engine_group: int, slot: int, block: int) -> None:
-        """Copy engine block ``block`` of ``engine_group``, every layer, into ``slot``."""
+        """Start copying engine block ``block`` of ``engine_group``, every region, into ``slot``."""
         area = self._areas[engine_group]
         target = area.rows[slot]
-        for name, offset in zip(area.layers, area.offsets, strict=True):
-            source = self._engine[name][block]
-            target[offset : offset + source.shape[0]].copy_(source)
+        for region, offset in zip(area.layout.regions, area.offsets, strict=True):
+            source = region.rows[block]
+            target[offset : offset + source.shape[0]].copy_(source, non_blocking=True)
+
+    def copy_out(self, engine_group: int, slot: int, block: int) -> None:
+        """Start copying ``slot`` back into engine block ``block`` of ``engine_group`` (a load)."""
+        area = self._areas[engine_group]
+        source = area.rows[slot]
+        for region, offset in zip(area.layout.regions, area.offsets, strict=True):
+            target = region.rows[block]
+            target.copy_(source[offset : offset + target.shape[0]], non_blocking=True)
+
+    def settle(self) -> None:
+        """Wait until the copies started so far are done (on CPU they already are).
+
+        A device copy into pinned memory returns before its bytes arrive; the
+        slot may only be handed to the store after this. A copy into device
+        blocks runs on the current stream, ahead of the next forward on it.
+        """
+        if self.device.type != "cpu":
+            event = torch.Event(device=self.device)
+            event.record()
+            event.synchronize()

@@ -60,12 +60,11 @@ RECOVERY_S = 3.0  # the issue's bound: healthy again within 3 s of the master's 
 JOB_DEADLINE_S = 0.5
 SCHEDULING_S = 0.5
 # Submit appends to a deque (~15 us) and never sleeps: asserted per call, as its time
-# blocked (wall time minus time on a CPU or in the run queue). Measured p99 32-92 us;
-# its wall time has outliers of up to ~5 ms with 0 us blocked: the OS sharing 2 cores
-# with the store's threads, the master and the peer. The wall max is asserted loosely.
+# blocked (wall time minus time on a CPU or in the run queue), which the code controls.
+# Its wall time is printed, never asserted: it measured p99 32-92 us on a quiet machine
+# and 2.6 ms with a second process busy, outliers of ~5 ms with 0 us blocked being the
+# OS sharing 2 cores with the store's threads, the master and the peer.
 SUBMIT_BLOCKED_MAX_S = 0.001
-SUBMIT_P99_S = 0.001
-SUBMIT_MAX_S = 0.015
 # A put to a dead peer's segment fails (-800) after ~1 s, the transfer engine's own
 # timeout (not a master RPC: neither MC_RPC_TIMEOUT_MS nor the breaker bound it; the
 # put stage's slow-store throttle does).
@@ -281,9 +280,6 @@ def check_jobs(run: Run, longest_call_s: float) -> None:
     assert not slow, f"{len(slow)} jobs outlived {job_bound_s:.2f} s: {slow[:5]}"
     assert run.feeder.max_queued <= QUEUE_CAPACITY
     assert max(run.feeder.blocked) < SUBMIT_BLOCKED_MAX_S
-    latencies = sorted(run.feeder.latencies)
-    assert latencies[int(0.99 * (len(latencies) - 1))] < SUBMIT_P99_S
-    assert latencies[-1] < SUBMIT_MAX_S
 
 
 def recovery(run: Run, since: float) -> float:

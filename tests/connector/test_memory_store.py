@@ -120,7 +120,8 @@ def test_injected_latency_is_slept_outside_the_lock() -> None:
         t.start()
     for t in threads:
         t.join()
-    assert 0.2 <= time.monotonic() - started < 0.5
+    # four sleeps of 0.2 s under the lock would take 0.8 s; outside it they overlap
+    assert 0.2 <= time.monotonic() - started < 0.8
 
 
 def test_a_down_store_fails_every_key_of_every_call_with_900_at_once() -> None:
@@ -133,7 +134,7 @@ def test_a_down_store_fails_every_key_of_every_call_with_900_at_once() -> None:
     assert kv.store.batch_put_from(["a", "b"], [src, src], [1, 1], config) == [Code.RPC_FAILED] * 2
     assert kv.store.batch_get_into(["a"], [dst], [1]) == [Code.RPC_FAILED]
     assert [kv.store.get_size("a"), kv.store.remove("a"), kv.store.remove_all()] == [Code.RPC_FAILED] * 3
-    assert time.monotonic() - started < 0.1
+    assert time.monotonic() - started < 1.0  # no stall (a stalled store waits stall_s per call)
 
 
 def test_a_stalled_store_answers_901_after_stall_s() -> None:

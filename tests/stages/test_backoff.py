@@ -1,6 +1,9 @@
 """The put back-off doubles while the store is full and resets once a call goes through."""
 
-from kvpipe.stages import Backoff
+import anyio
+import pytest
+
+from kvpipe.stages import Backoff, backoff as backoff_module
 
 
 class _Clock:
@@ -32,16 +35,46 @@ def test_a_call_without_backpressure_resets_the_delay():
     assert backoff.delay_s == 0.01
 
 
-async def test_wait_returns_at_once_when_the_delay_has_already_passed():
+@pytest.fixture
+def sleeps(monkeypatch: pytest.MonkeyPatch) -> list[float]:
+    """What the back-off asked to sleep, instead of sleeping it."""
+    asked: list[float] = []
+
+    async def sleep(seconds: float) -> None:
+        asked.append(seconds)
+
+    monkeypatch.setattr(backoff_module.anyio, "sleep", sleep)
+    return asked
+
+
+async def test_wait_sleeps_out_what_is_left_of_the_delay(sleeps):
+    clock = _Clock()
+    backoff = Backoff(10.0, 10.0, clock=clock)
+    backoff.record(pressured=True)
+    clock.now += 4.0
+
+    with anyio.fail_after(1):
+        await backoff.wait()
+
+    assert sleeps == [pytest.approx(6.0)]
+
+
+async def test_wait_returns_at_once_when_the_delay_has_already_passed(sleeps):
     clock = _Clock()
     backoff = Backoff(10.0, 10.0, clock=clock)
     backoff.record(pressured=True)
     clock.now += 10.0
 
-    await backoff.wait()  # would hang the test for 10 s if it slept
+    with anyio.fail_after(1):
+        await backoff.wait()
+
+    assert sleeps == []
 
 
-async def test_wait_returns_at_once_without_backpressure():
+async def test_wait_returns_at_once_without_backpressure(sleeps):
     backoff = Backoff(10.0, 10.0)
 
-    await backoff.wait()
+    with anyio.fail_after(1):
+        await backoff.wait()
+
+    assert sleeps == []

@@ -104,7 +104,7 @@ def connectors(master: LocalMaster) -> tuple[Any, Any]:
     mine = [
         c
         for c in KVPipeConnector.instances
-        if c._store is not None and getattr(c.settings.store, "master", None) == address
+        if c.store is not None and getattr(c.settings.store, "master", None) == address
     ]
     schedulers = [c for c in mine if c.is_scheduler]
     workers = [c for c in mine if not c.is_scheduler]
@@ -220,9 +220,9 @@ def outage(llm: Any, outage_master: LocalMaster, reference: dict[int, list[list[
     """The scenario, once: normal passes, passes with the master stopped, then its return."""
     assert outage_master.endpoints is not None
     scheduler, worker = connectors(outage_master)
-    breakers = {"scheduler": scheduler._store.breaker, "worker": worker._store.breaker}
+    breakers = {"scheduler": scheduler.store.breaker, "worker": worker.store.breaker}
     assert all(b.settings == BREAKER for b in breakers.values())  # on by default, with the defaults
-    rpc_s = worker._store.inner.rpc_timeout_s
+    rpc_s = worker.store.inner.rpc_timeout_s
     assert rpc_s == RPC_TIMEOUT_MS / 1000, "MC_RPC_TIMEOUT_MS set by the user overrides the test's deadline"
 
     # 1. master up

@@ -1,47 +1,65 @@
-"""The worker's staging area: a slot is one whole object, its layers' blocks side by side in layer order."""
+"""The worker's staging area: a slot is one whole object, its regions' blocks side by side in region order."""
 
 from __future__ import annotations
 
 import torch
 
-from kvpipe.connector.vllm.staging import StagingArea, block_rows
+from kvpipe.connector.vllm.kv_layout import group_layout
+from kvpipe.connector.vllm.staging import StagingArea
+
+NUM_BLOCKS = 6
 
 
-def engine_layers(num_blocks: int = 6) -> dict[str, torch.Tensor]:
+def engine_layers() -> dict[str, torch.Tensor]:
     """Two layers sharing one storage, as vLLM's CPU cache has them: [blocks, heads, tokens, 2*head]."""
-    storage = torch.randn(2, num_blocks, 2, 4, 8).to(torch.bfloat16)
+    storage = torch.randint(-1000, 1000, (2, NUM_BLOCKS, 2, 4, 8), dtype=torch.int16).view(torch.bfloat16)
     return {"layer.0": storage[0], "layer.1": storage[1]}
 
 
-def test_block_rows_are_each_block_as_bytes_over_the_same_memory() -> None:
-    layer = engine_layers()["layer.1"]
-    rows = block_rows(layer)
-    assert rows.shape == (6, 2 * 4 * 8 * 2)
-    assert rows.data_ptr() == layer.data_ptr()
-    assert torch.equal(rows[3], layer[3].contiguous().view(torch.uint8).flatten())
+def block_bytes(layer: torch.Tensor, block: int) -> torch.Tensor:
+    return layer[block].contiguous().view(torch.uint8).flatten()
+
+
+def staged(area: StagingArea, group: int, slot: int) -> torch.Tensor:
+    (buffer,) = area.layouts()[group].buffers(slot)  # one buffer: the whole object
+    return area.arena[buffer.address - area.arena.data_ptr() :][: buffer.size]
 
 
 def test_a_slot_holds_the_block_of_every_layer_concatenated_in_layer_order() -> None:
     layers = engine_layers()
-    area = StagingArea(layers, {0: ["layer.0", "layer.1"]}, slots=4)
+    area = StagingArea({0: group_layout(layers, NUM_BLOCKS)}, slots=4)
     area.copy_in(0, slot=2, block=5)
-    layout = area.layouts()[0]
-    (buffer,) = layout.buffers(2)  # one buffer: the whole object
-    staged = area.arena[buffer.address - area.arena.data_ptr() :][: buffer.size]
-    expected = torch.cat([block_rows(layers["layer.0"])[5], block_rows(layers["layer.1"])[5]])
-    assert torch.equal(staged, expected)
+    area.settle()
+    expected = torch.cat([block_bytes(layers["layer.0"], 5), block_bytes(layers["layer.1"], 5)])
+    assert torch.equal(staged(area, 0, 2), expected)
+
+
+def test_copy_out_puts_a_slot_back_into_an_engine_block() -> None:
+    source, target = engine_layers(), engine_layers()
+    area = StagingArea({0: group_layout(target, NUM_BLOCKS)}, slots=2)
+    area.copy_in(0, slot=1, block=3)
+    staged(area, 0, 1).copy_(torch.cat([block_bytes(source["layer.0"], 4), block_bytes(source["layer.1"], 4)]))
+    area.copy_out(0, slot=1, block=0)
+    area.settle()
+    for name in source:
+        assert torch.equal(target[name][0].view(torch.int16), source[name][4].view(torch.int16))
 
 
 def test_groups_share_slot_numbers_and_the_free_pool() -> None:
     layers = engine_layers()
-    area = StagingArea(layers, {0: ["layer.0"], 1: ["layer.1"]}, slots=3)
+    zero, one = group_layout({"layer.0": layers["layer.0"]}, NUM_BLOCKS), group_layout(layers, NUM_BLOCKS)
+    area = StagingArea({0: zero, 1: one}, slots=3)
     assert area.free == 3
     taken = area.take(2)
     assert area.free == 1
     area.copy_in(0, taken[0], block=1)
     area.copy_in(1, taken[0], block=4)
-    zero, one = area.layouts()[0], area.layouts()[1]
-    assert zero.object_size == one.object_size == block_rows(layers["layer.0"]).shape[1]
-    assert zero.buffers(taken[0])[0].address != one.buffers(taken[0])[0].address
+    assert torch.equal(staged(area, 0, taken[0]), block_bytes(layers["layer.0"], 1))
+    assert staged(area, 1, taken[0]).numel() == 2 * staged(area, 0, taken[0]).numel()
     area.give_back(taken)
     assert area.free == 3
+
+
+def test_on_cpu_the_arena_is_plain_host_memory() -> None:
+    area = StagingArea({0: group_layout(engine_layers(), NUM_BLOCKS)}, slots=1)
+    assert area.device.type == "cpu" and not area.arena.is_pinned()

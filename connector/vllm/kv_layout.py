@@ -1,0 +1,220 @@
+"""Engine KV tensors -> kvpipe :class:`~kvpipe.stages.BlockLayout`: the one place that knows a KV layout.
+
+vLLM 0.32 describes a KV cache as a logical ``[L, B, H, N, C]`` array that a
+``KVCacheLayout`` places in memory (LBHNC, LBNHC, LHBNC, BLHNC, BLNHC, BHLNC) and
+hands the connector one ``[B, H, N, C]`` view per layer (MLA: ``[B, N, C]``; a
+mamba layer: a list of state views over one page). A store object is one
+block of one KV-cache group: the block's bytes in every *region* of the group,
+concatenated, which is exactly what vLLM's ``MooncakeStoreConnector`` puts
+(``RankLocalStoreLayout.register_kv_caches``/``prepare_values``), so the two
+connectors read each other's objects.
+
+What a region is follows from the strides alone, never from a layout's name,
+so a layout vLLM adds later is either handled or refused, never mis-stored:
+
+- **a dense block is one region per layer**: block ``b`` of the layer is one
+  gapless run of bytes at ``data_ptr + b * stride(0)``, ``stride(0)`` bytes long
+  (padding at the end of a page included, as vLLM's connector reads it);
+- **a block that is not dense is one region per head**, when each head's block
+  is dense (LHBNC: heads outside blocks);
+- **runs that share one row are one region**: when B is outermost (BLHNC,
+  BLNHC, BHLNC: vLLM's cross-layer KV) every layer's (or head's) block lies in
+  one ``stride(0)``-byte row of a storage that holds them all, so the row is the
+  region: one buffer for the whole object;
+- **anything else is refused at start**, naming the layer and the layout:
+  bytes that cannot be named as equal-stride rows would be stored wrong.
+
+Every region steps by its own size from block to block, which is what
+:class:`~kvpipe.stages.Region` promises, and is checked to stay inside its
+storage for the last block. Each region also carries a ``uint8`` view of its
+rows (``[num_blocks, bytes]``) on the tensor's own device, which is what the
+staging copy reads: the same code serves CPU and CUDA caches.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+
+import torch
+
+from kvpipe.stages import BlockLayout, Region
+from kvpipe.stages.flags import ConfigError
+
+__all__ = ["EngineRegion", "GroupLayout", "LayoutError", "group_layout", "is_dense", "storages_of"]
+
+
+class LayoutError(ConfigError):
+    """The engine's KV tensors cannot be stored as blocks; the message names the layer and the layout."""
+
+
+def is_dense(tensor: torch.Tensor) -> bool:
+    """Whether ``tensor``'s elements cover one gapless, non-overlapping range, in any dimension order."""
+    expected = 1
+    for size, stride in sorted(zip(tensor.shape, tensor.stride(), strict=True), key=lambda pair: pair[1]):
+        if size == 1:
+            continue
+        if stride != expected:
+            return False
+        expected *= size
+    return True
+
+
+@dataclass(frozen=True)
+class EngineRegion:
+    """One region of a group: ``rows[b]`` is block ``b``'s bytes in it, over the engine's memory."""
+
+    region: Region
+    rows: torch.Tensor  # uint8 [num_blocks, region.bytes_per_block], on the cache's device
+    layers: tuple[str, ...]  # the layers whose bytes it holds (several for a shared row)
+
+
+@dataclass(frozen=True)
+class GroupLayout:
+    """A storable group's regions, in object order: layer order, then head order."""
+
+    regions: tuple[EngineRegion, ...]
+
+    @property
+    def block_layout(self) -> BlockLayout:
+        return BlockLayout(tuple(r.region for r in self.regions))
+
+    @property
+    def object_size(self) -> int:
+        return self.block_layout.object_size
+
+
+@dataclass(frozen=True)
+class _Run:
+    """A dense run of bytes repeated per block: one layer's (or one head's) block."""
+
+    layer: str
+    start: int  # address of block 0's run
+    nbytes: int  # the run's dense bytes
+    stride: int  # bytes from one block's run to the next
+    storage: torch.UntypedStorage
+
+
+def _representative(name: str, value: torch.Tensor | Sequence[torch.Tensor]) -> torch.Tensor:
+    """The tensor that stands for a layer: itself, or for a mamba layer the first state view.
+
+    A mamba layer's states (conv, ssm) are views over one page per block; the
+    page is the region, as vLLM's connector takes it (its first view), so the
+    other views must lie in the same page.
+    """
+    if isinstance(value, torch.Tensor):
+        return value
+    views = list(value)
+    if not views:
+        raise LayoutError(f"KV cache of layer {name!r} is an empty list of tensors")
+    first = views[0]
+    stride = first.stride(0) * first.element_size()
+    for view in views[1:]:
+        offset = view.data_ptr() - first.data_ptr()
+        span = _block_span(view)
+        if view.stride(0) * view.element_size() != stride or offset < 0 or offset + span > stride:
+            raise LayoutError(
+                f"KV cache of layer {name!r}: its state views do not share one page per block "
+                f"(view {tuple(view.shape)} strides {view.stride()} at offset {offset}, page {stride} bytes)"
+            )
+    return first
+
+
+def _block_span(tensor: torch.Tensor) -> int:
+    """Bytes from the first to one past the last byte of ``tensor[0]``."""
+    block = tensor[0]
+    last = sum((size - 1) * stride for size, stride in zip(block.shape, block.stride(), strict=True))
+    return (last + 1) * tensor.element_size()
+
+
+def _runs(name: str, tensor: torch.Tensor, num_blocks: int, layout_name: str) -> list[_Run]:
+    """The dense runs of one layer: the whole block if it is dense, else one per head."""
+    if tensor.dim() < 2 or tensor.shape[0] != num_blocks:
+        raise LayoutError(
+            f"KV cache of layer {name!r} ({layout_name}) has shape {tuple(tensor.shape)}: "
+            f"kvpipe needs the block dimension ({num_blocks} blocks) first"
+        )
+    size = tensor.element_size()
+    stride = tensor.stride(0) * size
+    storage = tensor.untyped_storage()
+    if is_dense(tensor[0]):
+        return [_Run(name, tensor.data_ptr(), tensor[0].numel() * size, stride, storage)]
+    heads = [tensor[:, head] for head in range(tensor.shape[1])]
+    if tensor.dim() < 3 or not all(is_dense(head[0]) for head in heads):
+        raise LayoutError(
+            f"KV cache of layer {name!r} ({layout_name}): a block (shape {tuple(tensor.shape[1:])}, "
+            f"strides {tensor.stride()[1:]}) is neither one dense run nor one dense run per head"
+        )
+    return [_Run(name, head.data_ptr(), head[0].numel() * size, stride, storage) for head in heads]
+
+
+def _rows(storage: torch.UntypedStorage, start: int, nbytes: int, num_blocks: int) -> torch.Tensor:
+    """``num_blocks`` rows of ``nbytes`` from address ``start`` of ``storage``, as uint8, on its device."""
+    base = torch.empty(0, dtype=torch.uint8, device=storage.device).set_(storage)
+    return base.as_strided((num_blocks, nbytes), (nbytes, 1), start - storage.data_ptr())
+
+
+def group_layout(
+    layers: Mapping[str, torch.Tensor | Sequence[torch.Tensor]], num_blocks: int, layout_name: str = "?"
+) -> GroupLayout:
+    """The regions an object of a block is made of, from the KV caches of ``layers`` (engine order).
+
+    vLLM's connector builds every storable group's objects from the caches of
+    every storable layer, all groups together: in a hybrid model the groups
+    overlay the same caches (one layer of each group per cache), so a group's
+    block is that block's page in every cache. Pass the same layers to match it.
+    ``layout_name`` (vLLM's resolved ``kv_cache_layout``) is only for messages.
+    Raises :class:`LayoutError`, naming the layer and the layout, for a cache
+    whose blocks cannot be stored as equal-stride rows (see the module's rules).
+    """
+    runs: list[_Run] = []
+    seen: set[tuple[int, int]] = set()
+    for name, value in layers.items():
+        for run in _runs(name, _representative(name, value), num_blocks, layout_name):
+            # Layers of different groups overlay one cache (a block id belongs to one
+            # group at a time): the same rows are one region, as vLLM's connector has it.
+            if (run.start, run.stride) not in seen:
+                seen.add((run.start, run.stride))
+                runs.append(run)
+    # Runs whose rows overlap share one row (B outermost): the row is their region.
+    clusters: list[list[_Run]] = []
+    for run in sorted(runs, key=lambda r: r.start):
+        last = clusters[-1] if clusters else None
+        if last is not None and run.start < last[0].start + last[0].stride:
+            last.append(run)
+        else:
+            clusters.append([run])
+    regions: list[tuple[int, EngineRegion]] = []
+    order = {id(run): index for index, run in enumerate(runs)}
+    for cluster in clusters:
+        head = cluster[0]
+        names = tuple(dict.fromkeys(run.layer for run in sorted(cluster, key=lambda r: order[id(r)])))
+        end = head.start
+        for run in cluster:
+            if run.stride != head.stride or run.start < end or run.start + run.nbytes > head.start + head.stride:
+                raise LayoutError(
+                    f"KV cache of layers {list(names)} ({layout_name}): their blocks overlap or step "
+                    f"differently ({run.layer!r}: {run.nbytes} bytes every {run.stride} at +{run.start - head.start}, "
+                    f"row {head.stride} bytes); kvpipe cannot name a block's bytes"
+                )
+            end = run.start + run.nbytes
+        storage = head.storage
+        if head.start + num_blocks * head.stride > storage.data_ptr() + storage.nbytes():
+            raise LayoutError(
+                f"KV cache of layers {list(names)} ({layout_name}): {num_blocks} rows of {head.stride} bytes "
+                f"from +{head.start - storage.data_ptr()} run past the end of their {storage.nbytes()}-byte storage"
+            )
+        rows = _rows(storage, head.start, head.stride, num_blocks)
+        first = min(order[id(run)] for run in cluster)
+        regions.append((first, EngineRegion(Region(head.start, head.stride), rows, names)))
+    return GroupLayout(tuple(region for _, region in sorted(regions, key=lambda pair: pair[0])))
+
+
+def storages_of(values: Sequence[torch.Tensor | Sequence[torch.Tensor]]) -> dict[int, int]:
+    """Each distinct storage under ``values``: address -> bytes, what the store registers once."""
+    storages: dict[int, int] = {}
+    for value in values:
+        for tensor in [value] if isinstance(value, torch.Tensor) else value:
+            storage = tensor.untyped_storage()
+            storages[storage.data_ptr()] = storage.nbytes()
+    return storages

@@ -1,0 +1,272 @@
+"""The connector's scheduler side: what a request can load, when it loads, and what each step saves.
+
+It runs in vLLM's scheduler (the engine-core process) and asks the store only
+``batch_is_exist``. What counts as a hit is the stages' rule
+(:func:`~kvpipe.stages.longest_stored_prefix`: every storable group, every
+rank); this module decides *when* to ask and *what to do with the answer*:
+
+- **one store call per scheduling step**: the first lookup of a step also asks
+  for every request still waiting, and the step's later lookups are answered
+  from that (a master round trip each would cost milliseconds on a busy host);
+- **one load per shared prefix**: with async loads, a request whose prefix is
+  being loaded by another request is told "ask again" (``None``) until that load
+  has finished; by then the blocks are in vLLM's own prefix cache and it hits
+  them locally. (vLLM's own connector loads a copy per request.) With sync loads
+  the same holds by construction: a load ends before the step's forward;
+- **a stale hit recomputes once**: when a load fails (the objects vanished
+  between lookup and load: evicted, or a master restarted), the request's next
+  lookup is a miss, and the chunks that failed are misses for every request for
+  a while, so ``recompute`` can never turn into a lookup/load loop;
+- **saves**: each step plans, per running request, the chunks completed by the
+  end of the step, each chunk offered once; decode-phase chunks only with
+  ``save_decode_cache``.
+"""
+
+from __future__ import annotations
+
+import time
+from collections import Counter
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
+
+import structlog
+
+from kvpipe.stages import LoadRequest, LookupRequest, SaveRequest, longest_stored_prefix, lookup_keys
+from kvpipe.stages.lookup import EXISTS, prefix_unit
+
+from ..store import Store
+from .engine_cache import EngineCache
+from .messages import KVPipeMetadata
+from .settings import ConnectorSettings
+
+if TYPE_CHECKING:
+    from vllm.v1.core.kv_cache_manager import KVCacheBlocks
+    from vllm.v1.core.sched.output import SchedulerOutput
+    from vllm.v1.outputs import KVConnectorOutput
+    from vllm.v1.request import Request
+
+log = structlog.get_logger("kvpipe.connector.vllm")
+
+#: keys one lookup call asks at most when it takes the waiting requests along
+#: (batch_is_exist: ~0.05 ms for 32 keys, ~0.5-1 ms for 2048)
+LOOKUP_BATCH_KEYS = 4096
+#: how long a chunk whose load failed is a miss for every request: long enough for
+#: the requests waiting on that load to recompute instead of repeating it
+FAILED_CHUNK_TTL_S = 10.0
+
+
+@dataclass
+class _Tracked:
+    """Scheduler-side state of one running request."""
+
+    request: Request
+    saved_tokens: int | None = None  # None until it is first scheduled
+
+
+class SchedulerSide:
+    """Lookups, load planning and save planning for one engine (see the module docstring)."""
+
+    def __init__(
+        self,
+        cache: EngineCache,
+        settings: ConnectorSettings,
+        store: Store,
+        clock: Callable[[], float] = time.monotonic,
+    ) -> None:
+        self.cache = cache
+        self.settings = settings
+        self.store = store
+        self.stats: Counter[str] = Counter()
+        self._clock = clock
+        self._unit = prefix_unit(cache.store_groups)  # a hit grows by whole units
+        self._tracked: dict[str, _Tracked] = {}
+        self._pending_loads: dict[str, LoadRequest] = {}
+        self._local_hits: dict[str, int] = {}
+        self._waiting: dict[str, Request] = {}  # not allocated yet, in arrival order
+        self._exists: dict[str, bool] = {}  # this scheduling step's lookup answers
+        # async loads: the hash blocks being loaded, and who loads them
+        self._loading: dict[bytes, str] = {}
+        self._loads: dict[str, LoadRequest] = {}  # emitted, not finished yet
+        self._miss_once: set[str] = set()  # requests whose load failed: their next lookup misses
+        self._failed_chunks: dict[bytes, float] = {}  # hash -> until when it is a miss
+
+    # -- lookups -------------------------------------------------------------------------
+
+    def on_new_request(self, request: Request) -> None:
+        self._waiting[request.request_id] = request
+
+    def get_num_new_matched_tokens(self, request: Request, num_computed_tokens: int) -> tuple[int | None, bool]:
+        """Tokens past ``num_computed_tokens`` the store can give, and whether they load asynchronously.
+
+        ``(None, False)`` asks vLLM to ask again next step: the prefix is being
+        loaded by another request. This call has no lasting effect on what is
+        loaded (vLLM may still trim or drop the hit): that is decided in
+        :meth:`update_state_after_alloc`.
+        """
+        rid = request.request_id
+        self._local_hits[rid] = num_computed_tokens  # vLLM does not pass it to update_state_after_alloc
+        if rid in self._miss_once:
+            self._miss_once.discard(rid)
+            self.stats["lookups_missed_after_failed_load"] += 1
+            return 0, False
+        lookup = LookupRequest(rid, tuple(request.block_hashes), request.num_tokens, num_computed_tokens)
+        keys = lookup_keys(self.cache.store_groups, self.cache.lookup_shards, self.cache.hash_block_size, lookup)
+        if not keys:
+            return 0, False
+        if any(key not in self._exists for key in keys):
+            self._look_up(keys)
+        exists = {key: self._exists.get(key, False) for key in keys}  # unanswered: a miss
+        hit = longest_stored_prefix(
+            self.cache.store_groups, self.cache.lookup_shards, self.cache.hash_block_size, lookup, exists
+        )
+        hit = self._before_failed_chunks(lookup, hit)
+        new = max(0, hit - num_computed_tokens)
+        if new and self.settings.load_async and self._loaded_by_another(lookup, hit):
+            self.stats["lookups_deferred"] += 1
+            return None, False
+        self.stats["lookup_hit_tokens"] += new
+        return new, bool(new) and self.settings.load_async
+
+    def _hashes(self, lookup: LookupRequest | LoadRequest, start: int, end: int) -> Sequence[bytes]:
+        hbs = self.cache.hash_block_size
+        return lookup.block_hashes[start // hbs : end // hbs]
+
+    def _before_failed_chunks(self, lookup: LookupRequest, hit: int) -> int:
+        """``hit``, cut to the whole prefix units before the first hash block whose load failed recently."""
+        if not self._failed_chunks:
+            return hit
+        now = self._clock()
+        for hash_, until in list(self._failed_chunks.items()):
+            if until <= now:
+                del self._failed_chunks[hash_]
+        for index, hash_ in enumerate(self._hashes(lookup, 0, hit)):
+            if hash_ in self._failed_chunks:
+                return index * self.cache.hash_block_size // self._unit * self._unit
+        return hit
+
+    def _loaded_by_another(self, lookup: LookupRequest, hit: int) -> bool:
+        start = lookup.num_computed_tokens
+        return any(
+            self._loading.get(hash_, lookup.request_id) != lookup.request_id
+            for hash_ in self._hashes(lookup, start, hit)
+        )
+
+    def _look_up(self, keys: Sequence[str]) -> None:
+        """One ``batch_is_exist`` for ``keys`` and those of the requests still waiting.
+
+        vLLM asks request by request within one scheduling step. One call for all
+        of them costs about what one costs (requests sharing a prefix share keys),
+        where a call per request is a master round trip each, which a busy 2-core
+        machine stretches to milliseconds. The answers hold for this step only.
+        """
+        cache = self.cache
+        wanted = dict.fromkeys(key for key in keys if key not in self._exists)
+        for waiting in self._waiting.values():
+            if len(wanted) >= LOOKUP_BATCH_KEYS:
+                break
+            ahead = LookupRequest(waiting.request_id, tuple(waiting.block_hashes), waiting.num_tokens)
+            keys_ahead = lookup_keys(cache.store_groups, cache.lookup_shards, cache.hash_block_size, ahead)
+            wanted.update(dict.fromkeys(key for key in keys_ahead if key not in self._exists))
+        asked = list(wanted)
+        self.stats["lookup_calls"] += 1
+        try:
+            answers = self.store.batch_is_exist(asked)
+        except Exception as exc:  # noqa: BLE001 - a lookup that cannot answer is a miss
+            log.warning("lookup failed", error=str(exc))
+            return
+        self._exists.update((key, answer == EXISTS) for key, answer in zip(asked, answers, strict=False))
+
+    # -- allocation and planning ---------------------------------------------------------
+
+    def update_state_after_alloc(self, request: Request, blocks: KVCacheBlocks, num_external_tokens: int) -> None:
+        rid = request.request_id
+        self._waiting.pop(rid, None)
+        self._tracked.setdefault(rid, _Tracked(request))
+        local = self._local_hits.pop(rid, 0)
+        if num_external_tokens > 0:
+            block_ids = tuple(tuple(ids) for ids in blocks.get_block_ids())
+            load = LoadRequest(rid, tuple(request.block_hashes), block_ids, local, local + num_external_tokens)
+            self._pending_loads[rid] = load
+            if self.settings.load_async:
+                self._loading.update(dict.fromkeys(self._hashes(load, load.start_tokens, load.end_tokens), rid))
+
+    def build_connector_meta(self, scheduler_output: SchedulerOutput) -> KVPipeMetadata:
+        so = scheduler_output
+        meta = KVPipeMetadata()
+        self._exists.clear()  # the step is planned: the next one asks again
+        for rid in so.finished_req_ids:
+            self._tracked.pop(rid, None)
+            self._local_hits.pop(rid, None)
+            self._waiting.pop(rid, None)
+            if not self.settings.load_async:
+                self._pending_loads.pop(rid, None)
+            # an async load in flight is kept: its end (finished_recving) releases its prefix
+        for new in so.scheduled_new_reqs:
+            tracked = self._tracked.get(new.req_id)
+            if tracked is not None and tracked.saved_tokens is None:
+                tracked.saved_tokens = new.num_computed_tokens  # local + loaded: never saved again
+        if self.settings.load_async:
+            # the loading request is not scheduled: its load goes out in this very step
+            due = list(self._pending_loads)
+        else:
+            # a sync load runs before the forward of the step that schedules its request
+            due = [rid for rid in self._pending_loads if rid in so.num_scheduled_tokens]
+        for rid in due:
+            load = self._pending_loads.pop(rid)
+            meta.loads.append(load)
+            if self.settings.load_async:
+                self._loads[rid] = load
+            self.stats["loads_planned"] += 1
+        self._plan_saves(so, meta)
+        return meta
+
+    def _plan_saves(self, so: SchedulerOutput, meta: KVPipeMetadata) -> None:
+        block_state = so.kv_connector_block_state
+        if block_state is None:
+            return
+        for rid, scheduled in so.num_scheduled_tokens.items():
+            tracked = self._tracked.get(rid)
+            if tracked is None:
+                continue
+            request = tracked.request
+            saved = tracked.saved_tokens if tracked.saved_tokens is not None else request.num_computed_tokens
+            done = request.num_computed_tokens + scheduled
+            if not self.settings.save_decode_cache:
+                done = min(done, request.num_prompt_tokens)  # decode chunks are not worth the store
+            hashes = tuple(request.block_hashes)
+            reach = min(
+                min(done // g.spec.block_size, len(hashes) * self.cache.hash_block_size // g.spec.block_size)
+                * g.spec.block_size
+                for g in self.cache.store_groups
+            )
+            if reach <= saved:
+                continue
+            block_ids = tuple(tuple(ids) for ids in block_state.get_block_ids(rid))
+            meta.saves.append(SaveRequest(rid, hashes, block_ids, done, saved, False))
+            tracked.saved_tokens = reach
+            self.stats["saves_planned"] += 1
+
+    def update_connector_output(self, connector_output: KVConnectorOutput) -> None:
+        """Async loads that ended (well or not) release their prefix; failed ones are remembered."""
+        failed_requests = set(connector_output.failed_recving or ())
+        failed_blocks = set(connector_output.invalid_block_ids or ())
+        for rid in connector_output.finished_recving or ():
+            load = self._loads.pop(rid, None)
+            if load is None:
+                continue
+            hashes = self._hashes(load, load.start_tokens, load.end_tokens)
+            for hash_ in hashes:
+                if self._loading.get(hash_) == rid:
+                    del self._loading[hash_]
+            if rid in failed_requests or any(failed_blocks.intersection(ids) for ids in load.block_ids):
+                self.stats["loads_failed"] += 1
+                self._miss_once.add(rid)
+                until = self._clock() + FAILED_CHUNK_TTL_S
+                self._failed_chunks.update(dict.fromkeys(hashes, until))
+
+    def request_finished(self, request: Request) -> tuple[bool, dict[str, Any] | None]:
+        rid = request.request_id
+        self._waiting.pop(rid, None)  # e.g. aborted before it was scheduled
+        self._miss_once.discard(rid)
+        return False, None  # the worker copies what it saves: vLLM may free the blocks now

@@ -1,0 +1,378 @@
+"""The connector's worker side: the engine's KV memory, the save and load pipelines, what finished.
+
+It runs in each vLLM worker (one per rank). At start it turns the engine's KV
+tensors into block layouts (:mod:`.kv_layout`) and registers their memory; per
+step it runs the loads the scheduler planned and stages the saves:
+
+- **saves**: at the end of a step (``wait_for_save``) the blocks to save are
+  copied into staging slots (:mod:`.staging`), one buffer per object, and a
+  :class:`~kvpipe.stages.SaveRequest` over the slots goes to the save pipeline
+  (``when_full="drop"``). The step never waits on the store and vLLM may reuse
+  the blocks at once; a save that finds no free slot is dropped and counted.
+- **loads**: ``start_load_kv`` submits them to the load pipeline. Async loads
+  (the default) return at once and are reported by ``get_finished`` once their
+  job has ended, so the load runs while the engine steps other requests; sync
+  loads are waited for before the forward. Failed blocks go to vLLM as block ids
+  (one KV-cache group) or as a failed request (several groups: vLLM cannot map
+  block ids back then), and are recomputed under ``kv_load_failure_policy:
+  recompute``. On CPU a load lands straight in the engine's blocks; a device
+  cache is loaded into host slots and copied into its blocks before the report.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from collections import Counter, deque
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+import structlog
+import torch
+
+from kvpipe.pipeline import Job, SyncPipeline
+from kvpipe.stages import (
+    BlockLayout,
+    KVCache,
+    LoadRequest,
+    ObjectStatus,
+    SaveRequest,
+    StoreObject,
+    default_load_graph,
+    default_save_graph,
+    full_chunks,
+    tail_chunks,
+)
+
+from ..store import Store
+from .engine_cache import EngineCache
+from .kv_layout import GroupLayout, group_layout, storages_of
+from .messages import KVPipeMetadata
+from .settings import ConnectorSettings
+from .staging import StagingArea
+
+log = structlog.get_logger("kvpipe.connector.vllm")
+
+#: the outer bound on waiting for a sync load; its job's deadline ends it long before
+LOAD_TIMEOUT_S = 60.0
+STOP_DEADLINE_S = 10.0
+
+
+def parallel_ranks() -> tuple[int, int]:
+    """(tp_rank, pp_rank) from vLLM's parallel state; (0, 0) where it is not initialised."""
+    try:
+        from vllm.distributed.parallel_state import get_pp_group, get_tp_group
+
+        return get_tp_group().rank_in_group, get_pp_group().rank_in_group
+    except Exception:  # noqa: BLE001 - no parallel state (a unit test, one rank)
+        return 0, 0
+
+
+@dataclass
+class _Load:
+    """A load in flight: its job (None: it could not start), and the slots it lands in first (device caches)."""
+
+    request: LoadRequest  # over engine block ids
+    job: Job | None
+    bounce: list[tuple[int, int, int]] = field(default_factory=list)  # (engine group, slot, engine block)
+
+    @property
+    def done(self) -> bool:
+        return self.job is None or self.job.done
+
+    @property
+    def every_block(self) -> set[int]:
+        return {block for ids in self.request.block_ids for block in ids}
+
+
+class WorkerSide:
+    """One rank's saves and loads (see the module docstring)."""
+
+    def __init__(
+        self,
+        cache: EngineCache,
+        settings: ConnectorSettings,
+        store: Store,
+        tp_rank: int = 0,
+        *,
+        load_via_staging: bool | None = None,
+    ) -> None:
+        """``load_via_staging``: None lets the cache's device decide (host slots for a device cache)."""
+        self.cache = cache
+        self.settings = settings
+        self.store = store
+        self.tp_rank = tp_rank
+        self.stats: Counter[str] = Counter()
+        self.observed: deque[tuple[StoreObject, ObjectStatus]] = deque(maxlen=65536)
+        self._load_via_staging = load_via_staging
+        self._lock = threading.Lock()
+        self.layouts: dict[int, GroupLayout] = {}
+        self._staging: StagingArea | None = None
+        self._job_slots: dict[int, list[int]] = {}
+        self._save_pipeline: SyncPipeline | None = None
+        self._load_pipeline: SyncPipeline | None = None
+        self._loads: dict[str, _Load] = {}  # async loads in flight
+        self._load_failures: dict[str, frozenset[int]] = {}  # told by the load stage, per request
+        self._load_errors: set[int] = set()  # engine block ids, for get_block_ids_with_load_errors
+        self._failed_requests: set[str] = set()
+        self._registered: list[int] = []
+
+    @property
+    def started(self) -> bool:
+        return self._save_pipeline is not None
+
+    # -- start-up ------------------------------------------------------------------------
+
+    def register_kv_caches(self, kv_caches: Mapping[str, torch.Tensor | Sequence[torch.Tensor]]) -> None:
+        """Lay out the engine's blocks, register their memory, start the pipelines.
+
+        Raises :class:`~.kv_layout.LayoutError` (naming the layer and the layout)
+        for a cache whose blocks cannot be stored as equal-stride rows.
+        """
+        cache = self.cache
+        # Every storable group's objects are made of every storable layer's cache (the
+        # groups overlay them), in the engine's order: what vLLM's connector stores.
+        stored = {name for group in cache.store_groups for name in cache.layer_names[group.engine_group]}
+        layers = {name: value for name, value in kv_caches.items() if name in stored}
+        layout = group_layout(layers, cache.num_blocks, cache.layout_name)
+        self.layouts = {group.engine_group: layout for group in cache.store_groups}
+        self._staging = StagingArea(self.layouts, self.settings.staging_blocks)
+        if self._load_via_staging is None:
+            self._load_via_staging = self._staging.device.type != "cpu"
+        storages = {} if self._staging.device.type != "cpu" else storages_of(list(layers.values()))
+        arena = self._staging.arena
+        storages[arena.data_ptr()] = arena.numel()
+        for address, nbytes in storages.items():
+            code = self.store.register_buffer(address, nbytes)
+            if code != 0:
+                log.warning("register_buffer failed", address=hex(address), nbytes=nbytes, code=code)
+            else:
+                self._registered.append(address)
+        engine = {g: layout.block_layout for g, layout in self.layouts.items()}
+        load_kv = self._rank_cache(self._staging.layouts() if self._load_via_staging else engine)
+        self._save_pipeline = SyncPipeline(
+            default_save_graph(
+                self._rank_cache(self._staging.layouts()),
+                self.store,
+                enable_group_semantics=self.settings.enable_group_semantics,
+                max_buffers_per_call=self.settings.max_buffers_per_call,
+                observer=self._observe,
+            ),
+            queue_capacity=self.settings.queue_capacity,
+            when_full="drop",
+            name="kvpipe-save",
+            job_deadline_s=self.settings.save_deadline_s,
+        ).start()
+        self._load_pipeline = SyncPipeline(
+            default_load_graph(
+                load_kv,
+                self.store,
+                load_observer=self._load_observed,
+                max_buffers_per_call=self.settings.max_buffers_per_call,
+            ),
+            queue_capacity=self.settings.queue_capacity,
+            when_full="wait",
+            name="kvpipe-load",
+            job_deadline_s=self.settings.load_deadline_s,
+        ).start()
+
+    def _rank_cache(self, layouts: Mapping[int, BlockLayout]) -> KVCache:
+        return self.cache.kv_cache(layouts, [self.tp_rank])
+
+    # -- saves ---------------------------------------------------------------------------
+
+    def _observe(self, record: StoreObject, status: ObjectStatus) -> None:
+        self.observed.append((record, status))
+        self.stats[f"objects_{status.value}"] += 1
+
+    def wait_for_save(self, meta: KVPipeMetadata) -> None:
+        """Copy this step's saves into staging slots, then hand them to the save pipeline."""
+        self._reap()
+        if self._save_pipeline is None or self._staging is None or not meta.saves:
+            return
+        staged = [staged for save in meta.saves if (staged := self._stage(save)) is not None]
+        self._staging.settle()  # a device copy must land before a put reads the slot
+        for slots, request in staged:
+            job = self._save_pipeline.submit(request)
+            self.stats["saves_submitted"] += 1
+            self._job_slots[job.id] = slots
+        self._reap()
+
+    def _stage(self, save: SaveRequest) -> tuple[list[int], SaveRequest] | None:
+        """Copy the save's chunks into free slots: the slots and the request over them (None: nothing, or no room)."""
+        assert self._staging is not None
+        plan: list[tuple[int, int, int]] = []  # (engine group, chunk index, engine block)
+        for group in self.cache.store_groups:
+            bs = group.spec.block_size
+            for chunk in (
+                *full_chunks(save, group, self.cache.hash_block_size),
+                *tail_chunks(save, group, self.cache.hash_block_size),
+            ):
+                # the block its last token falls in (a tail's block is partly filled)
+                plan.append((group.engine_group, (chunk.tokens_end - 1) // bs, chunk.block_id))
+        if not plan:
+            return None
+        if len(plan) > self._staging.free:
+            self.stats["saves_dropped_no_staging"] += 1
+            return None
+        slots = self._staging.take(len(plan))
+        for (engine_group, _, block), slot in zip(plan, slots, strict=True):
+            self._staging.copy_in(engine_group, slot, block)
+        ids = _remapped(save.block_ids, [(g, index, slot) for (g, index, _), slot in zip(plan, slots, strict=True)])
+        request = SaveRequest(
+            save.request_id, save.block_hashes, ids, save.num_computed_tokens, save.num_saved_tokens, save.finished
+        )
+        return slots, request
+
+    def _reap(self) -> None:
+        """Free the staging slots of completed save jobs and count their outcomes."""
+        if self._save_pipeline is None or self._staging is None:
+            return
+        for job in self._save_pipeline.completed():
+            self._staging.give_back(self._job_slots.pop(job.id, ()))
+            self.stats[f"save_jobs_{job.outcome.value if job.outcome else 'unknown'}"] += 1
+
+    # -- loads ---------------------------------------------------------------------------
+
+    def _load_observed(self, request_id: str, failed_block_ids: frozenset[int]) -> None:
+        with self._lock:  # on the load pipeline's thread, before the job completes
+            self._load_failures[request_id] = failed_block_ids
+
+    def start_load_kv(self, meta: KVPipeMetadata) -> None:
+        """Submit this step's loads; with sync loads, wait for them (they must land before the forward)."""
+        if self._load_pipeline is None or not meta.loads:
+            return
+        loads = [self._submit_load(load) for load in meta.loads]
+        if self.settings.load_async:
+            self._loads.update((load.request.request_id, load) for load in loads)
+            return
+        for load in loads:
+            if load.job is not None and not load.job.wait(LOAD_TIMEOUT_S):
+                log.warning("load timed out", request_id=load.request.request_id)
+            self._settle_load(load)
+        self._load_pipeline.completed()  # the waited jobs; nothing else to collect
+
+    def _submit_load(self, load: LoadRequest) -> _Load:
+        """Submit one load (into staging slots first, for a device cache); no free slot: it fails whole."""
+        assert self._load_pipeline is not None and self._staging is not None
+        self.stats["loads"] += 1
+        if not self._load_via_staging:
+            return _Load(load, self._load_pipeline.submit(load))
+        plan = self._load_plan(load)
+        if len(plan) > self._staging.free:
+            self.stats["loads_failed_no_staging"] += 1
+            return _Load(load, None)
+        slots = self._staging.take(len(plan))
+        ids = _remapped(load.block_ids, [(g, index, slot) for (g, index, _), slot in zip(plan, slots, strict=True)])
+        job = self._load_pipeline.submit(
+            LoadRequest(load.request_id, load.block_hashes, ids, load.start_tokens, load.end_tokens)
+        )
+        return _Load(load, job, [(g, slot, block) for (g, _, block), slot in zip(plan, slots, strict=True)])
+
+    def _load_plan(self, load: LoadRequest) -> list[tuple[int, int, int]]:
+        """(engine group, chunk index, engine block) of every chunk the load fills."""
+        plan = []
+        for group in self.cache.store_groups:
+            bs = group.spec.block_size
+            for index in range(load.start_tokens // bs, -(-load.end_tokens // bs)):
+                ids = load.block_ids[group.engine_group]
+                if index < len(ids):
+                    plan.append((group.engine_group, index, ids[index]))
+        return plan
+
+    def _settle_load(self, load: _Load) -> None:
+        """A load whose job has ended: copy bounced blocks home, count it, record what failed."""
+        job, rid = load.job, load.request.request_id
+        with self._lock:
+            told = self._load_failures.pop(rid, None)
+        if job is None or not job.done or told is None:
+            failed = load.every_block  # never started, timed out, or refused before the stage
+        else:
+            by_slot = {slot: block for _, slot, block in load.bounce}
+            failed = {by_slot.get(block, block) for block in told}
+        if load.bounce:
+            assert self._staging is not None
+            if job is not None and job.done:
+                for group, slot, block in load.bounce:
+                    if block not in failed:
+                        self._staging.copy_out(group, slot, block)
+                self._staging.give_back([slot for _, slot, _ in load.bounce])
+            # else the job may still write its slots: they stay taken (a leak bounded by timeouts)
+        if job is not None:
+            self.stats["chunks_loaded"] += job.counts.get("loaded", 0)
+            self.stats["chunks_load_failed"] += job.counts.get("failed", 0)
+        if not failed:
+            return
+        with self._lock:
+            if len(self.cache.groups) > 1 and self.settings.load_async:
+                self._failed_requests.add(rid)  # vLLM cannot map block ids of several groups back
+            else:
+                self._load_errors.update(failed)
+
+    def get_finished(self) -> set[str]:
+        """Async loads whose jobs have ended since the last call, each reported once."""
+        self._reap()
+        if self._load_pipeline is None or not self._loads:
+            return set()
+        self._load_pipeline.completed()
+        finished = {rid for rid, load in self._loads.items() if load.done}
+        for rid in finished:
+            self._settle_load(self._loads.pop(rid))
+        return finished
+
+    def take_failed_requests(self) -> set[str]:
+        with self._lock:
+            failed, self._failed_requests = self._failed_requests, set()
+        return failed
+
+    def get_block_ids_with_load_errors(self) -> set[int]:
+        with self._lock:
+            errors, self._load_errors = self._load_errors, set()
+        return errors
+
+    # -- the end -------------------------------------------------------------------------
+
+    def drain(self, timeout_s: float = 10.0) -> bool:
+        """Wait until every submitted save has completed (for tests and shutdown)."""
+        deadline = time.monotonic() + timeout_s
+        while self._job_slots and time.monotonic() < deadline:
+            self._reap()
+            time.sleep(0.01)
+        self._reap()
+        return not self._job_slots
+
+    def shutdown(self, owns_store: bool) -> None:
+        for pipeline in (self._save_pipeline, self._load_pipeline):
+            if pipeline is not None:
+                try:
+                    pipeline.stop(STOP_DEADLINE_S)
+                except Exception as exc:  # noqa: BLE001
+                    log.warning("pipeline stop failed", error=str(exc))
+        self._reap()
+        self._save_pipeline = self._load_pipeline = None
+        for address in self._registered:
+            try:
+                self.store.unregister_buffer(address)
+            except Exception:  # noqa: BLE001, S110 - a closing client may refuse; nothing is lost
+                pass
+        self._registered.clear()
+        if owns_store:
+            self.store.close()
+
+
+def _remapped(
+    block_ids: tuple[tuple[int, ...], ...], placed: Sequence[tuple[int, int, int]]
+) -> tuple[tuple[int, ...], ...]:
+    """``block_ids`` with chunk ``index`` of engine group ``g`` at ``slot``, for each (g, index, slot).
+
+    The stages read chunk ``i`` of a group from ``block_ids[g][i]``; a request
+    over staging slots keeps the engine's shape with slot numbers where the
+    chunks it carries are (other entries are never read).
+    """
+    ids = [list(group_ids) for group_ids in block_ids]
+    for group, index, slot in placed:
+        if len(ids[group]) <= index:
+            ids[group].extend([slot] * (index + 1 - len(ids[group])))
+        ids[group][index] = slot
+    return tuple(tuple(group_ids) for group_ids in ids)

@@ -1,0 +1,113 @@
+"""Async loads in the real engine: one load per shared prefix, and a stale hit recomputes once.
+
+The engine runs with the defaults (``load_async: true``) and ``recompute``: a load
+that fails is a miss. Every test stands alone: its own prompts, its own counts.
+"""
+
+from __future__ import annotations
+
+import random
+import signal
+from collections import Counter
+from collections.abc import Iterator
+from contextlib import contextmanager
+from typing import Any
+
+import pytest
+
+from kvpipe.connector.mooncake import MooncakeStore
+from kvpipe.connector.vllm.launch import close_llm, kvpipe_transfer
+
+from . import engine
+from .test_connector import scheduler, stored_by, worker
+
+SHARED = 4 * engine.BLOCK  # the prefix every prompt of a family shares: four whole chunks
+GENERATION_BOUND_S = 120  # a pass that loops (lookup, load, fail, ...) never ends: this ends the test
+
+
+@pytest.fixture(scope="module")
+def llm(store_section: dict[str, Any]) -> Iterator[Any]:
+    transfer = {**kvpipe_transfer({"store": store_section}), "kv_load_failure_policy": "recompute"}
+    instance = engine.make_llm(transfer)
+    yield instance
+    close_llm(instance)
+
+
+def family(seed: int, count: int) -> list[list[int]]:
+    """``count`` prompts that share their first four chunks and differ after them."""
+    rng = random.Random(seed)
+    shared = [rng.randrange(1024) for _ in range(SHARED)]
+    return [shared + [rng.randrange(1024) for _ in range(engine.PROMPT_TOKENS - SHARED)] for _ in range(count)]
+
+
+@contextmanager
+def bounded(seconds: int) -> Iterator[None]:
+    """Fail instead of hanging when the block does not end within ``seconds``."""
+
+    def expire(signum: int, frame: Any) -> None:
+        raise TimeoutError(f"generation did not end within {seconds} s: a lookup/load loop?")
+
+    previous = signal.signal(signal.SIGALRM, expire)
+    signal.alarm(seconds)
+    try:
+        yield
+    finally:
+        signal.alarm(0)
+        signal.signal(signal.SIGALRM, previous)
+
+
+def test_loads_are_asynchronous_by_default(llm: Any) -> None:
+    batch = engine.prompts(21)
+    first, _ = stored_by(llm, batch)
+    assert llm.reset_prefix_cache()
+    asked = scheduler().stats["lookup_hit_tokens"]
+    second = engine.generate(llm, batch)
+    assert second["cached"] == [engine.FULL_HIT] * 2
+    assert second["tokens"] == first["tokens"]
+    assert scheduler().stats["lookup_hit_tokens"] - asked == 2 * engine.FULL_HIT
+    assert worker().settings.load_async
+
+
+def test_requests_sharing_a_prefix_load_it_once(llm: Any) -> None:
+    """Four requests, one stored prefix: one load; the other three hit it in vLLM's own prefix cache."""
+    batch = family(22, 4)
+    first, _ = stored_by(llm, batch)
+    assert llm.reset_prefix_cache()
+    loads, deferred = worker().stats["loads"], scheduler().stats["lookups_deferred"]
+    second = engine.generate(llm, batch)
+    assert worker().stats["loads"] - loads == 1
+    assert scheduler().stats["lookups_deferred"] - deferred >= 3
+    assert all(cached >= SHARED for cached in second["cached"])
+    assert second["connector_hits"] == SHARED  # loaded once; the rest are local hits on it
+    assert second["tokens"] == first["tokens"]
+
+
+def test_a_stale_hit_recomputes_once_and_never_loops(
+    llm: Any, holder: MooncakeStore, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The objects vanish between the lookup and the load (evicted, a master restarted)."""
+    batch = engine.prompts(23)
+    first, records = stored_by(llm, batch)
+    keys = sorted({r.key for r in records})
+    assert keys
+    side = scheduler()
+    allocated = side.update_state_after_alloc
+
+    def then_evict(request: Any, blocks: Any, num_external_tokens: int) -> None:
+        allocated(request, blocks, num_external_tokens)
+        if num_external_tokens:
+            for key in keys:
+                holder.remove(key, force=True)
+
+    monkeypatch.setattr(side, "update_state_after_alloc", then_evict)
+    assert llm.reset_prefix_cache()
+    before = Counter(side.stats), Counter(worker().stats)
+    with bounded(GENERATION_BOUND_S):
+        again = engine.generate(llm, batch)
+    scheduled, worked = Counter(side.stats) - before[0], Counter(worker().stats) - before[1]
+    assert again["tokens"] == first["tokens"]
+    assert again["cached"] == [0, 0]
+    assert worked["loads"] == 2  # one per request, never a second
+    assert scheduled["loads_failed"] == 2
+    assert scheduled["lookups_missed_after_failed_load"] == 2
+

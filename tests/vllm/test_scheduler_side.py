@@ -1,0 +1,227 @@
+"""The scheduler side's rules, driven as vLLM's scheduler drives them, on the memory store (no engine).
+
+Requests, block tables and scheduler outputs are the few fields of vLLM's objects
+the scheduler side reads.
+"""
+
+from __future__ import annotations
+
+import ctypes
+from dataclasses import dataclass, field
+from types import SimpleNamespace
+from typing import Any
+
+import pytest
+
+from kvpipe.connector.memory import MemoryStore
+from kvpipe.connector.vllm.engine_cache import EngineCache
+from kvpipe.connector.vllm.scheduler import FAILED_CHUNK_TTL_S, SchedulerSide
+from kvpipe.connector.vllm.settings import settings_from
+from kvpipe.stages import GroupKind, GroupSpec, object_key
+
+from ..stages.kv_fixtures import chain_hashes
+
+BLOCK = 16
+PROMPT = 4 * BLOCK + 5  # four whole chunks, then five tokens
+
+
+def engine_cache(groups: tuple[GroupSpec, ...] = (GroupSpec(GroupKind.FULL_ATTENTION, BLOCK),)) -> EngineCache:
+    return EngineCache(
+        groups=groups,
+        hash_block_size=BLOCK,
+        model="m",
+        cache_prefix="",
+        tp_size=1,
+        pp_rank=0,
+        layer_names=tuple(("layer",) for _ in groups),
+        num_blocks=64,
+        layout_name="LBHNC",
+    )
+
+
+class Clock:
+    def __init__(self) -> None:
+        self.now = 0.0
+
+    def __call__(self) -> float:
+        return self.now
+
+
+@dataclass
+class Request:
+    """The fields of vLLM's Request the scheduler side reads."""
+
+    request_id: str
+    block_hashes: tuple[bytes, ...]
+    num_tokens: int = PROMPT
+    num_prompt_tokens: int = PROMPT
+    num_computed_tokens: int = 0
+
+
+@dataclass
+class Harness:
+    side: SchedulerSide
+    store: MemoryStore
+    clock: Clock
+    hashes: tuple[bytes, ...] = field(default_factory=lambda: chain_hashes(PROMPT // BLOCK, salt="shared"))
+
+    def request(self, rid: str) -> Request:
+        request = Request(rid, self.hashes)
+        self.side.on_new_request(request)
+        return request
+
+    def store_chunks(self, count: int) -> list[str]:
+        """Store the first ``count`` chunks of the shared prefix (one byte each: a lookup asks only existence)."""
+        keys = [object_key(self.side.cache.namespace(0), 0, h) for h in self.hashes[:count]]
+        value = bytearray(1)
+        address = ctypes.addressof((ctypes.c_char * 1).from_buffer(value))
+        assert self.store.register_buffer(address, 1) == 0
+        codes = self.store.batch_put_from(keys, [address] * count, [1] * count, self.store.new_replicate_config())
+        assert codes == [0] * count
+        self.store.unregister_buffer(address)
+        return keys
+
+    def admit(self, request: Request, local: int = 0) -> int | None:
+        """vLLM's admission of one waiting request: lookup, then allocation with what it returned."""
+        new, is_async = self.side.get_num_new_matched_tokens(request, local)
+        if new is None:
+            return None
+        blocks = SimpleNamespace(get_block_ids=lambda: ([10 + i for i in range(PROMPT // BLOCK + 1)],))
+        self.side.update_state_after_alloc(request, blocks, new)
+        return new
+
+    def step(self, scheduled: dict[str, int] | None = None, finished: tuple[str, ...] = ()) -> Any:
+        output = SimpleNamespace(
+            finished_req_ids=set(finished),
+            scheduled_new_reqs=[],
+            num_scheduled_tokens=scheduled or {},
+            kv_connector_block_state=None,
+        )
+        return self.side.build_connector_meta(output)
+
+    def loads_ended(self, finished: set[str], failed: set[str] = frozenset(), blocks: set[int] = frozenset()) -> None:
+        self.side.update_connector_output(
+            SimpleNamespace(finished_recving=finished, failed_recving=set(failed), invalid_block_ids=set(blocks))
+        )
+
+
+@pytest.fixture
+def harness() -> Harness:
+    store = MemoryStore(1 << 20)
+    clock = Clock()
+    side = SchedulerSide(engine_cache(), settings_from({"store": {"kind": "memory"}}), store, clock)
+    return Harness(side, store, clock)
+
+
+def test_an_async_hit_is_loaded_asynchronously_and_goes_out_in_the_same_step(harness: Harness) -> None:
+    harness.store_chunks(4)
+    request = harness.request("a")
+    assert harness.side.get_num_new_matched_tokens(request, 0) == (4 * BLOCK, True)
+    harness.admit(request)
+    meta = harness.step()  # the loading request is not scheduled in this step
+    assert [(load.request_id, load.start_tokens, load.end_tokens) for load in meta.loads] == [("a", 0, 64)]
+    assert harness.step().loads == []  # once
+
+
+def test_a_request_whose_prefix_another_is_loading_asks_again_later(harness: Harness) -> None:
+    harness.store_chunks(4)
+    first, second = harness.request("a"), harness.request("b")
+    assert harness.admit(first) == 4 * BLOCK
+    harness.step()
+    assert harness.side.get_num_new_matched_tokens(second, 0) == (None, False)
+    harness.loads_ended({"a"})
+    # a's blocks are in vLLM's prefix cache now: b's local hit covers the prefix
+    assert harness.side.get_num_new_matched_tokens(second, 4 * BLOCK) == (0, False)
+    assert harness.side.stats["loads_planned"] == 1
+    assert harness.side.stats["lookups_deferred"] == 1
+
+
+def test_a_request_may_load_what_lies_past_another_requests_load(harness: Harness) -> None:
+    harness.store_chunks(2)
+    first = harness.request("a")
+    harness.admit(first)
+    harness.step()
+    harness.store_chunks(4)
+    harness.step()  # a new step asks the store again
+    second = harness.request("b")
+    assert harness.side.get_num_new_matched_tokens(second, 0) == (None, False)  # chunks 0-1 are a's
+    harness.loads_ended({"a"})
+    assert harness.side.get_num_new_matched_tokens(second, 2 * BLOCK) == (2 * BLOCK, True)
+
+
+def test_a_failed_load_makes_the_next_lookup_of_its_request_a_miss_once(harness: Harness) -> None:
+    harness.store_chunks(4)
+    request = harness.request("a")
+    harness.admit(request)
+    harness.step()
+    harness.loads_ended({"a"}, failed={"a"})  # the objects were gone at load time
+    # vLLM puts the request back to 0 and asks again at once: a miss, not the same load again
+    assert harness.side.get_num_new_matched_tokens(request, 0) == (0, False)
+    assert harness.side.stats["lookups_missed_after_failed_load"] == 1
+    assert harness.side.stats["loads_failed"] == 1
+
+
+def test_block_level_load_errors_count_as_a_failed_load(harness: Harness) -> None:
+    harness.store_chunks(4)
+    request = harness.request("a")
+    harness.admit(request)
+    harness.step()
+    harness.loads_ended({"a"}, blocks={10})  # its first block
+    assert harness.side.get_num_new_matched_tokens(request, 0) == (0, False)
+
+
+def test_chunks_whose_load_failed_are_misses_for_other_requests_for_a_while(harness: Harness) -> None:
+    harness.store_chunks(4)
+    first, second = harness.request("a"), harness.request("b")
+    harness.admit(first)
+    harness.step()
+    assert harness.side.get_num_new_matched_tokens(second, 0) == (None, False)
+    harness.loads_ended({"a"}, failed={"a"})
+    harness.step()
+    assert harness.side.get_num_new_matched_tokens(second, 0) == (0, False)  # not the same doomed load
+    harness.clock.now += FAILED_CHUNK_TTL_S
+    harness.step()
+    assert harness.side.get_num_new_matched_tokens(second, 0) == (4 * BLOCK, True)
+
+
+def test_with_sync_loads_a_load_goes_out_with_the_step_that_schedules_its_request() -> None:
+    side = SchedulerSide(engine_cache(), settings_from({"store": {"kind": "memory"}, "load_async": False}),
+                         MemoryStore(1 << 20))
+    harness = Harness(side, side.store, Clock())  # type: ignore[arg-type]
+    harness.store_chunks(4)
+    request = harness.request("a")
+    assert side.get_num_new_matched_tokens(request, 0) == (4 * BLOCK, False)
+    harness.admit(request)
+    assert [load.request_id for load in harness.step(scheduled={"a": PROMPT - 4 * BLOCK}).loads] == ["a"]
+
+
+def test_a_store_that_cannot_answer_is_a_miss(harness: Harness) -> None:
+    harness.store_chunks(4)
+    harness.store.close()  # every call now answers -900
+    assert harness.side.get_num_new_matched_tokens(harness.request("a"), 0) == (0, False)
+
+
+def plan_saves(side: SchedulerSide, request: Request, scheduled: int) -> list[Any]:
+    table = SimpleNamespace(get_block_ids=lambda rid: (list(range(10)),))
+    output = SimpleNamespace(
+        finished_req_ids=set(),
+        scheduled_new_reqs=[SimpleNamespace(req_id=request.request_id, num_computed_tokens=request.num_computed_tokens)],
+        num_scheduled_tokens={request.request_id: scheduled},
+        kv_connector_block_state=table,
+    )
+    return side.build_connector_meta(output).saves
+
+
+@pytest.mark.parametrize(("save_decode_cache", "saved_chunks"), [(False, 4), (True, 7)])
+def test_decode_chunks_are_saved_only_with_save_decode_cache(save_decode_cache: bool, saved_chunks: int) -> None:
+    """A 69-token prompt (4 whole chunks) decoded to 112 tokens (7 chunks)."""
+    settings = settings_from({"store": {"kind": "memory"}, "save_decode_cache": save_decode_cache})
+    side = SchedulerSide(engine_cache(), settings, MemoryStore(1 << 20))
+    request = Request("a", chain_hashes(7, salt="a"), num_tokens=7 * BLOCK)
+    side.on_new_request(request)
+    side.update_state_after_alloc(request, SimpleNamespace(get_block_ids=lambda: ([],)), 0)
+    saves = plan_saves(side, request, PROMPT)
+    request.num_computed_tokens = PROMPT
+    saves += plan_saves(side, request, 7 * BLOCK - PROMPT)  # the decode steps, as one
+    chunks = [i for s in saves for i in range(s.num_saved_tokens // BLOCK, s.num_computed_tokens // BLOCK)]
+    assert chunks == list(range(saved_chunks))

@@ -1,0 +1,107 @@
+"""The worker side on vLLM's own KV views, every layout: save, then load into another engine's cache.
+
+No engine runs: the views are what vLLM's ``create_kv_cache_views`` makes, the
+store is the in-process model, and the worker is driven as vLLM drives it
+(``register_kv_caches``, ``wait_for_save``, ``start_load_kv``, ``get_finished``).
+"""
+
+from __future__ import annotations
+
+import time
+
+import pytest
+import torch
+
+from kvpipe.connector.memory import MemoryStore
+from kvpipe.connector.vllm.engine_cache import EngineCache
+from kvpipe.connector.vllm.messages import KVPipeMetadata
+from kvpipe.connector.vllm.settings import settings_from
+from kvpipe.connector.vllm.worker import WorkerSide
+from kvpipe.stages import GroupKind, GroupSpec, LoadRequest, SaveRequest
+
+from ..stages.kv_fixtures import chain_hashes
+from .test_kv_layout import LAYERS, NUM_BLOCKS, engine_views
+
+pytest.importorskip("vllm")
+from vllm.v1.kv_cache_layout import KVCacheLayout  # noqa: E402
+
+BLOCK = 16
+HASHES = chain_hashes(3, salt="w")
+BITS = torch.int16  # random bytes make NaNs of bfloat16: compare the bits
+
+
+def worker(store: MemoryStore, layout: KVCacheLayout, load_async: bool = True, **kwargs) -> WorkerSide:
+    cache = EngineCache(
+        groups=(GroupSpec(GroupKind.FULL_ATTENTION, BLOCK),),
+        hash_block_size=BLOCK,
+        model="m",
+        cache_prefix="",
+        tp_size=1,
+        pp_rank=0,
+        layer_names=(LAYERS,),
+        num_blocks=NUM_BLOCKS,
+        layout_name=layout.name,
+    )
+    settings = settings_from({"store": {"kind": "memory"}, "staging_blocks": 8, "load_async": load_async})
+    return WorkerSide(cache, settings, store, **kwargs)
+
+
+def wait_finished(side: WorkerSide, timeout_s: float = 10.0) -> set[str]:
+    deadline = time.monotonic() + timeout_s
+    finished: set[str] = set()
+    while not finished and time.monotonic() < deadline:
+        finished = side.get_finished()
+        time.sleep(0.005)
+    return finished
+
+
+def save_three_blocks(store: MemoryStore, layout: KVCacheLayout) -> dict[str, torch.Tensor]:
+    views = engine_views(layout)
+    saver = worker(store, layout)
+    saver.register_kv_caches(views)
+    saver.wait_for_save(KVPipeMetadata(saves=[SaveRequest("s", HASHES, ((4, 1, 5),), 3 * BLOCK)]))
+    assert saver.drain(10.0)
+    assert saver.stats["objects_put"] == 3
+    saver.shutdown(owns_store=False)
+    return views
+
+
+@pytest.mark.parametrize("via_staging", [False, True], ids=["into-blocks", "via-staging"])
+@pytest.mark.parametrize("layout", list(KVCacheLayout), ids=lambda m: m.name)
+def test_saved_blocks_load_into_another_cache_byte_for_byte(layout: KVCacheLayout, via_staging: bool) -> None:
+    store = MemoryStore(16 << 20)
+    source = save_three_blocks(store, layout)
+    target = engine_views(layout)
+    loader = worker(store, layout, load_via_staging=via_staging)
+    loader.register_kv_caches(target)
+    loader.start_load_kv(KVPipeMetadata(loads=[LoadRequest("l", HASHES, ((0, 2, 3),), 0, 3 * BLOCK)]))
+    assert wait_finished(loader) == {"l"}
+    assert loader.get_block_ids_with_load_errors() == set()
+    for name in LAYERS:
+        for saved, loaded in ((4, 0), (1, 2), (5, 3)):
+            assert torch.equal(target[name][loaded].view(BITS), source[name][saved].view(BITS))
+    loader.shutdown(owns_store=False)
+
+
+@pytest.mark.parametrize("via_staging", [False, True], ids=["into-blocks", "via-staging"])
+def test_a_load_of_missing_objects_reports_its_blocks_failed_and_finishes(via_staging: bool) -> None:
+    store = MemoryStore(16 << 20)
+    loader = worker(store, KVCacheLayout.LBHNC, load_via_staging=via_staging)
+    loader.register_kv_caches(engine_views(KVCacheLayout.LBHNC))
+    loader.start_load_kv(KVPipeMetadata(loads=[LoadRequest("l", HASHES, ((0, 2, 3),), 0, 2 * BLOCK)]))
+    assert wait_finished(loader) == {"l"}
+    assert loader.get_block_ids_with_load_errors() == {0, 2}
+    assert loader.get_finished() == set()  # reported once
+    loader.shutdown(owns_store=False)
+
+
+def test_a_sync_load_has_landed_when_start_load_kv_returns() -> None:
+    store = MemoryStore(16 << 20)
+    source = save_three_blocks(store, KVCacheLayout.LBHNC)
+    target = engine_views(KVCacheLayout.LBHNC)
+    loader = worker(store, KVCacheLayout.LBHNC, load_async=False)
+    loader.register_kv_caches(target)
+    loader.start_load_kv(KVPipeMetadata(loads=[LoadRequest("l", HASHES, ((0, 2, 3),), 0, BLOCK)]))
+    assert torch.equal(target[LAYERS[0]][0].view(BITS), source[LAYERS[0]][4].view(BITS))
+    assert loader.get_finished() == set()  # a sync load is never reported as an async one
+    loader.shutdown(owns_store=False)
