@@ -1,9 +1,12 @@
 """Which KV-cache groups are stored, and their store numbering.
 
 The engine may hold groups whose prefix cannot be reused (a ring or scratch
-buffer): storing them would waste space and, worse, shift vLLM's ``group:{g}``
+buffer): storing them would waste space and, worse, shift the ``group:{g}``
 numbering. So the store sees only the *storable projection*: the prefix-cacheable
-groups, numbered 0..k-1 in engine order. Everything here runs once, when the
+groups, numbered 0..k-1 in engine order. vLLM 0.32's own connector numbers
+``@group:N`` the same way (its coordinator is built from
+``kv_cache_config.prefix_cacheable_groups`` and its worker enumerates that list),
+not by the engine's group index, which keeps the two connectors' keys equal. Everything here runs once, when the
 stages are built, so a cache that cannot be saved is refused before the first
 request, with a message that says which group or shard is at fault.
 """

@@ -7,7 +7,7 @@ benchmark keep several engines up and take turns between them.
 
 ``python -m kvpipe.connector.bench.vllm_engine SPEC_JSON`` builds the engine of
 ``SPEC_JSON`` (``model``, ``transfer``, optional ``max_model_len``,
-``kv_cache_memory_bytes``), prints ``RESULT {"ready": ...}``, then answers each
+``kv_cache_memory_bytes`` and ``engine_args``: more ``LLM`` keyword arguments), prints ``RESULT {"ready": ...}``, then answers each
 command read from stdin with one ``RESULT {json}`` line:
 
 - ``{"generate": [[ids...], ...], "max_tokens": N}`` -> :class:`~kvpipe.connector.vllm.launch.PassResult`
@@ -163,6 +163,7 @@ def _serve(spec: Mapping[str, Any]) -> None:
         spec.get("transfer"),
         max_model_len=int(spec.get("max_model_len", 1024)),
         kv_cache_memory_bytes=int(spec.get("kv_cache_memory_bytes", 64 << 20)),
+        **dict(spec.get("engine_args", {})),
     )
     print(
         PREFIX + json.dumps({"ready": round(time.perf_counter() - started, 2), "pid": os.getpid()}),

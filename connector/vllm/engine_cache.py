@@ -77,22 +77,37 @@ class EngineCache:
     layer_names: tuple[tuple[str, ...], ...]  # per engine group
     num_blocks: int
     layout_name: str
+    #: TP ranks that hold byte-identical objects (MLA: every rank; GQA with more ranks
+    #: than KV heads: tp_size // heads); they share one key, every one of them loads it
+    tp_replicas: int = 1
 
     @classmethod
     def of(
-        cls, vllm_config: VllmConfig, kv_cache_config: KVCacheConfig, settings: ConnectorSettings, pp_rank: int = 0
+        cls,
+        vllm_config: VllmConfig,
+        kv_cache_config: KVCacheConfig,
+        settings: ConnectorSettings,
+        pp_rank: int = 0,
     ) -> EngineCache:
         mamba_mode = getattr(vllm_config.cache_config, "mamba_cache_mode", None)
+        parallel = vllm_config.parallel_config
+        tp_size = int(parallel.tensor_parallel_size)
         return cls(
             groups=groups_of(kv_cache_config, mamba_mode),
             hash_block_size=int(kv_cache_config.hash_block_size),
             model=key_model_name(vllm_config.model_config.model),
             cache_prefix=settings.cache_prefix,
-            tp_size=int(vllm_config.parallel_config.tensor_parallel_size),
+            tp_size=tp_size,
             pp_rank=pp_rank,
             layer_names=tuple(tuple(g.layer_names) for g in kv_cache_config.kv_cache_groups),
             num_blocks=int(kv_cache_config.num_blocks),
             layout_name=str(getattr(kv_cache_config, "kv_cache_layout", None) or "unresolved"),
+            tp_replicas=tp_replicas(
+                kv_cache_config,
+                tp_size,
+                int(vllm_config.model_config.get_total_num_kv_heads()),
+                int(getattr(parallel, "decode_context_parallel_size", 1) or 1),
+            ),
         )
 
     store_groups: tuple[StoreGroup, ...] = field(init=False)
@@ -106,14 +121,57 @@ class EngineCache:
         stored = self.kv_cache({g.engine_group: BlockLayout(()) for g in self.store_groups})
         object.__setattr__(self, "lookup_shards", stored.shards)
 
-    def namespace(self, tp_rank: int) -> KeyNamespace:
-        return KeyNamespace(self.model, self.cache_prefix, tp_rank=tp_rank, pp_rank=self.pp_rank)
+    def namespace(self, key_rank: int) -> KeyNamespace:
+        return KeyNamespace(self.model, self.cache_prefix, tp_rank=key_rank, pp_rank=self.pp_rank)
 
-    def kv_cache(self, layouts: Mapping[int, BlockLayout], tp_ranks: Sequence[int] | None = None) -> KVCache:
-        """The cache with ``layouts`` (by engine group) for ``tp_ranks`` (default: every rank)."""
-        ranks = range(self.tp_size) if tp_ranks is None else tp_ranks
+    def key_rank(self, tp_rank: int) -> int:
+        """The ``tp_rank`` of a rank's keys: ranks with identical bytes share one."""
+        return tp_rank // self.tp_replicas
+
+    def puts_from(self, tp_rank: int) -> bool:
+        """Whether rank ``tp_rank`` puts its objects: of ranks with identical bytes, the first does.
+
+        (vLLM's connector stripes a chunk's puts over the replicas; the keys and
+        bytes are the same either way, and one writer keeps every save request whole.)
+        """
+        return tp_rank % self.tp_replicas == 0
+
+    def kv_cache(self, layouts: Mapping[int, BlockLayout], key_ranks: Sequence[int] | None = None) -> KVCache:
+        """The cache with ``layouts`` (by engine group) under ``key_ranks`` (default: every distinct one)."""
+        ranks = range(self.tp_size // self.tp_replicas) if key_ranks is None else key_ranks
         shards = tuple(Shard(self.namespace(rank), dict(layouts)) for rank in ranks)
         return KVCache(self.groups, self.hash_block_size, shards)
+
+
+def tp_replicas(kv_cache_config: KVCacheConfig, tp_size: int, kv_heads: int, dcp_size: int) -> int:
+    """How many TP ranks hold byte-identical objects: vLLM's connector's replication factor.
+
+    A mamba state is rank-specific (1); an MLA latent is the same on every rank
+    (``tp_size``); attention heads are replicated when there are more ranks than
+    KV heads (``tp_size // kv_heads``); DCP splits the context, so nothing is
+    replicated (1). Groups that disagree cannot share one key per chunk: refused.
+    """
+    from vllm.v1.kv_cache_interface import MambaSpec, MLAAttentionSpec
+
+    def factor(spec: Any) -> int:
+        inner = tuple(spec.kv_cache_specs.values()) if hasattr(spec, "kv_cache_specs") else (spec,)
+        if dcp_size > 1 or any(isinstance(s, MambaSpec) for s in inner):
+            return 1
+        if all(isinstance(s, MLAAttentionSpec) for s in inner):
+            return tp_size
+        return max(1, tp_size // max(1, kv_heads))
+
+    factors = {
+        factor(group.kv_cache_spec)
+        for group in kv_cache_config.kv_cache_groups
+        if getattr(group.kv_cache_spec, "prefix_cacheable", True)
+    }
+    if len(factors) > 1:
+        raise ConfigError(
+            f"the stored KV-cache groups replicate over TP ranks differently ({sorted(factors)} ranks per copy "
+            f"at tensor_parallel_size {tp_size}): kvpipe keys every group of a chunk alike"
+        )
+    return factors.pop() if factors else 1
 
 
 # The memory store serves in-process engines only (scheduler and worker share it), and

@@ -191,7 +191,11 @@ def group_layout(
         names = tuple(dict.fromkeys(run.layer for run in sorted(cluster, key=lambda r: order[id(r)])))
         end = head.start
         for run in cluster:
-            if run.stride != head.stride or run.start < end or run.start + run.nbytes > head.start + head.stride:
+            if (
+                run.stride != head.stride
+                or run.start < end
+                or run.start + run.nbytes > head.start + head.stride
+            ):
                 raise LayoutError(
                     f"KV cache of layers {list(names)} ({layout_name}): their blocks overlap or step "
                     f"differently ({run.layer!r}: {run.nbytes} bytes every {run.stride} at +{run.start - head.start}, "

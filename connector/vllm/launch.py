@@ -39,6 +39,62 @@ TINY_LLAMA: dict[str, Any] = {
     "vocab_size": 1024,
 }
 
+#: A tiny DeepSeek-V2: MLA (one latent per token, ``CPU_MLA``), two dense layers.
+#: vLLM's own prefix cache is off for it on CPU, so every reuse is a connector's.
+TINY_DEEPSEEK_V2: dict[str, Any] = {
+    "architectures": ["DeepseekV2ForCausalLM"],
+    "model_type": "deepseek_v2",
+    "hidden_size": 256,
+    "intermediate_size": 256,
+    "num_hidden_layers": 2,
+    "num_attention_heads": 4,
+    "num_key_value_heads": 4,
+    "vocab_size": 1024,
+    "kv_lora_rank": 512,
+    "q_lora_rank": None,
+    "qk_rope_head_dim": 64,
+    "qk_nope_head_dim": 128,
+    "v_head_dim": 128,
+    "first_k_dense_replace": 2,  # dense layers: the experts below are never built
+    "n_routed_experts": 4,
+    "num_experts_per_tok": 2,
+    "moe_intermediate_size": 64,
+    "n_shared_experts": 1,
+    "max_position_embeddings": 4096,
+    "tie_word_embeddings": False,
+}
+
+#: A tiny Qwen3-Next: GDN linear attention (three mamba groups, ``align`` mode) and one
+#: full-attention group, overlaying one cache. (The CPU GDN kernel needs head dim 128.)
+TINY_QWEN3_NEXT: dict[str, Any] = {
+    "architectures": ["Qwen3NextForCausalLM"],
+    "model_type": "qwen3_next",
+    "hidden_size": 256,
+    "intermediate_size": 256,
+    "num_hidden_layers": 4,
+    "num_attention_heads": 4,
+    "num_key_value_heads": 2,
+    "head_dim": 64,
+    "vocab_size": 1024,
+    "layer_types": ["linear_attention", "linear_attention", "linear_attention", "full_attention"],
+    "full_attention_interval": 4,
+    "linear_num_key_heads": 2,
+    "linear_num_value_heads": 2,
+    "linear_key_head_dim": 128,
+    "linear_value_head_dim": 128,
+    "linear_conv_kernel_dim": 4,
+    "num_experts": 4,
+    "num_experts_per_tok": 2,
+    "moe_intermediate_size": 64,
+    "shared_expert_intermediate_size": 64,
+    "decoder_sparse_step": 1,
+    "max_position_embeddings": 4096,
+    "partial_rotary_factor": 0.25,
+    "tie_word_embeddings": False,
+}
+#: what a hybrid model needs to reuse a prefix at all: vLLM's prefix cache, mamba ``align``
+HYBRID_ENGINE_ARGS: dict[str, Any] = {"enable_prefix_caching": True, "mamba_cache_mode": "align"}
+
 #: vLLM metric counters (``llm.get_metrics()``, with ``disable_log_stats=False``) a pass reports.
 PREFIX_CACHE_HITS = "vllm:prefix_cache_hits"
 EXTERNAL_PREFIX_CACHE_HITS = "vllm:external_prefix_cache_hits"
@@ -139,10 +195,12 @@ def make_llm(
     *,
     max_model_len: int = 1024,
     kv_cache_memory_bytes: int = 64 << 20,
+    **engine_args: Any,
 ) -> Any:
     """An engine on ``model`` with dummy weights (fixed seed: greedy outputs repeat across engines).
 
     Stats stay on so :func:`generate` can tell local prefix-cache hits from connector hits.
+    ``engine_args`` go to ``LLM`` as they are (e.g. :data:`HYBRID_ENGINE_ARGS`).
     """
     from vllm import LLM
     from vllm.config import KVTransferConfig
@@ -157,6 +215,7 @@ def make_llm(
         kv_cache_memory_bytes=kv_cache_memory_bytes,
         kv_transfer_config=KVTransferConfig(**transfer) if transfer else None,
         disable_log_stats=False,
+        **engine_args,
     )
 
 

@@ -96,7 +96,9 @@ class SchedulerSide:
     def on_new_request(self, request: Request) -> None:
         self._waiting[request.request_id] = request
 
-    def get_num_new_matched_tokens(self, request: Request, num_computed_tokens: int) -> tuple[int | None, bool]:
+    def get_num_new_matched_tokens(
+        self, request: Request, num_computed_tokens: int
+    ) -> tuple[int | None, bool]:
         """Tokens past ``num_computed_tokens`` the store can give, and whether they load asynchronously.
 
         ``(None, False)`` asks vLLM to ask again next step: the prefix is being
@@ -111,7 +113,9 @@ class SchedulerSide:
             self.stats["lookups_missed_after_failed_load"] += 1
             return 0, False
         lookup = LookupRequest(rid, tuple(request.block_hashes), request.num_tokens, num_computed_tokens)
-        keys = lookup_keys(self.cache.store_groups, self.cache.lookup_shards, self.cache.hash_block_size, lookup)
+        keys = lookup_keys(
+            self.cache.store_groups, self.cache.lookup_shards, self.cache.hash_block_size, lookup
+        )
         if not keys:
             return 0, False
         if any(key not in self._exists for key in keys):
@@ -179,17 +183,23 @@ class SchedulerSide:
 
     # -- allocation and planning ---------------------------------------------------------
 
-    def update_state_after_alloc(self, request: Request, blocks: KVCacheBlocks, num_external_tokens: int) -> None:
+    def update_state_after_alloc(
+        self, request: Request, blocks: KVCacheBlocks, num_external_tokens: int
+    ) -> None:
         rid = request.request_id
         self._waiting.pop(rid, None)
         self._tracked.setdefault(rid, _Tracked(request))
         local = self._local_hits.pop(rid, 0)
         if num_external_tokens > 0:
             block_ids = tuple(tuple(ids) for ids in blocks.get_block_ids())
-            load = LoadRequest(rid, tuple(request.block_hashes), block_ids, local, local + num_external_tokens)
+            load = LoadRequest(
+                rid, tuple(request.block_hashes), block_ids, local, local + num_external_tokens
+            )
             self._pending_loads[rid] = load
             if self.settings.load_async:
-                self._loading.update(dict.fromkeys(self._hashes(load, load.start_tokens, load.end_tokens), rid))
+                self._loading.update(
+                    dict.fromkeys(self._hashes(load, load.start_tokens, load.end_tokens), rid)
+                )
 
     def build_connector_meta(self, scheduler_output: SchedulerOutput) -> KVPipeMetadata:
         so = scheduler_output

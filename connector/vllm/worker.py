@@ -26,7 +26,7 @@ import time
 from collections import Counter, deque
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING
 
 import structlog
 import torch
@@ -48,9 +48,11 @@ from kvpipe.stages import (
 from ..store import Store
 from .engine_cache import EngineCache
 from .kv_layout import GroupLayout, group_layout, storages_of
-from .messages import KVPipeMetadata
 from .settings import ConnectorSettings
 from .staging import StagingArea
+
+if TYPE_CHECKING:
+    from .messages import KVPipeMetadata
 
 log = structlog.get_logger("kvpipe.connector.vllm")
 
@@ -178,7 +180,7 @@ class WorkerSide:
         ).start()
 
     def _rank_cache(self, layouts: Mapping[int, BlockLayout]) -> KVCache:
-        return self.cache.kv_cache(layouts, [self.tp_rank])
+        return self.cache.kv_cache(layouts, [self.cache.key_rank(self.tp_rank)])
 
     # -- saves ---------------------------------------------------------------------------
 
@@ -191,6 +193,8 @@ class WorkerSide:
         self._reap()
         if self._save_pipeline is None or self._staging is None or not meta.saves:
             return
+        if not self.cache.puts_from(self.tp_rank):
+            return  # a replica's bytes: the first rank of its replicas puts them
         staged = [staged for save in meta.saves if (staged := self._stage(save)) is not None]
         self._staging.settle()  # a device copy must land before a put reads the slot
         for slots, request in staged:
@@ -219,9 +223,16 @@ class WorkerSide:
         slots = self._staging.take(len(plan))
         for (engine_group, _, block), slot in zip(plan, slots, strict=True):
             self._staging.copy_in(engine_group, slot, block)
-        ids = _remapped(save.block_ids, [(g, index, slot) for (g, index, _), slot in zip(plan, slots, strict=True)])
+        ids = _remapped(
+            save.block_ids, [(g, index, slot) for (g, index, _), slot in zip(plan, slots, strict=True)]
+        )
         request = SaveRequest(
-            save.request_id, save.block_hashes, ids, save.num_computed_tokens, save.num_saved_tokens, save.finished
+            save.request_id,
+            save.block_hashes,
+            ids,
+            save.num_computed_tokens,
+            save.num_saved_tokens,
+            save.finished,
         )
         return slots, request
 
@@ -264,7 +275,9 @@ class WorkerSide:
             self.stats["loads_failed_no_staging"] += 1
             return _Load(load, None)
         slots = self._staging.take(len(plan))
-        ids = _remapped(load.block_ids, [(g, index, slot) for (g, index, _), slot in zip(plan, slots, strict=True)])
+        ids = _remapped(
+            load.block_ids, [(g, index, slot) for (g, index, _), slot in zip(plan, slots, strict=True)]
+        )
         job = self._load_pipeline.submit(
             LoadRequest(load.request_id, load.block_hashes, ids, load.start_tokens, load.end_tokens)
         )

@@ -3,7 +3,8 @@
 import anyio
 import pytest
 
-from kvpipe.stages import Backoff, backoff as backoff_module
+from kvpipe.stages import Backoff
+from kvpipe.stages import backoff as backoff_module
 
 
 class _Clock:

@@ -37,7 +37,9 @@ def family(seed: int, count: int) -> list[list[int]]:
     """``count`` prompts that share their first four chunks and differ after them."""
     rng = random.Random(seed)
     shared = [rng.randrange(1024) for _ in range(SHARED)]
-    return [shared + [rng.randrange(1024) for _ in range(engine.PROMPT_TOKENS - SHARED)] for _ in range(count)]
+    return [
+        shared + [rng.randrange(1024) for _ in range(engine.PROMPT_TOKENS - SHARED)] for _ in range(count)
+    ]
 
 
 @contextmanager
@@ -110,4 +112,3 @@ def test_a_stale_hit_recomputes_once_and_never_loops(
     assert worked["loads"] == 2  # one per request, never a second
     assert scheduled["loads_failed"] == 2
     assert scheduled["lookups_missed_after_failed_load"] == 2
-

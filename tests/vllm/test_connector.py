@@ -40,7 +40,9 @@ def worker() -> Any:
 def scheduler() -> Any:
     from kvpipe.connector.vllm import KVPipeConnector
 
-    schedulers = [c.scheduler for c in KVPipeConnector.instances if c.scheduler is not None and c.store is not None]
+    schedulers = [
+        c.scheduler for c in KVPipeConnector.instances if c.scheduler is not None and c.store is not None
+    ]
     assert len(schedulers) == 1, schedulers
     return schedulers[0]
 
@@ -61,8 +63,9 @@ def overwrite(holder: MooncakeStore, keys: list[str], value: Any) -> None:
     try:
         for key in keys:
             assert holder.remove(key, force=True) == 0
-        codes = holder.batch_put_from(keys, [value.data_ptr()] * len(keys), [size] * len(keys),
-                                      holder.new_replicate_config())
+        codes = holder.batch_put_from(
+            keys, [value.data_ptr()] * len(keys), [size] * len(keys), holder.new_replicate_config()
+        )
         assert codes == [0] * len(keys)
     finally:
         holder.unregister_buffer(value.data_ptr())
@@ -109,7 +112,9 @@ def test_group_semantics_tags_every_object_with_its_chunk(llm: Any) -> None:
         assert record.key == f"tiny-llama@tp_rank:0@pcp0@dcp0@pp_rank:0@group:0@{record.chunk_hash.hex()}"
 
 
-def test_a_failed_load_is_recomputed(llm: Any, holder: MooncakeStore, reference: dict[int, list[list[int]]]) -> None:
+def test_a_failed_load_is_recomputed(
+    llm: Any, holder: MooncakeStore, reference: dict[int, list[list[int]]]
+) -> None:
     """Objects of the wrong size: the lookup hits, the load fails, vLLM recomputes the blocks."""
     import torch
 

@@ -16,10 +16,17 @@ from . import engine
 def vllm_config(extra: dict[str, Any]) -> Any:
     from vllm.config import CacheConfig, KVTransferConfig, ModelConfig, VllmConfig
 
-    model = ModelConfig(model=str(engine.MODEL_DIR), skip_tokenizer_init=True, max_model_len=512,
-                        dtype="bfloat16", enforce_eager=True)
+    model = ModelConfig(
+        model=str(engine.MODEL_DIR),
+        skip_tokenizer_init=True,
+        max_model_len=512,
+        dtype="bfloat16",
+        enforce_eager=True,
+    )
     transfer = KVTransferConfig(**{**launch.kvpipe_transfer(extra), "kv_load_failure_policy": "recompute"})
-    return VllmConfig(model_config=model, cache_config=CacheConfig(block_size=16), kv_transfer_config=transfer)
+    return VllmConfig(
+        model_config=model, cache_config=CacheConfig(block_size=16), kv_transfer_config=transfer
+    )
 
 
 def kv_cache_config(groups: int = 1) -> Any:

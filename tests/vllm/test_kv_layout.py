@@ -51,7 +51,9 @@ def engine_views(layout: KVCacheLayout, spec=ATTENTION, layers=LAYERS) -> dict[s
     )
     size = max(layer_stride * len(layers), block_stride * NUM_BLOCKS)  # exact, as vLLM allocates it
     raw = torch.randint(-128, 127, (size,), dtype=torch.int8)
-    tensor = KVCacheTensor(size=size, layers=list(layers), layer_stride=layer_stride, block_stride=block_stride)
+    tensor = KVCacheTensor(
+        size=size, layers=list(layers), layer_stride=layer_stride, block_stride=block_stride
+    )
     return dict(zip(layers, create_kv_cache_views(raw, spec, NUM_BLOCKS, layout, tensor), strict=True))
 
 

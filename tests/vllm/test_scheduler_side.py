@@ -25,7 +25,9 @@ BLOCK = 16
 PROMPT = 4 * BLOCK + 5  # four whole chunks, then five tokens
 
 
-def engine_cache(groups: tuple[GroupSpec, ...] = (GroupSpec(GroupKind.FULL_ATTENTION, BLOCK),)) -> EngineCache:
+def engine_cache(
+    groups: tuple[GroupSpec, ...] = (GroupSpec(GroupKind.FULL_ATTENTION, BLOCK),),
+) -> EngineCache:
     return EngineCache(
         groups=groups,
         hash_block_size=BLOCK,
@@ -76,7 +78,9 @@ class Harness:
         value = bytearray(1)
         address = ctypes.addressof((ctypes.c_char * 1).from_buffer(value))
         assert self.store.register_buffer(address, 1) == 0
-        codes = self.store.batch_put_from(keys, [address] * count, [1] * count, self.store.new_replicate_config())
+        codes = self.store.batch_put_from(
+            keys, [address] * count, [1] * count, self.store.new_replicate_config()
+        )
         assert codes == [0] * count
         self.store.unregister_buffer(address)
         return keys
@@ -99,9 +103,13 @@ class Harness:
         )
         return self.side.build_connector_meta(output)
 
-    def loads_ended(self, finished: set[str], failed: set[str] = frozenset(), blocks: set[int] = frozenset()) -> None:
+    def loads_ended(
+        self, finished: set[str], failed: set[str] = frozenset(), blocks: set[int] = frozenset()
+    ) -> None:
         self.side.update_connector_output(
-            SimpleNamespace(finished_recving=finished, failed_recving=set(failed), invalid_block_ids=set(blocks))
+            SimpleNamespace(
+                finished_recving=finished, failed_recving=set(failed), invalid_block_ids=set(blocks)
+            )
         )
 
 
@@ -185,8 +193,11 @@ def test_chunks_whose_load_failed_are_misses_for_other_requests_for_a_while(harn
 
 
 def test_with_sync_loads_a_load_goes_out_with_the_step_that_schedules_its_request() -> None:
-    side = SchedulerSide(engine_cache(), settings_from({"store": {"kind": "memory"}, "load_async": False}),
-                         MemoryStore(1 << 20))
+    side = SchedulerSide(
+        engine_cache(),
+        settings_from({"store": {"kind": "memory"}, "load_async": False}),
+        MemoryStore(1 << 20),
+    )
     harness = Harness(side, side.store, Clock())  # type: ignore[arg-type]
     harness.store_chunks(4)
     request = harness.request("a")
@@ -205,7 +216,9 @@ def plan_saves(side: SchedulerSide, request: Request, scheduled: int) -> list[An
     table = SimpleNamespace(get_block_ids=lambda rid: (list(range(10)),))
     output = SimpleNamespace(
         finished_req_ids=set(),
-        scheduled_new_reqs=[SimpleNamespace(req_id=request.request_id, num_computed_tokens=request.num_computed_tokens)],
+        scheduled_new_reqs=[
+            SimpleNamespace(req_id=request.request_id, num_computed_tokens=request.num_computed_tokens)
+        ],
         num_scheduled_tokens={request.request_id: scheduled},
         kv_connector_block_state=table,
     )
@@ -213,7 +226,9 @@ def plan_saves(side: SchedulerSide, request: Request, scheduled: int) -> list[An
 
 
 @pytest.mark.parametrize(("save_decode_cache", "saved_chunks"), [(False, 4), (True, 7)])
-def test_decode_chunks_are_saved_only_with_save_decode_cache(save_decode_cache: bool, saved_chunks: int) -> None:
+def test_decode_chunks_are_saved_only_with_save_decode_cache(
+    save_decode_cache: bool, saved_chunks: int
+) -> None:
     """A 69-token prompt (4 whole chunks) decoded to 112 tokens (7 chunks)."""
     settings = settings_from({"store": {"kind": "memory"}, "save_decode_cache": save_decode_cache})
     side = SchedulerSide(engine_cache(), settings, MemoryStore(1 << 20))

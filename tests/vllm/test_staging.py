@@ -38,7 +38,9 @@ def test_copy_out_puts_a_slot_back_into_an_engine_block() -> None:
     source, target = engine_layers(), engine_layers()
     area = StagingArea({0: group_layout(target, NUM_BLOCKS)}, slots=2)
     area.copy_in(0, slot=1, block=3)
-    staged(area, 0, 1).copy_(torch.cat([block_bytes(source["layer.0"], 4), block_bytes(source["layer.1"], 4)]))
+    staged(area, 0, 1).copy_(
+        torch.cat([block_bytes(source["layer.0"], 4), block_bytes(source["layer.1"], 4)])
+    )
     area.copy_out(0, slot=1, block=0)
     area.settle()
     for name in source:

@@ -1,0 +1,94 @@
+"""One TP rank's worker side in a process of its own: ``python -m tests.vllm.rank_half SPEC_JSON``.
+
+vLLM's CPU build cannot run TP=2 here (generation never finishes), so the tests
+prove multi-rank behaviour with one worker half per process: each builds its
+rank's KV views (its share of the KV heads, bytes that depend on the rank),
+saves or loads one request through :class:`~kvpipe.connector.vllm.worker.WorkerSide`
+on a real master, and prints one ``RESULT {json}`` line. It never imports vLLM
+(~10 s): the step's metadata is the two fields the worker reads.
+
+SPEC: ``tp_rank``, ``tp_size``, ``tp_replicas``, ``store`` (kvpipe's store
+section), ``action`` (``"save"`` or ``"load"``), ``seed`` (the request's hashes).
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+import time
+from types import SimpleNamespace
+from typing import Any
+
+import torch
+
+BLOCK = 16
+CHUNKS = 3
+HEADS = 4  # in all; each rank holds HEADS // tp_size, or all of them for a replicated latent
+
+
+def views(tp_rank: int, tp_size: int, replicated: bool, fill: int | None) -> dict[str, torch.Tensor]:
+    """Two layers of vLLM's CPU layout (LBHNC, one storage), ``[blocks, heads, 16, 64]`` bf16 each.
+
+    Made by hand rather than with vLLM's ``create_kv_cache_views``, so a rank's
+    process does not pay ~10 s for ``import vllm``.
+    """
+    heads = HEADS if replicated else HEADS // tp_size
+    generator = torch.Generator().manual_seed(0 if replicated else tp_rank)
+    raw = torch.randint(-128, 127, (2 * 8 * heads * BLOCK * 64 * 2,), dtype=torch.int8, generator=generator)
+    if fill is not None:
+        raw.fill_(fill)
+    cache = raw.view(torch.bfloat16).view(2, 8, heads, BLOCK, 64)
+    return {"layer.0": cache[0], "layer.1": cache[1]}
+
+
+def main(spec: dict[str, Any]) -> dict[str, Any]:
+    from kvpipe.connector.vllm.engine_cache import EngineCache, open_store
+    from kvpipe.connector.vllm.settings import settings_from
+    from kvpipe.connector.vllm.worker import WorkerSide
+    from kvpipe.stages import GroupKind, GroupSpec, LoadRequest, SaveRequest
+
+    from ..stages.kv_fixtures import chain_hashes
+
+    tp_rank, tp_size, replicas = spec["tp_rank"], spec["tp_size"], spec["tp_replicas"]
+    settings = settings_from({"store": spec["store"], "enable_group_semantics": True, "staging_blocks": 8})
+    cache = EngineCache(
+        groups=(GroupSpec(GroupKind.FULL_ATTENTION, BLOCK),),
+        hash_block_size=BLOCK,
+        model="ranked",
+        cache_prefix="",
+        tp_size=tp_size,
+        pp_rank=0,
+        layer_names=(("layer.0", "layer.1"),),
+        num_blocks=8,
+        layout_name="LBHNC",
+        tp_replicas=replicas,
+    )
+    store, _ = open_store(settings, mount_segment=False)
+    side = WorkerSide(cache, settings, store, tp_rank)
+    engine = views(tp_rank, tp_size, replicas > 1, fill=0 if spec["action"] == "load" else None)
+    side.register_kv_caches(engine)
+    hashes = chain_hashes(CHUNKS, salt=f"ranks-{spec['seed']}")
+    blocks = ((2, 5, 7),)
+    result: dict[str, Any] = {}
+    if spec["action"] == "save":
+        side.wait_for_save(SimpleNamespace(saves=[SaveRequest("r", hashes, blocks, CHUNKS * BLOCK)]))
+        assert side.drain(20.0)
+        result["put"] = [(r.key, r.group_id) for r, status in side.observed if status.value == "put"]
+    else:
+        side.start_load_kv(SimpleNamespace(loads=[LoadRequest("r", hashes, blocks, 0, CHUNKS * BLOCK)]))
+        deadline = time.monotonic() + 20
+        while not side.get_finished() and time.monotonic() < deadline:
+            time.sleep(0.01)
+        expected = views(tp_rank, tp_size, replicas > 1, fill=None)
+        result["failed_blocks"] = sorted(side.get_block_ids_with_load_errors())
+        result["identical"] = all(
+            torch.equal(engine[name][b].view(torch.int16), expected[name][b].view(torch.int16))
+            for name in engine
+            for b in blocks[0]
+        )
+    side.shutdown(owns_store=True)
+    return result
+
+
+if __name__ == "__main__":
+    print("RESULT " + json.dumps(main(json.loads(sys.argv[1]))), flush=True)

@@ -1,0 +1,133 @@
+"""Two TP ranks as two worker halves in two processes, on one real master.
+
+vLLM's CPU build cannot run TP=2 here (VLLM.md: generation never finishes), so
+each rank's worker side runs in a process of its own (:mod:`.rank_half`) and the
+scheduler side asks the master what a TP=2 engine's scheduler would.
+"""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+from types import SimpleNamespace
+from typing import Any
+
+import pytest
+
+from kvpipe.connector.vllm.engine_cache import EngineCache, open_store, tp_replicas
+from kvpipe.connector.vllm.scheduler import SchedulerSide
+from kvpipe.connector.vllm.settings import settings_from
+from kvpipe.stages import GROUP_ID_SCOPE, GroupKind, GroupSpec
+from kvpipe.stages.flags import ConfigError
+
+from ..stages.kv_fixtures import chain_hashes
+from .rank_half import BLOCK, CHUNKS
+
+ROOT = Path(__file__).resolve().parents[2]
+pytestmark = pytest.mark.mooncake
+
+
+def rank(store: dict[str, Any], tp_rank: int, action: str, seed: int, replicas: int = 1) -> dict[str, Any]:
+    spec = {
+        "tp_rank": tp_rank,
+        "tp_size": 2,
+        "tp_replicas": replicas,
+        "store": store,
+        "action": action,
+        "seed": seed,
+    }
+    done = subprocess.run(
+        [sys.executable, "-m", "tests.vllm.rank_half", json.dumps(spec)],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=240,
+    )
+    lines = [line for line in done.stdout.splitlines() if line.startswith("RESULT ")]
+    assert done.returncode == 0 and lines, done.stderr[-3000:]
+    return json.loads(lines[-1][len("RESULT ") :])
+
+
+def hit_tokens(store_section: dict[str, Any], seed: int, replicas: int = 1) -> int:
+    """What a TP=2 engine's scheduler side finds stored for the request the halves saved."""
+    settings = settings_from({"store": store_section})
+    cache = EngineCache(
+        groups=(GroupSpec(GroupKind.FULL_ATTENTION, BLOCK),),
+        hash_block_size=BLOCK,
+        model="ranked",
+        cache_prefix="",
+        tp_size=2,
+        pp_rank=0,
+        layer_names=(("layer.0", "layer.1"),),
+        num_blocks=8,
+        layout_name="LBHNC",
+        tp_replicas=replicas,
+    )
+    store, _ = open_store(settings, mount_segment=False)
+    try:
+        side = SchedulerSide(cache, settings, store)
+        hashes = chain_hashes(CHUNKS, salt=f"ranks-{seed}")
+        request = SimpleNamespace(request_id="r", block_hashes=hashes, num_tokens=CHUNKS * BLOCK + 1)
+        new, _ = side.get_num_new_matched_tokens(request, 0)
+        return new or 0
+    finally:
+        store.close()
+
+
+def test_a_chunk_is_a_hit_only_when_every_rank_stored_it(store_section: dict[str, Any]) -> None:
+    first = rank(store_section, 0, "save", seed=1)
+    assert hit_tokens(store_section, seed=1) == 0  # rank 1's objects are missing
+    second = rank(store_section, 1, "save", seed=1)
+    assert hit_tokens(store_section, seed=1) == CHUNKS * BLOCK
+    keys = [key for key, _ in first["put"]] + [key for key, _ in second["put"]]
+    assert {key.split("@")[1] for key in keys} == {"tp_rank:0", "tp_rank:1"}  # ranks stay in the key
+    by_chunk: dict[str, set[str]] = {}
+    for key, group_id in first["put"] + second["put"]:
+        by_chunk.setdefault(key.rsplit("@", 1)[1], set()).add(group_id)
+    assert len(by_chunk) == CHUNKS
+    for chunk, group_ids in by_chunk.items():  # one group id per chunk, across ranks
+        assert group_ids == {f"{GROUP_ID_SCOPE}:ranked@{chunk}"}
+
+
+def test_each_rank_loads_its_own_shard_back(store_section: dict[str, Any]) -> None:
+    rank(store_section, 0, "save", seed=2)
+    rank(store_section, 1, "save", seed=2)
+    for tp_rank in (0, 1):
+        loaded = rank(store_section, tp_rank, "load", seed=2)
+        assert loaded == {"failed_blocks": [], "identical": True}
+
+
+def test_a_replicated_latent_is_stored_once_under_rank_0_and_every_rank_loads_it(
+    store_section: dict[str, Any],
+) -> None:
+    """MLA: the latent is the same on every rank: one copy, keyed tp_rank:0."""
+    assert rank(store_section, 1, "save", seed=3, replicas=2)["put"] == []  # a replica puts nothing
+    put = rank(store_section, 0, "save", seed=3, replicas=2)["put"]
+    assert len(put) == CHUNKS and all("@tp_rank:0@" in key for key, _ in put)
+    assert hit_tokens(store_section, seed=3, replicas=2) == CHUNKS * BLOCK
+    assert rank(store_section, 1, "load", seed=3, replicas=2) == {"failed_blocks": [], "identical": True}
+
+
+def kv_cache_config(spec: Any, *more: Any) -> Any:
+    from vllm.v1.kv_cache_interface import KVCacheConfig, KVCacheGroupSpec
+
+    groups = [KVCacheGroupSpec([f"layer.{i}"], s) for i, s in enumerate((spec, *more))]
+    return KVCacheConfig(num_blocks=8, kv_cache_tensors=[], kv_cache_groups=groups, hash_block_size=16)
+
+
+def test_replicas_follow_vllms_connector_mla_every_rank_gqa_ranks_per_head_mamba_none() -> None:
+    import torch
+    from vllm.v1.kv_cache_interface import FullAttentionSpec, MambaSpec, MLAAttentionSpec
+
+    mla = MLAAttentionSpec(block_size=16, num_kv_heads=1, head_size=576, dtype=torch.bfloat16)
+    gqa = FullAttentionSpec(block_size=16, num_kv_heads=2, head_size=32, dtype=torch.bfloat16)
+    mamba = MambaSpec(block_size=16, shapes=((4, 8),), dtypes=(torch.float32,), mamba_cache_mode="align")
+    assert tp_replicas(kv_cache_config(mla), tp_size=4, kv_heads=1, dcp_size=1) == 4
+    assert tp_replicas(kv_cache_config(gqa), tp_size=4, kv_heads=2, dcp_size=1) == 2
+    assert tp_replicas(kv_cache_config(gqa), tp_size=2, kv_heads=8, dcp_size=1) == 1
+    assert tp_replicas(kv_cache_config(mla), tp_size=4, kv_heads=1, dcp_size=2) == 1
+    assert tp_replicas(kv_cache_config(mamba), tp_size=4, kv_heads=2, dcp_size=1) == 1
+    with pytest.raises(ConfigError, match="replicate over TP ranks differently"):
+        tp_replicas(kv_cache_config(gqa, mamba), tp_size=4, kv_heads=2, dcp_size=1)
