@@ -6,6 +6,15 @@ size), and hashes chain, so a chunk is named by the hash of its LAST hash block:
 that hash identifies the whole prefix up to the chunk's end. vLLM names chunks the
 same way, which keeps the two connectors' objects interchangeable.
 
+A recurrent group (mamba) is different: its block holds the state after a number
+of tokens, not those tokens' keys and values, and the engine keeps a state only
+where a step ended (vLLM's ``align`` mode schedules prefill chunks to end on block
+boundaries, and frees older states soon after). So a mamba group's only chunk is
+the state at ``num_computed_tokens`` when that is a block boundary: the state
+after chunk ``i`` in the block the engine lists for chunk ``i``. Earlier entries
+of its block table are placeholders (vLLM's null block), never saved.
+(:func:`is_recurrent` names the rule; lookups and loads follow it too.)
+
 These functions are pure and shared by ``project`` (is there anything to save?)
 and the collect stages (what exactly?), so the two can never disagree.
 """
@@ -14,7 +23,12 @@ from __future__ import annotations
 
 from typing import NamedTuple
 
-from .model import SaveRequest, StoreGroup
+from .model import GroupKind, SaveRequest, StoreGroup
+
+
+def is_recurrent(group: StoreGroup) -> bool:
+    """Whether ``group``'s chunk is a state at its end (mamba), not the keys and values of its tokens."""
+    return group.spec.kind is GroupKind.MAMBA
 
 
 class Chunk(NamedTuple):
@@ -38,6 +52,9 @@ def full_chunk_range(request: SaveRequest, group: StoreGroup, hash_block_size: i
     not wholly below ``num_saved_tokens``, its last hash block is hashed and its
     block id is known; the range stops at the first chunk lacking any of these, as
     a later chunk is useless to a reader without the earlier ones.
+
+    A recurrent group's range is at most the one chunk whose state the engine
+    holds: the one ending at ``num_computed_tokens`` (see the module docstring).
     """
     block_size = group.spec.block_size
     end = min(
@@ -45,7 +62,13 @@ def full_chunk_range(request: SaveRequest, group: StoreGroup, hash_block_size: i
         len(request.block_hashes) // (block_size // hash_block_size),
         len(request.block_ids[group.engine_group]),
     )
-    return range(request.num_saved_tokens // block_size, end)
+    start = request.num_saved_tokens // block_size
+    if is_recurrent(group):
+        at_state = (
+            request.num_computed_tokens % block_size == 0 and end == request.num_computed_tokens // block_size
+        )
+        start = max(start, end - 1) if at_state else end
+    return range(start, max(start, end))
 
 
 def full_chunks(request: SaveRequest, group: StoreGroup, hash_block_size: int) -> tuple[Chunk, ...]:
@@ -67,9 +90,10 @@ def tail_chunks(request: SaveRequest, group: StoreGroup, hash_block_size: int) -
     ``(computed // bs) * bs`` to ``(computed // hbs) * hbs``. It is named by its
     last complete hash block and stored as the whole block holding it, as vLLM
     does. A tail already below ``num_saved_tokens`` is not offered again. With
-    ``hash_block_size == block_size`` there is never a tail.
+    ``hash_block_size == block_size`` there is never a tail, and a recurrent
+    group has none (its state is kept at block boundaries only).
     """
-    if not request.finished:
+    if not request.finished or is_recurrent(group):
         return ()
     block_size = group.spec.block_size
     computed = request.num_computed_tokens

@@ -18,13 +18,14 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass, field
-from typing import Any, ClassVar, Protocol, runtime_checkable
+from typing import Any, ClassVar, NamedTuple, Protocol, runtime_checkable
 
 from pydantic import BaseModel, ConfigDict, Field
 
 from kvpipe.pipeline.stage import BatchEntry, BatchStage, Emit
 
 from .batch_calls import StoreCallError, call_per_key
+from .chunks import is_recurrent
 from .keys import object_key
 from .model import KVCache, Shard, StoreGroup, StoreObject, spans
 from .outcomes import DEADLINE_PASSED
@@ -91,14 +92,24 @@ class LoadTarget:
     block_id: int
 
 
-def load_targets(
-    groups: Sequence[StoreGroup], shards: Sequence[Shard], hash_block_size: int, request: LoadRequest
-) -> tuple[LoadTarget, ...]:
-    """One target per chunk of ``[start_tokens, end_tokens)`` per storable group per shard.
+class LoadChunk(NamedTuple):
+    """One chunk a load fills: its group, its index in the group, its hash and its engine block."""
 
-    Earliest prefix first, as the save path orders records. A request that does
-    not fit the cache (bounds off a chunk boundary, too few hashes or block ids)
-    is a ValueError naming what is wrong; nothing of it is loaded.
+    group: StoreGroup
+    index: int
+    chunk_hash: bytes
+    block_id: int
+
+
+def load_chunks(
+    groups: Sequence[StoreGroup], hash_block_size: int, request: LoadRequest
+) -> tuple[LoadChunk, ...]:
+    """The chunks of ``[start_tokens, end_tokens)``, every storable group, earliest prefix first.
+
+    A recurrent group (mamba) has one: its state at ``end_tokens``, into the block
+    the engine lists for the range's last chunk. A request that does not fit the
+    cache (bounds off a chunk boundary, too few hashes or block ids) is a
+    ValueError naming what is wrong; nothing of it is loaded.
     """
     start, end = request.start_tokens, request.end_tokens
     engine_groups = 1 + max(group.engine_group for group in groups)
@@ -112,7 +123,7 @@ def load_targets(
             f"load {request.request_id!r}: end_tokens {end} is beyond the "
             f"{len(request.block_hashes)} hash blocks of {hash_block_size} tokens given"
         )
-    chunks: list[tuple[int, int, StoreGroup, bytes, int]] = []
+    chunks: list[tuple[int, int, LoadChunk]] = []
     for group in groups:
         block_size = group.spec.block_size
         for bound, name in ((start, "start_tokens"), (end, "end_tokens")):
@@ -128,23 +139,35 @@ def load_targets(
                 f"{len(block_ids)} block ids, tokens up to {end} need {end // block_size}"
             )
         hashes_per_chunk = block_size // hash_block_size
-        for index in range(start // block_size, end // block_size):
+        indexes = range(start // block_size, end // block_size)
+        if is_recurrent(group):
+            indexes = indexes[-1:]  # one state: the one at the end of the range
+        for index in indexes:
             chunk_hash = request.block_hashes[(index + 1) * hashes_per_chunk - 1]
             tokens_end = (index + 1) * block_size
-            chunks.append((tokens_end, group.store_group, group, chunk_hash, block_ids[index]))
+            chunks.append(
+                (tokens_end, group.store_group, LoadChunk(group, index, chunk_hash, block_ids[index]))
+            )
     chunks.sort(key=lambda chunk: chunk[:2])
+    return tuple(chunk for _, _, chunk in chunks)
+
+
+def load_targets(
+    groups: Sequence[StoreGroup], shards: Sequence[Shard], hash_block_size: int, request: LoadRequest
+) -> tuple[LoadTarget, ...]:
+    """One target per chunk of :func:`load_chunks` per shard (raises as it does)."""
     return tuple(
         LoadTarget(
             StoreObject(
-                key=object_key(shard.namespace, group.store_group, chunk_hash),
-                chunk_hash=chunk_hash,
-                store_group=group.store_group,
-                buffers=shard.layouts[group.engine_group].buffers(block_id),
+                key=object_key(shard.namespace, chunk.group.store_group, chunk.chunk_hash),
+                chunk_hash=chunk.chunk_hash,
+                store_group=chunk.group.store_group,
+                buffers=shard.layouts[chunk.group.engine_group].buffers(chunk.block_id),
                 request_id=request.request_id,
             ),
-            block_id,
+            chunk.block_id,
         )
-        for _, _, group, chunk_hash, block_id in chunks
+        for chunk in load_chunks(groups, hash_block_size, request)
         for shard in shards
     )
 

@@ -12,6 +12,12 @@ block. With groups of different block sizes a prefix can only end where every
 group's chunk ends, so hits are whole *prefix units*: the least common multiple
 of the storable groups' block sizes (one block for the usual single-size cache).
 
+A recurrent group (mamba, :func:`~.chunks.is_recurrent`) needs no run of chunks:
+its chunk ``i`` is the whole state after ``(i+1) * block_size`` tokens. So a hit
+of ``L`` tokens needs every other group's chunks up to ``L`` and, of each
+recurrent group, the one state at ``L``; the hit is the longest such ``L``, as in
+vLLM's own prefix cache and its connector.
+
 The arithmetic is pure (:func:`lookup_keys`, :func:`longest_stored_prefix`) and
 shared by the stage and its tests; the stage adds one ``batch_is_exist`` per
 batch, across requests.
@@ -27,6 +33,7 @@ from typing import Any, ClassVar, Protocol
 from kvpipe.pipeline.stage import BatchEntry, BatchStage, Emit, Stage
 
 from .batch_calls import StoreCallError, call_per_key
+from .chunks import is_recurrent
 from .keys import object_key
 from .model import KVCache, Shard, StoreGroup
 from .projection import storable_groups
@@ -131,24 +138,31 @@ def longest_stored_prefix(
     request: LookupRequest,
     exists: Mapping[str, bool],
 ) -> int:
-    """The tokens, from 0, whose chunks exist for every storable group and every shard.
+    """The tokens, from 0, that the store and the engine together hold for every group and shard.
 
     ``exists`` answers for the keys of :func:`lookup_keys`; a key it does not
     hold counts as missing. Chunks wholly below ``num_computed_tokens`` count as
     present (the engine has them). Each group's run of complete chunks stops at
-    its first incomplete chunk; the hit is the shortest run, rounded down to a
-    whole prefix unit, and never reaches ``num_tokens``.
+    its first incomplete chunk, and the hit is the longest whole number of prefix
+    units within every run at which every recurrent group has its state (a
+    prefix held by the engine counts as having it). It never reaches ``num_tokens``.
     """
-    prefix = _hit_limit(groups, hash_block_size, request)
-    for group, chunks in _chunk_keys(groups, shards, hash_block_size, request):
-        present = 0
-        for keys in chunks:
-            if keys is not None and not all(exists.get(key, False) for key in keys):
-                break
-            present += 1
-        prefix = min(prefix, present * group.spec.block_size)
     unit = prefix_unit(groups)
-    return prefix // unit * unit
+    prefix = _hit_limit(groups, hash_block_size, request)
+    states: list[tuple[StoreGroup, list[bool]]] = []
+    for group, chunks in _chunk_keys(groups, shards, hash_block_size, request):
+        stored = [keys is None or all(exists.get(key, False) for key in keys) for keys in chunks]
+        if is_recurrent(group):
+            states.append((group, stored))
+            continue
+        present = stored.index(False) if False in stored else len(stored)
+        prefix = min(prefix, present * group.spec.block_size)
+    hit = prefix // unit * unit
+    while hit > request.num_computed_tokens and not all(
+        stored[hit // group.spec.block_size - 1] for group, stored in states
+    ):
+        hit -= unit
+    return hit
 
 
 class LookupStage(BatchStage):

@@ -44,6 +44,7 @@ from kvpipe.stages import (
     full_chunks,
     tail_chunks,
 )
+from kvpipe.stages.load import load_chunks
 
 from ..store import Store
 from .engine_cache import EngineCache
@@ -284,15 +285,12 @@ class WorkerSide:
         return _Load(load, job, [(g, slot, block) for (g, _, block), slot in zip(plan, slots, strict=True)])
 
     def _load_plan(self, load: LoadRequest) -> list[tuple[int, int, int]]:
-        """(engine group, chunk index, engine block) of every chunk the load fills."""
-        plan = []
-        for group in self.cache.store_groups:
-            bs = group.spec.block_size
-            for index in range(load.start_tokens // bs, -(-load.end_tokens // bs)):
-                ids = load.block_ids[group.engine_group]
-                if index < len(ids):
-                    plan.append((group.engine_group, index, ids[index]))
-        return plan
+        """(engine group, chunk index, engine block) of every chunk the load fills (none if it is invalid)."""
+        try:
+            chunks = load_chunks(self.cache.store_groups, self.cache.hash_block_size, load)
+        except ValueError:
+            return []  # the load stage refuses it with the reason; its blocks fail
+        return [(chunk.group.engine_group, chunk.index, chunk.block_id) for chunk in chunks]
 
     def _settle_load(self, load: _Load) -> None:
         """A load whose job has ended: copy bounced blocks home, count it, record what failed."""

@@ -23,17 +23,37 @@ async def _collect(stage_class, kv, request):
 
 
 async def test_full_makes_one_record_per_chunk_per_storable_group_per_shard():
-    kv = make_kv([FULL, RING, MAMBA_ALIGN], shards=2).kv
+    kv = make_kv([FULL, RING], shards=2).kv
     request = make_request(kv, tokens=40)
 
     emit = await _collect(FullChunksStage, kv, request)
 
     (records,) = emit.emitted["out"]
-    assert len(records) == 2 * 2 * 2  # chunks x storable groups x shards
-    assert emit.counts["considered"] == 8
+    assert len(records) == 2 * 2  # chunks x shards (the ring is not stored)
+    assert emit.counts["considered"] == 4
     assert {(r.store_group, r.key.split("@")[1]) for r in records} == {
-        (g, f"tp_rank:{rank}") for g in (0, 1) for rank in (0, 1)
+        (0, f"tp_rank:{rank}") for rank in (0, 1)
     }
+
+
+async def test_a_mamba_group_gives_one_record_per_shard_the_state_at_the_computed_end():
+    kv = make_kv([FULL, RING, MAMBA_ALIGN], shards=2).kv
+    request = make_request(kv, tokens=32)
+
+    (records,) = (await _collect(FullChunksStage, kv, request)).emitted["out"]
+
+    chunks = sorted({(r.store_group, request.block_hashes.index(r.chunk_hash)) for r in records})
+    assert chunks == [(0, 0), (0, 1), (1, 1)]  # attention: every chunk; mamba: the state at 32
+    assert len(records) == 3 * 2
+
+
+async def test_a_mamba_group_has_no_chunk_while_the_computed_end_is_inside_a_block():
+    kv = make_kv([FULL, RING, MAMBA_ALIGN]).kv
+    request = make_request(kv, tokens=40)  # the engine holds the state at 40: no block boundary
+
+    (records,) = (await _collect(FullChunksStage, kv, request)).emitted["out"]
+
+    assert {r.store_group for r in records} == {0}
 
 
 async def test_each_record_carries_its_own_key_hash_and_block_buffers():

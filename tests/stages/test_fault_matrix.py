@@ -59,7 +59,7 @@ from kvpipe.stages import (
     object_key,
 )
 
-from .kv_fixtures import FULL, MAMBA_ALIGN, RING, KVFixture, make_kv
+from .kv_fixtures import FULL, RING, KVFixture, make_kv
 
 REQUESTS_PER_EXAMPLE = 250  # x 40 examples: 10,000 requests
 CODES = (-200, -600, -704, -706, -800, -900, -901)
@@ -217,7 +217,8 @@ QUICK_THROTTLE = ThrottleParams(slow_s=0.001, recovered_s=0.0003, ema_weight=0.5
 
 scenarios = st.builds(
     Scenario,
-    groups=st.sampled_from(((FULL,), (FULL, RING, MAMBA_ALIGN))),
+    # two stored groups around one that is not (a mamba group's sparse states have tests of their own)
+    groups=st.sampled_from(((FULL,), (FULL, RING, FULL))),
     shards=st.integers(1, 2),
     hash_block=st.sampled_from((8, 16)),
     group_semantics=st.booleans(),

@@ -27,6 +27,7 @@ from .save_path import run_save_path
 from .stores import ScriptedStore
 
 HYBRID = (FULL, RING, MAMBA_ALIGN)
+TWO_GROUPS = (FULL, RING, FULL)  # two stored groups around one that is not
 TARGET_BLOCKS = (10, 11, 12)  # where the engine put the chunks saved from blocks 1, 2, 3
 
 
@@ -46,7 +47,7 @@ class GetRecorder:
         return [sum(len(s) for s in sizes) for _, sizes in self.calls]
 
 
-async def _saved(groups=HYBRID, *, shards=2, tokens=48):
+async def _saved(groups=TWO_GROUPS, *, shards=2, tokens=48):
     """The source cache, a store holding ``tokens`` of its request, and the request."""
     source = make_kv(groups, shards=shards, seed=0)
     store = MemoryStore(lease_ttl_s=0)
@@ -80,7 +81,7 @@ def _moved(source, target, *, groups, shards, chunks=range(3), blocks=TARGET_BLO
 
 async def test_load_puts_the_saved_bytes_into_other_blocks_of_fresh_memory():
     source, store, saved = await _saved()
-    target = make_kv(HYBRID, shards=2, seed=1)
+    target = make_kv(TWO_GROUPS, shards=2, seed=1)
     ring_before = [bytes_of(layer) for shard in range(2) for layer in target.tensors[(shard, 1)]]
 
     (emit,), failed = await _load(target.kv, store, _load_request(saved))
@@ -89,6 +90,21 @@ async def test_load_puts_the_saved_bytes_into_other_blocks_of_fresh_memory():
     assert [bytes_of(layer) for shard in range(2) for layer in target.tensors[(shard, 1)]] == ring_before
     assert (emit.counts["loaded"], emit.succeeded_units, emit.failures) == (3 * 2 * 2, 12, [])
     assert failed == {"req-1": frozenset()}
+
+
+async def test_a_mamba_group_loads_one_state_the_one_at_the_end_of_the_range():
+    source, store, saved = await _saved(HYBRID, tokens=48)  # the state at 48, every attention chunk
+    target = make_kv(HYBRID, shards=2, seed=1)
+
+    (emit,), failed = await _load(target.kv, store, _load_request(saved, start=16, end=48))
+
+    assert _moved(source, target, groups=(0,), shards=2, chunks=(1, 2)) == dict.fromkeys(
+        ((shard, 0, chunk) for shard in range(2) for chunk in (1, 2)), True
+    )
+    assert _moved(source, target, groups=(2,), shards=2) == {
+        (shard, 2, chunk): chunk == 2 for shard in range(2) for chunk in range(3)
+    }
+    assert (emit.counts["loaded"], failed) == ((2 + 1) * 2, {"req-1": frozenset()})
 
 
 async def test_only_the_chunks_from_start_to_end_are_loaded():
@@ -193,8 +209,8 @@ async def test_one_get_call_serves_every_request_of_the_batch():
 
 
 async def test_calls_stay_within_the_buffer_budget_and_keep_a_chunk_together():
-    source, store, saved = await _saved(HYBRID, shards=2)  # a chunk: 2 groups x 2 shards x 2 layers
-    target = make_kv(HYBRID, shards=2, seed=1)
+    source, store, saved = await _saved(TWO_GROUPS, shards=2)  # a chunk: 2 groups x 2 shards x 2 layers
+    target = make_kv(TWO_GROUPS, shards=2, seed=1)
     recording = GetRecorder(store)
 
     (emit,), _ = await _load(target.kv, recording, _load_request(saved), max_buffers_per_call=10)
@@ -274,9 +290,9 @@ async def test_an_empty_range_loads_nothing_and_is_dropped():
 
 
 async def test_the_default_load_graph_loads_and_ends_each_job_with_its_outcome():
-    source, store, saved = await _saved(HYBRID, shards=2)
+    source, store, saved = await _saved(TWO_GROUPS, shards=2)
     assert store.remove(object_key(source.kv.shards[0].namespace, 1, saved.block_hashes[2])) == 0
-    target = make_kv(HYBRID, shards=2, seed=1)
+    target = make_kv(TWO_GROUPS, shards=2, seed=1)
     failed: dict[str, frozenset[int]] = {}
     graph = default_load_graph(target.kv, store, lambda rid, ids: failed.update({rid: ids}))
 

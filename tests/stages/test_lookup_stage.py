@@ -75,13 +75,52 @@ async def test_a_chunk_missing_for_one_shard_ends_the_hit_there():
 
 
 async def test_a_chunk_missing_for_one_storable_group_ends_the_hit_there():
-    kv = make_kv([FULL, RING, MAMBA_ALIGN], shards=2).kv
+    kv = make_kv([FULL, RING, FULL], shards=2).kv
     store, saved = await _saved(kv, 64)
-    assert store.remove(_key(kv, 1, shard=0, store_group=1)) == 0  # the mamba group's chunk 1
+    assert store.remove(_key(kv, 1, shard=0, store_group=1)) == 0  # the second group's chunk 1
 
     (emit,) = await _lookup(kv, store, _asking(saved, num_tokens=100))
 
     assert emit.emitted["out"][0].hit_tokens == 16
+
+
+async def _saved_in_steps(kv, *steps):
+    """A store holding a request saved at the end of each step (a mamba state at each step's end)."""
+    store = MemoryStore(lease_ttl_s=0)
+    saved, done = None, 0
+    for tokens in steps:
+        saved = make_request(kv, tokens, saved=done)
+        await run_save_path(kv, store, [saved])
+        done = tokens
+    return store, saved
+
+
+async def test_a_hit_ends_where_the_mamba_state_is_stored():
+    kv = make_kv([FULL, RING, MAMBA_ALIGN], shards=2).kv
+    store, saved = await _saved_in_steps(kv, 32, 64)  # states at 32 and 64; attention chunks 0-3
+
+    (emit,) = await _lookup(kv, store, _asking(saved, num_tokens=100))
+
+    assert emit.emitted["out"][0].hit_tokens == 64
+
+
+async def test_without_the_mamba_state_at_its_end_a_prefix_falls_back_to_an_earlier_state():
+    kv = make_kv([FULL, RING, MAMBA_ALIGN], shards=2).kv
+    store, saved = await _saved_in_steps(kv, 32, 64)
+    assert store.remove(_key(kv, 3, shard=1, store_group=1)) == 0  # one rank's state at 64
+
+    (emit,) = await _lookup(kv, store, _asking(saved, num_tokens=100))
+
+    assert emit.emitted["out"][0].hit_tokens == 32
+
+
+async def test_a_prefix_without_any_mamba_state_is_a_miss():
+    kv = make_kv([FULL, RING, MAMBA_ALIGN]).kv
+    store, saved = await _saved_in_steps(kv, 40)  # 40 ends inside a block: no state is stored
+
+    (emit,) = await _lookup(kv, store, _asking(saved, num_tokens=100))
+
+    assert emit.emitted["out"][0].hit_tokens == 0
 
 
 async def test_a_chunk_stored_after_a_missing_one_does_not_count():

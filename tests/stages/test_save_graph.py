@@ -9,7 +9,7 @@ from kvpipe.connector.memory import MemoryStore
 from kvpipe.pipeline import BuildError, Outcome, Pipeline, graph_from_yaml
 from kvpipe.stages import DEFAULT_SAVE_PIPELINE, KV_STAGES, ObjectStatus, default_save_graph
 
-from .kv_fixtures import FULL, MAMBA_ALIGN, RING, make_kv, make_request
+from .kv_fixtures import FULL, RING, make_kv, make_request
 
 SAVE_GRAPH = """
 pipeline:
@@ -24,7 +24,7 @@ pipeline:
 
 
 async def test_requests_saved_through_the_pipeline_end_ok_with_every_object_stored():
-    kv = make_kv([FULL, RING, MAMBA_ALIGN], shards=2).kv
+    kv = make_kv([FULL, RING, FULL], shards=2).kv  # two stored groups around one that is not
     store = MemoryStore()
     graph = graph_from_yaml(SAVE_GRAPH.replace("FLAG", "true"), KV_STAGES, {"kv": kv, "store": store})
 
@@ -50,7 +50,7 @@ def test_the_default_save_graph_is_the_one_in_configs():
 
 
 async def test_the_default_save_graph_saves_every_object_once_and_finds_them_existing_the_second_time():
-    kv = make_kv([FULL, RING, MAMBA_ALIGN], shards=2).kv
+    kv = make_kv([FULL, RING, FULL], shards=2).kv  # two stored groups around one that is not
     store = MemoryStore()
     graph = default_save_graph(kv, store, enable_group_semantics="true")
     assert graph.order[0] == "project" and graph.spec("filter").batch_policy.max_items == 256

@@ -15,7 +15,6 @@ from .save_path import run_save_path
 from .stores import RecordingStore
 
 BIG = GroupSpec(GroupKind.FULL_ATTENTION, block_size=32)
-BIG_MAMBA = GroupSpec(GroupKind.MAMBA, block_size=32, mamba_mode="align")
 
 
 def _own_group_id(key: str) -> str:
@@ -73,7 +72,7 @@ async def test_a_filter_batch_mixing_requests_puts_each_missing_object_with_its_
 
 
 async def test_objects_read_back_are_the_original_block_bytes():
-    fixture = make_kv([BIG, RING, BIG_MAMBA], shards=2, hash_block_size=16)
+    fixture = make_kv([BIG, RING, BIG], shards=2, hash_block_size=16)
     kv = fixture.kv
     request = make_request(kv, tokens=2 * 32 + 16 + 3, finished=True)  # 2 chunks and a tail per group
     store = MemoryStore()

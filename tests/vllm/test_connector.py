@@ -105,7 +105,7 @@ def test_loaded_kv_is_really_used(llm: Any, holder: MooncakeStore) -> None:
 def test_group_semantics_tags_every_object_with_its_chunk(llm: Any) -> None:
     from kvpipe.stages import GROUP_ID_SCOPE
 
-    _, records = stored_by(llm, engine.prompts(5))
+    _, records = stored_by(llm, engine.prompts(41))
     assert len(records) == PER_BATCH
     for record in records:
         assert record.group_id == f"{GROUP_ID_SCOPE}:tiny-llama@{record.chunk_hash.hex()}"
@@ -139,7 +139,7 @@ def test_the_lookups_of_one_scheduling_step_are_one_store_call(llm: Any) -> None
 
 def test_each_saved_object_is_one_buffer(llm: Any) -> None:
     """The worker stages blocks object-major: one buffer per object, not one per layer."""
-    _, records = stored_by(llm, engine.prompts(6))
+    _, records = stored_by(llm, engine.prompts(42))
     assert len(records) == PER_BATCH
     assert {len(record.buffers) for record in records} == {1}
     assert {record.size for record in records} == {2 * 64 * 1024}  # two layers' 64 KiB blocks

@@ -255,10 +255,17 @@ def outage(llm: Any, outage_master: LocalMaster, reference: dict[int, list[list[
         outage_master.resume()
     back = time.monotonic()
 
-    # 3. master back: wait out the breakers' cool-down (the next call is a probe), then rerun
+    # 3. master back: wait out the breakers' cool-down and let one probe call close each, then
+    # rerun. (While a probe is in flight other calls are refused; with async loads a pass's
+    # first load and first save would race for the probe, and the loser counts as failed.)
+    stores = {"scheduler": scheduler.store, "worker": worker.store}
     while (
-        any(b.state is BreakerState.OPEN for b in breakers.values()) and time.monotonic() - back < RECOVERY_S
+        any(b.state is not BreakerState.CLOSED for b in breakers.values())
+        and time.monotonic() - back < RECOVERY_S
     ):
+        for side, breaker in breakers.items():
+            if breaker.state is BreakerState.HALF_OPEN:
+                stores[side].batch_is_exist(["kvpipe-probe"])
         time.sleep(0.01)
     cooled_down_s = time.monotonic() - back
     after = Phase()

@@ -1,0 +1,130 @@
+"""The device path: the same layout, staging and worker code on CPU tensors here and on CUDA where it exists.
+
+A KV layout is a permutation of the logical ``[L, B, H, N, C]`` axes in memory
+(vLLM's ``KVCacheLayout`` values); :func:`layout_views` builds the per-layer views
+of one with torch alone, so the CUDA tests need no vLLM. On CPU the views are
+checked against vLLM's own ``create_kv_cache_views``. Tests marked ``gpu`` run
+where CUDA exists (``make gpu-check``); here they are skipped.
+"""
+
+from __future__ import annotations
+
+import time
+from types import SimpleNamespace
+
+import pytest
+import torch
+
+from kvpipe.connector.memory import MemoryStore
+from kvpipe.connector.vllm.engine_cache import EngineCache
+from kvpipe.connector.vllm.kv_layout import group_layout
+from kvpipe.connector.vllm.settings import settings_from
+from kvpipe.connector.vllm.staging import StagingArea
+from kvpipe.connector.vllm.worker import WorkerSide
+from kvpipe.stages import GroupKind, GroupSpec, LoadRequest, SaveRequest
+
+from ..stages.kv_fixtures import chain_hashes
+
+#: vLLM 0.32's KVCacheLayout members: logical axis -> physical position
+ORDERS = {
+    "LBHNC": (0, 1, 2, 3, 4),
+    "LBNHC": (0, 1, 3, 2, 4),
+    "LHBNC": (0, 2, 1, 3, 4),
+    "BLHNC": (1, 0, 2, 3, 4),
+    "BLNHC": (1, 0, 3, 2, 4),
+    "BHLNC": (1, 2, 0, 3, 4),
+}
+SHAPE = {"L": 3, "B": 6, "H": 2, "N": 16, "C": 64}  # C in bf16 elements: K and V of a 32-wide head
+BLOCK = SHAPE["N"]
+BITS = torch.int16  # random bits make NaNs of bfloat16: compare the bits
+DEVICES = [pytest.param("cpu", id="cpu"), pytest.param("cuda", id="cuda", marks=pytest.mark.gpu)]
+
+
+def layout_views(name: str, device: str, seed: int = 0) -> dict[str, torch.Tensor]:
+    """One ``[B, H, N, C]`` bf16 view per layer of a cache laid out as ``name``, random bits in it."""
+    order = ORDERS[name]
+    logical = [SHAPE[axis] for axis in "LBHNC"]
+    physical = [logical[axis] for axis in order]
+    generator = torch.Generator().manual_seed(seed)
+    raw = (
+        torch.randint(-30000, 30000, physical, dtype=BITS, generator=generator)
+        .to(device)
+        .view(torch.bfloat16)
+    )
+    inverse = sorted(range(5), key=lambda axis: order[axis])
+    cache = raw.permute(inverse)  # logical [L, B, H, N, C] over the physical memory
+    return {f"layer.{layer}": cache[layer] for layer in range(SHAPE["L"])}
+
+
+@pytest.mark.parametrize("name", list(ORDERS))
+def test_the_hand_made_views_are_the_views_vllm_makes(name: str) -> None:
+    pytest.importorskip("vllm")
+    from vllm.v1.kv_cache_layout import KVCacheLayout
+
+    from .test_kv_layout import engine_views
+
+    ours = layout_views(name, "cpu")
+    theirs = engine_views(KVCacheLayout[name])  # test_kv_layout's spec: the same geometry
+    assert [v.shape for v in ours.values()] == [v.shape for v in theirs.values()]
+    assert [v.stride() for v in ours.values()] == [v.stride() for v in theirs.values()]
+
+
+def worker(store: MemoryStore, name: str) -> WorkerSide:
+    cache = EngineCache(
+        groups=(GroupSpec(GroupKind.FULL_ATTENTION, BLOCK),),
+        hash_block_size=BLOCK,
+        model="m",
+        cache_prefix="",
+        tp_size=1,
+        pp_rank=0,
+        layer_names=(tuple(f"layer.{layer}" for layer in range(SHAPE["L"])),),
+        num_blocks=SHAPE["B"],
+        layout_name=name,
+    )
+    return WorkerSide(cache, settings_from({"store": {"kind": "memory"}, "staging_blocks": 8}), store)
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("name", list(ORDERS))
+def test_staging_copies_a_block_out_and_back_on_the_caches_device(name: str, device: str) -> None:
+    if device == "cuda" and not torch.cuda.is_available():
+        pytest.skip("no CUDA device")
+    source, target = layout_views(name, device, seed=1), layout_views(name, device, seed=2)
+    area = StagingArea({0: group_layout(source, SHAPE["B"], name)}, slots=2)
+    assert area.arena.is_pinned() == (device != "cpu")
+    area.copy_in(0, slot=1, block=4)
+    area.settle()
+    back = StagingArea({0: group_layout(target, SHAPE["B"], name)}, slots=2)
+    back.arena.copy_(area.arena)
+    back.copy_out(0, slot=1, block=0)
+    back.settle()
+    for layer in source:
+        assert torch.equal(target[layer][0].view(BITS).cpu(), source[layer][4].view(BITS).cpu())
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("name", list(ORDERS))
+def test_the_worker_saves_and_loads_a_cache_on_its_device(name: str, device: str) -> None:
+    """On a device the loads land in host slots first (a GPU cache is not registrable memory)."""
+    if device == "cuda" and not torch.cuda.is_available():
+        pytest.skip("no CUDA device")
+    store = MemoryStore(16 << 20)
+    hashes = chain_hashes(2, salt=name)
+    source, target = layout_views(name, device, seed=3), layout_views(name, device, seed=4)
+    saver = worker(store, name)
+    saver.register_kv_caches(source)
+    saver.wait_for_save(SimpleNamespace(saves=[SaveRequest("s", hashes, ((5, 2),), 2 * BLOCK)]))
+    assert saver.drain(10.0) and saver.stats["objects_put"] == 2
+    loader = worker(store, name)
+    loader.register_kv_caches(target)
+    assert loader._load_via_staging == (device != "cpu")
+    loader.start_load_kv(SimpleNamespace(loads=[LoadRequest("l", hashes, ((1, 3),), 0, 2 * BLOCK)]))
+    deadline = time.monotonic() + 10
+    while not (finished := loader.get_finished()) and time.monotonic() < deadline:
+        time.sleep(0.005)
+    assert finished == {"l"} and loader.get_block_ids_with_load_errors() == set()
+    for layer in source:
+        for saved, loaded in ((5, 1), (2, 3)):
+            assert torch.equal(target[layer][loaded].view(BITS).cpu(), source[layer][saved].view(BITS).cpu())
+    saver.shutdown(owns_store=False)
+    loader.shutdown(owns_store=False)
