@@ -9,7 +9,7 @@ STAMP  := $(VENV)/.installed
 
 CONFIG ?= configs/default.yaml
 
-.PHONY: run test bench vllm-demo install system-deps clean
+.PHONY: run test bench vllm-demo install system-deps gpu-check clean
 
 run: $(STAMP)
 	$(VENV)/bin/kvpipe run $(CONFIG) $(ARGS)
@@ -43,5 +43,15 @@ $(STAMP): pyproject.toml | system-deps
 	$(PIP) uninstall -y -q torchvision torchaudio torchcodec
 	touch $@
 
+# The tests marked gpu (the connector's device path on CUDA tensors, every KV layout)
+# on a machine with a GPU, in a venv of their own with PyPI's default (CUDA) torch.
+GPU_VENV ?= .venv-gpu
+gpu-check: system-deps
+	$(PYTHON) -m venv $(GPU_VENV)
+	$(GPU_VENV)/bin/python -m pip install -q torch
+	$(GPU_VENV)/bin/python -m pip install -q -e '.[dev,mooncake]'
+	$(GPU_VENV)/bin/python -c "import sys, torch; sys.exit(0 if torch.cuda.is_available() else 'gpu-check: no CUDA device here')"
+	$(GPU_VENV)/bin/python -m pytest -m gpu -v -p no:cacheprovider tests/vllm/test_device_path.py
+
 clean:
-	rm -rf $(VENV) .pytest_cache
+	rm -rf $(VENV) $(GPU_VENV) .pytest_cache

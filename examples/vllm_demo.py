@@ -47,8 +47,9 @@ def main() -> None:
     for name, result in passes:
         print(f"{name:16} {result.seconds:>8.3f} {sum(result.cached):>14,} {result.connector_hits:>12,}")
     print("pass 1: hits from vLLM's own prefix cache (the shared system prompt, after the first request);")
-    print("pass 2: vLLM's prefix cache was reset: kvpipe loads each stored prefix once, before the step")
-    print("        that needs it, and the other requests find those blocks in vLLM's prefix cache.")
+    print("pass 2: vLLM's prefix cache was reset: kvpipe loads each stored prefix once, beside the")
+    print("        engine's steps; requests sharing it wait for that load, then find the blocks in")
+    print("        vLLM's prefix cache.")
     (_, first), (_, second) = passes
     print(
         f"speed-up of pass 2: {first.seconds / second.seconds:.2f}x; "

@@ -21,6 +21,10 @@ Workloads (each a module with ``run(options) -> WorkloadResult``):
     1024-token system prompts, store then reset the prefix cache and reload:
     kvpipe's connector against vLLM's MooncakeStoreConnector and no connector.
     Hit tokens are the prompt tokens a connector spared from recompute.
+``vllm-loads``
+    The 8-layer model with requests decoding while others load a shared stored
+    prefix: decode-step p50/p99 and time to first token, sync against async
+    loads, and loads per shared prefix.
 ``fragmentation``
     Partial-chunk bytes over live bytes as the store's capacity shrinks, with
     group semantics on and off (the shape of Mooncake RFC #2127's table).
@@ -42,6 +46,7 @@ WORKLOADS: dict[str, str] = {
     "small-requests": "small_requests",
     "framework": "framework",
     "vllm": "vllm_prefix",
+    "vllm-loads": "async_loads",
     "fragmentation": "fragmentation",
 }
 

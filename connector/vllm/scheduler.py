@@ -91,6 +91,11 @@ class SchedulerSide:
         self._miss_once: set[str] = set()  # requests whose load failed: their next lookup misses
         self._failed_chunks: dict[bytes, float] = {}  # hash -> until when it is a miss
 
+    @property
+    def loads_in_flight(self) -> int:
+        """Async loads emitted and not reported finished yet."""
+        return len(self._loads)
+
     # -- lookups -------------------------------------------------------------------------
 
     def on_new_request(self, request: Request) -> None:

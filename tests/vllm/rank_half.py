@@ -23,6 +23,7 @@ import torch
 
 BLOCK = 16
 CHUNKS = 3
+LAYERS = ("layer.0", "layer.1")
 HEADS = 4  # in all; each rank holds HEADS // tp_size, or all of them for a replicated latent
 
 
@@ -38,31 +39,21 @@ def views(tp_rank: int, tp_size: int, replicated: bool, fill: int | None) -> dic
     if fill is not None:
         raw.fill_(fill)
     cache = raw.view(torch.bfloat16).view(2, 8, heads, BLOCK, 64)
-    return {"layer.0": cache[0], "layer.1": cache[1]}
+    return dict(zip(LAYERS, cache, strict=True))
 
 
 def main(spec: dict[str, Any]) -> dict[str, Any]:
-    from kvpipe.connector.vllm.engine_cache import EngineCache, open_store
+    from kvpipe.connector.vllm.engine_cache import open_store
     from kvpipe.connector.vllm.settings import settings_from
     from kvpipe.connector.vllm.worker import WorkerSide
-    from kvpipe.stages import GroupKind, GroupSpec, LoadRequest, SaveRequest
+    from kvpipe.stages import LoadRequest, SaveRequest
 
     from ..stages.kv_fixtures import chain_hashes
+    from .caches import engine_cache
 
     tp_rank, tp_size, replicas = spec["tp_rank"], spec["tp_size"], spec["tp_replicas"]
     settings = settings_from({"store": spec["store"], "enable_group_semantics": True, "staging_blocks": 8})
-    cache = EngineCache(
-        groups=(GroupSpec(GroupKind.FULL_ATTENTION, BLOCK),),
-        hash_block_size=BLOCK,
-        model="ranked",
-        cache_prefix="",
-        tp_size=tp_size,
-        pp_rank=0,
-        layer_names=(("layer.0", "layer.1"),),
-        num_blocks=8,
-        layout_name="LBHNC",
-        tp_replicas=replicas,
-    )
+    cache = engine_cache(LAYERS, num_blocks=8, model="ranked", tp_size=tp_size, tp_replicas=replicas)
     store, _ = open_store(settings, mount_segment=False)
     side = WorkerSide(cache, settings, store, tp_rank)
     engine = views(tp_rank, tp_size, replicas > 1, fill=0 if spec["action"] == "load" else None)

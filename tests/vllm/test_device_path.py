@@ -16,14 +16,14 @@ import pytest
 import torch
 
 from kvpipe.connector.memory import MemoryStore
-from kvpipe.connector.vllm.engine_cache import EngineCache
 from kvpipe.connector.vllm.kv_layout import group_layout
 from kvpipe.connector.vllm.settings import settings_from
 from kvpipe.connector.vllm.staging import StagingArea
 from kvpipe.connector.vllm.worker import WorkerSide
-from kvpipe.stages import GroupKind, GroupSpec, LoadRequest, SaveRequest
+from kvpipe.stages import LoadRequest, SaveRequest
 
 from ..stages.kv_fixtures import chain_hashes
+from .caches import engine_cache
 
 #: vLLM 0.32's KVCacheLayout members: logical axis -> physical position
 ORDERS = {
@@ -70,17 +70,8 @@ def test_the_hand_made_views_are_the_views_vllm_makes(name: str) -> None:
 
 
 def worker(store: MemoryStore, name: str) -> WorkerSide:
-    cache = EngineCache(
-        groups=(GroupSpec(GroupKind.FULL_ATTENTION, BLOCK),),
-        hash_block_size=BLOCK,
-        model="m",
-        cache_prefix="",
-        tp_size=1,
-        pp_rank=0,
-        layer_names=(tuple(f"layer.{layer}" for layer in range(SHAPE["L"])),),
-        num_blocks=SHAPE["B"],
-        layout_name=name,
-    )
+    layers = tuple(f"layer.{layer}" for layer in range(SHAPE["L"]))
+    cache = engine_cache(layers, block_size=BLOCK, num_blocks=SHAPE["B"], layout_name=name)
     return WorkerSide(cache, settings_from({"store": {"kind": "memory"}, "staging_blocks": 8}), store)
 
 

@@ -16,14 +16,15 @@ from typing import Any
 
 import pytest
 
-from kvpipe.connector.vllm.engine_cache import EngineCache, open_store, tp_replicas
+from kvpipe.connector.vllm.engine_cache import open_store, tp_replicas
 from kvpipe.connector.vllm.scheduler import SchedulerSide
 from kvpipe.connector.vllm.settings import settings_from
-from kvpipe.stages import GROUP_ID_SCOPE, GroupKind, GroupSpec
+from kvpipe.stages import GROUP_ID_SCOPE
 from kvpipe.stages.flags import ConfigError
 
 from ..stages.kv_fixtures import chain_hashes
-from .rank_half import BLOCK, CHUNKS
+from .caches import engine_cache
+from .rank_half import BLOCK, CHUNKS, LAYERS
 
 ROOT = Path(__file__).resolve().parents[2]
 pytestmark = pytest.mark.mooncake
@@ -53,18 +54,7 @@ def rank(store: dict[str, Any], tp_rank: int, action: str, seed: int, replicas: 
 def hit_tokens(store_section: dict[str, Any], seed: int, replicas: int = 1) -> int:
     """What a TP=2 engine's scheduler side finds stored for the request the halves saved."""
     settings = settings_from({"store": store_section})
-    cache = EngineCache(
-        groups=(GroupSpec(GroupKind.FULL_ATTENTION, BLOCK),),
-        hash_block_size=BLOCK,
-        model="ranked",
-        cache_prefix="",
-        tp_size=2,
-        pp_rank=0,
-        layer_names=(("layer.0", "layer.1"),),
-        num_blocks=8,
-        layout_name="LBHNC",
-        tp_replicas=replicas,
-    )
+    cache = engine_cache(LAYERS, num_blocks=8, model="ranked", tp_size=2, tp_replicas=replicas)
     store, _ = open_store(settings, mount_segment=False)
     try:
         side = SchedulerSide(cache, settings, store)

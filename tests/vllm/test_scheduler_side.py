@@ -14,31 +14,15 @@ from typing import Any
 import pytest
 
 from kvpipe.connector.memory import MemoryStore
-from kvpipe.connector.vllm.engine_cache import EngineCache
 from kvpipe.connector.vllm.scheduler import FAILED_CHUNK_TTL_S, SchedulerSide
 from kvpipe.connector.vllm.settings import settings_from
-from kvpipe.stages import GroupKind, GroupSpec, object_key
+from kvpipe.stages import object_key
 
 from ..stages.kv_fixtures import chain_hashes
+from .caches import engine_cache
 
 BLOCK = 16
 PROMPT = 4 * BLOCK + 5  # four whole chunks, then five tokens
-
-
-def engine_cache(
-    groups: tuple[GroupSpec, ...] = (GroupSpec(GroupKind.FULL_ATTENTION, BLOCK),),
-) -> EngineCache:
-    return EngineCache(
-        groups=groups,
-        hash_block_size=BLOCK,
-        model="m",
-        cache_prefix="",
-        tp_size=1,
-        pp_rank=0,
-        layer_names=tuple(("layer",) for _ in groups),
-        num_blocks=64,
-        layout_name="LBHNC",
-    )
 
 
 class Clock:

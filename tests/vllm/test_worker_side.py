@@ -13,13 +13,13 @@ import pytest
 import torch
 
 from kvpipe.connector.memory import MemoryStore
-from kvpipe.connector.vllm.engine_cache import EngineCache
 from kvpipe.connector.vllm.messages import KVPipeMetadata
 from kvpipe.connector.vllm.settings import settings_from
 from kvpipe.connector.vllm.worker import WorkerSide
-from kvpipe.stages import GroupKind, GroupSpec, LoadRequest, SaveRequest
+from kvpipe.stages import LoadRequest, SaveRequest
 
 from ..stages.kv_fixtures import chain_hashes
+from .caches import engine_cache
 from .test_kv_layout import LAYERS, NUM_BLOCKS, engine_views
 
 pytest.importorskip("vllm")
@@ -31,17 +31,7 @@ BITS = torch.int16  # random bytes make NaNs of bfloat16: compare the bits
 
 
 def worker(store: MemoryStore, layout: KVCacheLayout, load_async: bool = True, **kwargs) -> WorkerSide:
-    cache = EngineCache(
-        groups=(GroupSpec(GroupKind.FULL_ATTENTION, BLOCK),),
-        hash_block_size=BLOCK,
-        model="m",
-        cache_prefix="",
-        tp_size=1,
-        pp_rank=0,
-        layer_names=(LAYERS,),
-        num_blocks=NUM_BLOCKS,
-        layout_name=layout.name,
-    )
+    cache = engine_cache(LAYERS, num_blocks=NUM_BLOCKS, layout_name=layout.name)
     settings = settings_from({"store": {"kind": "memory"}, "staging_blocks": 8, "load_async": load_async})
     return WorkerSide(cache, settings, store, **kwargs)
 

@@ -1,0 +1,35 @@
+"""The engine cache the connector's sides see, for tests that drive them without an engine."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+from kvpipe.connector.vllm.engine_cache import EngineCache
+from kvpipe.stages import GroupKind, GroupSpec
+
+
+def engine_cache(
+    layers: Sequence[str] = ("layer",),
+    *,
+    groups: Sequence[GroupSpec] | None = None,
+    block_size: int = 16,
+    num_blocks: int = 64,
+    layout_name: str = "LBHNC",
+    model: str = "m",
+    tp_size: int = 1,
+    tp_replicas: int = 1,
+) -> EngineCache:
+    """One full-attention group over ``layers`` unless ``groups`` are given (each over ``layers``)."""
+    specs = tuple(groups) if groups is not None else (GroupSpec(GroupKind.FULL_ATTENTION, block_size),)
+    return EngineCache(
+        groups=specs,
+        hash_block_size=block_size,
+        model=model,
+        cache_prefix="",
+        tp_size=tp_size,
+        pp_rank=0,
+        layer_names=tuple(tuple(layers) for _ in specs),
+        num_blocks=num_blocks,
+        layout_name=layout_name,
+        tp_replicas=tp_replicas,
+    )
