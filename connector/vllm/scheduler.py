@@ -33,7 +33,7 @@ from typing import TYPE_CHECKING, Any
 import structlog
 
 from kvpipe.stages import LoadRequest, LookupRequest, SaveRequest, longest_stored_prefix, lookup_keys
-from kvpipe.stages.lookup import EXISTS, prefix_unit
+from kvpipe.stages.lookup import EXISTS
 
 from ..store import Store
 from .engine_cache import EngineCache
@@ -79,7 +79,6 @@ class SchedulerSide:
         self.store = store
         self.stats: Counter[str] = Counter()
         self._clock = clock
-        self._unit = prefix_unit(cache.store_groups)  # a hit grows by whole units
         self._tracked: dict[str, _Tracked] = {}
         self._pending_loads: dict[str, LoadRequest] = {}
         self._local_hits: dict[str, int] = {}
@@ -89,7 +88,7 @@ class SchedulerSide:
         self._loading: dict[bytes, str] = {}
         self._loads: dict[str, LoadRequest] = {}  # emitted, not finished yet
         self._miss_once: set[str] = set()  # requests whose load failed: their next lookup misses
-        self._failed_chunks: dict[bytes, float] = {}  # hash -> until when it is a miss
+        self._failed_chunks: dict[str, float] = {}  # chunk hash (hex) -> until when it is a miss
 
     @property
     def loads_in_flight(self) -> int:
@@ -125,11 +124,12 @@ class SchedulerSide:
             return 0, False
         if any(key not in self._exists for key in keys):
             self._look_up(keys)
-        exists = {key: self._exists.get(key, False) for key in keys}  # unanswered: a miss
+        failed = self._failed_recently()
+        # unanswered: a miss; a chunk whose load just failed: a miss too, whatever the master says
+        exists = {key: self._exists.get(key, False) and key.rsplit("@", 1)[1] not in failed for key in keys}
         hit = longest_stored_prefix(
             self.cache.store_groups, self.cache.lookup_shards, self.cache.hash_block_size, lookup, exists
         )
-        hit = self._before_failed_chunks(lookup, hit)
         new = max(0, hit - num_computed_tokens)
         if new and self.settings.load_async and self._loaded_by_another(lookup, hit):
             self.stats["lookups_deferred"] += 1
@@ -141,18 +141,13 @@ class SchedulerSide:
         hbs = self.cache.hash_block_size
         return lookup.block_hashes[start // hbs : end // hbs]
 
-    def _before_failed_chunks(self, lookup: LookupRequest, hit: int) -> int:
-        """``hit``, cut to the whole prefix units before the first hash block whose load failed recently."""
-        if not self._failed_chunks:
-            return hit
+    def _failed_recently(self) -> set[str]:
+        """The chunk hashes (hex, as keys end) whose load failed less than FAILED_CHUNK_TTL_S ago."""
         now = self._clock()
-        for hash_, until in list(self._failed_chunks.items()):
+        for chunk, until in list(self._failed_chunks.items()):
             if until <= now:
-                del self._failed_chunks[hash_]
-        for index, hash_ in enumerate(self._hashes(lookup, 0, hit)):
-            if hash_ in self._failed_chunks:
-                return index * self.cache.hash_block_size // self._unit * self._unit
-        return hit
+                del self._failed_chunks[chunk]
+        return set(self._failed_chunks)
 
     def _loaded_by_another(self, lookup: LookupRequest, hit: int) -> bool:
         start = lookup.num_computed_tokens
@@ -278,7 +273,7 @@ class SchedulerSide:
                 self.stats["loads_failed"] += 1
                 self._miss_once.add(rid)
                 until = self._clock() + FAILED_CHUNK_TTL_S
-                self._failed_chunks.update(dict.fromkeys(hashes, until))
+                self._failed_chunks.update(dict.fromkeys((hash_.hex() for hash_ in hashes), until))
 
     def request_finished(self, request: Request) -> tuple[bool, dict[str, Any] | None]:
         rid = request.request_id

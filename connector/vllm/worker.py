@@ -44,7 +44,7 @@ from kvpipe.stages import (
     full_chunks,
     tail_chunks,
 )
-from kvpipe.stages.load import load_chunks
+from kvpipe.stages.load import load_chunks, touched_block_ids
 
 from ..store import Store
 from .engine_cache import EngineCache
@@ -83,10 +83,6 @@ class _Load:
     @property
     def done(self) -> bool:
         return self.job is None or self.job.done
-
-    @property
-    def every_block(self) -> set[int]:
-        return {block for ids in self.request.block_ids for block in ids}
 
 
 class WorkerSide:
@@ -298,7 +294,9 @@ class WorkerSide:
         with self._lock:
             told = self._load_failures.pop(rid, None)
         if job is None or not job.done or told is None:
-            failed = load.every_block  # never started, timed out, or refused before the stage
+            # never started, timed out, or refused before the stage: every block of its range
+            # (not the blocks below it: those are the engine's own, maybe shared with others)
+            failed = set(touched_block_ids(self.cache.store_groups, load.request))
         else:
             by_slot = {slot: block for _, slot, block in load.bounce}
             failed = {by_slot.get(block, block) for block in told}
