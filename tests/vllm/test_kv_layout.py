@@ -175,3 +175,8 @@ def test_a_padded_row_that_runs_past_its_storage_is_refused() -> None:
     layer = torch.as_strided(storage, (NUM_BLOCKS, 64), (128, 1))
     with pytest.raises(LayoutError, match="run past the end"):
         group_layout({"a": layer}, NUM_BLOCKS)
+
+
+def test_no_tensor_for_the_stored_layers_is_refused() -> None:
+    with pytest.raises(LayoutError, match="no KV cache tensor"):
+        group_layout({}, NUM_BLOCKS, "LBHNC")
