@@ -64,9 +64,8 @@ def full_chunk_range(request: SaveRequest, group: StoreGroup, hash_block_size: i
     )
     start = request.num_saved_tokens // block_size
     if is_recurrent(group):
-        at_state = (
-            request.num_computed_tokens % block_size == 0 and end == request.num_computed_tokens // block_size
-        )
+        state = request.state_end
+        at_state = state % block_size == 0 and end == state // block_size
         start = max(start, end - 1) if at_state else end
     return range(start, max(start, end))
 
@@ -90,10 +89,11 @@ def tail_chunks(request: SaveRequest, group: StoreGroup, hash_block_size: int) -
     ``(computed // bs) * bs`` to ``(computed // hbs) * hbs``. It is named by its
     last complete hash block and stored as the whole block holding it, as vLLM
     does. A tail already below ``num_saved_tokens`` is not offered again. With
-    ``hash_block_size == block_size`` there is never a tail, and a recurrent
-    group has none (its state is kept at block boundaries only).
+    ``hash_block_size == block_size`` there is never a tail. A recurrent group's
+    tail is its state, and only where the state really is: at a hash-block
+    boundary inside a block (a block boundary is a full chunk).
     """
-    if not request.finished or is_recurrent(group):
+    if not request.finished:
         return ()
     block_size = group.spec.block_size
     computed = request.num_computed_tokens
@@ -101,6 +101,8 @@ def tail_chunks(request: SaveRequest, group: StoreGroup, hash_block_size: int) -
     start = (computed // block_size) * block_size
     end = hashed_blocks * hash_block_size
     block_index = computed // block_size
+    if is_recurrent(group) and (end != computed or request.state_end != computed):
+        return ()
     block_ids = request.block_ids[group.engine_group]
     if (
         end <= max(start, request.num_saved_tokens)

@@ -106,10 +106,13 @@ def load_chunks(
 ) -> tuple[LoadChunk, ...]:
     """The chunks of ``[start_tokens, end_tokens)``, every storable group, earliest prefix first.
 
-    A recurrent group (mamba) has one: its state at ``end_tokens``, into the block
-    the engine lists for the range's last chunk. A request that does not fit the
-    cache (bounds off a chunk boundary, too few hashes or block ids) is a
-    ValueError naming what is wrong; nothing of it is loaded.
+    ``end_tokens`` may end inside a block (a partial hit): that block is loaded
+    from the tail stored at ``end_tokens``, whole, and the engine recomputes the
+    tokens past it. A recurrent group (mamba) has one chunk: its state at
+    ``end_tokens``, into the block the engine lists for the range's last chunk.
+    A request that does not fit the cache (bounds off a block or hash-block
+    boundary, too few hashes or block ids) is a ValueError naming what is wrong;
+    nothing of it is loaded.
     """
     start, end = request.start_tokens, request.end_tokens
     engine_groups = 1 + max(group.engine_group for group in groups)
@@ -123,28 +126,33 @@ def load_chunks(
             f"load {request.request_id!r}: end_tokens {end} is beyond the "
             f"{len(request.block_hashes)} hash blocks of {hash_block_size} tokens given"
         )
+    if end % hash_block_size:
+        raise ValueError(
+            f"load {request.request_id!r}: end_tokens {end} is not a multiple of hash_block_size {hash_block_size}"
+        )
     chunks: list[tuple[int, int, LoadChunk]] = []
     for group in groups:
         block_size = group.spec.block_size
-        for bound, name in ((start, "start_tokens"), (end, "end_tokens")):
-            if bound % block_size:
-                raise ValueError(
-                    f"load {request.request_id!r}: {name} {bound} is not a multiple of block_size "
-                    f"{block_size} of engine group {group.engine_group}"
-                )
+        if start % block_size and not is_recurrent(group):
+            raise ValueError(
+                f"load {request.request_id!r}: start_tokens {start} is not a multiple of block_size "
+                f"{block_size} of engine group {group.engine_group}"
+            )
         block_ids = request.block_ids[group.engine_group]
-        if len(block_ids) < end // block_size:
+        needed = -(-end // block_size)
+        if len(block_ids) < needed:
             raise ValueError(
                 f"load {request.request_id!r}: engine group {group.engine_group} has "
-                f"{len(block_ids)} block ids, tokens up to {end} need {end // block_size}"
+                f"{len(block_ids)} block ids, tokens up to {end} need {needed}"
             )
-        hashes_per_chunk = block_size // hash_block_size
-        indexes = range(start // block_size, end // block_size)
+        # (chunk index, tokens at its end): whole chunks, then a tail ending inside a block
+        ends = [(index, (index + 1) * block_size) for index in range(start // block_size, end // block_size)]
+        if end % block_size:
+            ends.append((end // block_size, end))
         if is_recurrent(group):
-            indexes = indexes[-1:]  # one state: the one at the end of the range
-        for index in indexes:
-            chunk_hash = request.block_hashes[(index + 1) * hashes_per_chunk - 1]
-            tokens_end = (index + 1) * block_size
+            ends = ends[-1:]  # one state: the one at the end of the range
+        for index, tokens_end in ends:
+            chunk_hash = request.block_hashes[tokens_end // hash_block_size - 1]
             chunks.append(
                 (tokens_end, group.store_group, LoadChunk(group, index, chunk_hash, block_ids[index]))
             )

@@ -88,47 +88,66 @@ def prefix_unit(groups: Sequence[StoreGroup]) -> int:
     return math.lcm(*(group.spec.block_size for group in groups))
 
 
-def _hit_limit(groups: Sequence[StoreGroup], hash_block_size: int, request: LookupRequest) -> int:
-    """The longest hit the request allows: hashed, below ``num_tokens``, whole units."""
-    unit = prefix_unit(groups)
+def _grain(groups: Sequence[StoreGroup], alignment: int | None) -> int:
+    """What a hit grows by: ``alignment`` where the engine allows partial hits, else a prefix unit."""
+    return alignment or prefix_unit(groups)
+
+
+def _hit_limit(hash_block_size: int, request: LookupRequest, grain: int) -> int:
+    """The longest hit the request allows: hashed, below ``num_tokens``, whole grains."""
     longest = min(request.num_tokens - 1, len(request.block_hashes) * hash_block_size)
-    return max(0, longest // unit * unit)
+    return max(0, longest // grain * grain)
 
 
-def _chunk_keys(
-    groups: Sequence[StoreGroup], shards: Sequence[Shard], hash_block_size: int, request: LookupRequest
-) -> list[tuple[StoreGroup, list[tuple[str, ...] | None]]]:
-    """Per group, per chunk up to the limit: its keys (one per shard), or None if local."""
-    limit = _hit_limit(groups, hash_block_size, request)
+def _ends(
+    groups: Sequence[StoreGroup],
+    shards: Sequence[Shard],
+    hash_block_size: int,
+    request: LookupRequest,
+    grain: int,
+) -> list[tuple[StoreGroup, dict[int, tuple[str, ...] | None]]]:
+    """Per group, the token ends that matter up to the limit and their keys (None: the engine's own).
+
+    An object is keyed by the hash at its end: a full chunk at its block's end, a
+    partial tail or a recurrent state at the hash block it stops after. A
+    non-recurrent group needs its block ends (and, where a hit may end inside a
+    block, the tail at that end); a recurrent group only the state where a hit ends.
+    """
+    limit = _hit_limit(hash_block_size, request, grain)
     per_group = []
     for group in groups:
         block_size = group.spec.block_size
-        hashes_per_chunk = block_size // hash_block_size
-        chunks: list[tuple[str, ...] | None] = []
-        for index in range(limit // block_size):
-            if (index + 1) * block_size <= request.num_computed_tokens:
-                chunks.append(None)  # the engine has it already
+        ends = set(range(grain, limit + 1, grain))
+        if not is_recurrent(group):
+            ends = {end for end in ends if end % block_size} | set(range(block_size, limit + 1, block_size))
+        keys: dict[int, tuple[str, ...] | None] = {}
+        for end in sorted(ends):
+            if end <= request.num_computed_tokens:
+                keys[end] = None  # the engine has it already
                 continue
-            chunk_hash = request.block_hashes[(index + 1) * hashes_per_chunk - 1]
-            chunks.append(
-                tuple(object_key(shard.namespace, group.store_group, chunk_hash) for shard in shards)
-            )
-        per_group.append((group, chunks))
+            chunk_hash = request.block_hashes[end // hash_block_size - 1]
+            keys[end] = tuple(object_key(shard.namespace, group.store_group, chunk_hash) for shard in shards)
+        per_group.append((group, keys))
     return per_group
 
 
 def lookup_keys(
-    groups: Sequence[StoreGroup], shards: Sequence[Shard], hash_block_size: int, request: LookupRequest
+    groups: Sequence[StoreGroup],
+    shards: Sequence[Shard],
+    hash_block_size: int,
+    request: LookupRequest,
+    alignment: int | None = None,
 ) -> tuple[str, ...]:
     """The keys whose existence decides ``request``'s hit, in prefix order, each once."""
-    keys = (
-        key
-        for _, chunks in _chunk_keys(groups, shards, hash_block_size, request)
-        for chunk in chunks
+    grain = _grain(groups, alignment)
+    ends = [
+        (end, index, key)
+        for index, (_, keys) in enumerate(_ends(groups, shards, hash_block_size, request, grain))
+        for end, chunk in keys.items()
         if chunk is not None
         for key in chunk
-    )
-    return tuple(dict.fromkeys(keys))
+    ]
+    return tuple(dict.fromkeys(key for _, _, key in sorted(ends, key=lambda item: item[:2])))
 
 
 def longest_stored_prefix(
@@ -137,32 +156,45 @@ def longest_stored_prefix(
     hash_block_size: int,
     request: LookupRequest,
     exists: Mapping[str, bool],
+    alignment: int | None = None,
 ) -> int:
     """The tokens, from 0, that the store and the engine together hold for every group and shard.
 
     ``exists`` answers for the keys of :func:`lookup_keys`; a key it does not
-    hold counts as missing. Chunks wholly below ``num_computed_tokens`` count as
-    present (the engine has them). Each group's run of complete chunks stops at
-    its first incomplete chunk, and the hit is the longest whole number of prefix
-    units within every run at which every recurrent group has its state (a
-    prefix held by the engine counts as having it). It never reaches ``num_tokens``.
+    hold counts as missing, and what lies wholly below ``num_computed_tokens``
+    counts as present (the engine has it). A hit of ``L`` tokens (a whole number
+    of grains: ``alignment``, or a prefix unit) needs, of every non-recurrent
+    group, every chunk up to its last block end within ``L`` and, when ``L``
+    ends inside a block, the tail stored at ``L``; of every recurrent group, the
+    state at ``L``. The hit is the longest such ``L``; it never reaches ``num_tokens``.
     """
-    unit = prefix_unit(groups)
-    prefix = _hit_limit(groups, hash_block_size, request)
-    states: list[tuple[StoreGroup, list[bool]]] = []
-    for group, chunks in _chunk_keys(groups, shards, hash_block_size, request):
-        stored = [keys is None or all(exists.get(key, False) for key in keys) for keys in chunks]
-        if is_recurrent(group):
-            states.append((group, stored))
-            continue
-        present = stored.index(False) if False in stored else len(stored)
-        prefix = min(prefix, present * group.spec.block_size)
-    hit = prefix // unit * unit
-    while hit > request.num_computed_tokens and not all(
-        stored[hit // group.spec.block_size - 1] for group, stored in states
-    ):
-        hit -= unit
-    return hit
+    grain = _grain(groups, alignment)
+    limit = _hit_limit(hash_block_size, request, grain)
+    present: list[tuple[StoreGroup, dict[int, bool], int]] = []
+    for group, keys in _ends(groups, shards, hash_block_size, request, grain):
+        stored = {
+            end: chunk is None or all(exists.get(key, False) for key in chunk) for end, chunk in keys.items()
+        }
+        run = 0  # the end of the group's run of whole chunks from token 0
+        while stored.get(run + group.spec.block_size, False):
+            run += group.spec.block_size
+        present.append((group, stored, run))
+
+    def holds(hit: int) -> bool:
+        for group, stored, run in present:
+            if is_recurrent(group):
+                if not stored[hit]:
+                    return False
+            elif hit // group.spec.block_size * group.spec.block_size > run or (
+                hit % group.spec.block_size and not stored[hit]
+            ):
+                return False
+        return True
+
+    for hit in range(limit, 0, -grain):
+        if hit <= request.num_computed_tokens or holds(hit):
+            return hit
+    return 0
 
 
 class LookupStage(BatchStage):
@@ -181,13 +213,15 @@ class LookupStage(BatchStage):
     def __init__(self, kv: KVCache, store: ObjectStore) -> None:
         self._groups = storable_groups(kv)
         self._unit = prefix_unit(self._groups)
+        self._alignment = kv.hit_alignment
         self._shards = kv.shards
         self._hash_block_size = kv.hash_block_size
         self._store = store
 
     async def process_batch(self, batch: Sequence[BatchEntry[LookupRequest]]) -> None:
         wanted = [
-            lookup_keys(self._groups, self._shards, self._hash_block_size, entry.item) for entry in batch
+            lookup_keys(self._groups, self._shards, self._hash_block_size, entry.item, self._alignment)
+            for entry in batch
         ]
         # Requests sharing a prefix share keys: each key is asked once.
         keys = list(dict.fromkeys(key for entry_keys in wanted for key in entry_keys))
@@ -205,7 +239,9 @@ class LookupStage(BatchStage):
             if unknown:
                 entry.emit.count("exist_errors", unknown)
             exists = {key: answers.get(key) == EXISTS for key in entry_keys}
-            tokens = longest_stored_prefix(self._groups, self._shards, self._hash_block_size, request, exists)
+            tokens = longest_stored_prefix(
+                self._groups, self._shards, self._hash_block_size, request, exists, self._alignment
+            )
             result = LookupResult(request.request_id, tokens, tokens // self._unit)
             entry.emit.count("hit_tokens", result.hit_tokens)
             entry.emit.count("hit_chunks", result.chunks)

@@ -155,11 +155,18 @@ class Shard:
 
 @dataclass(frozen=True, slots=True)
 class KVCache:
-    """Everything the save stages need to know of the engine's cache."""
+    """Everything the save stages need to know of the engine's cache.
+
+    ``hit_alignment`` is the grain a prefix hit may end on: by default a whole
+    prefix unit (the lcm of the storable groups' block sizes); an engine that
+    allows partial hits (vLLM with a hash block below the block size) sets it to
+    a multiple of ``hash_block_size``, and a hit may then end inside a block.
+    """
 
     groups: tuple[GroupSpec, ...]
     hash_block_size: int
     shards: tuple[Shard, ...]
+    hit_alignment: int | None = None
 
 
 @dataclass(frozen=True, slots=True)
@@ -169,7 +176,11 @@ class SaveRequest:
     ``block_hashes`` are the engine's chained hashes, one per complete hash block
     (``KVCache.hash_block_size`` tokens); ``block_ids[g]`` are the blocks of
     engine group ``g`` in token order. Chunks below ``num_saved_tokens`` were
-    handed to the pipeline before and are not offered again.
+    handed to the pipeline before and are not offered again. ``finished``: no
+    later save covers more of the request's hashed prefix, so its partial tail
+    is due now. ``state_tokens`` is where the engine's recurrent (mamba) state
+    stands, when it is not ``num_computed_tokens`` (a save that stops short of
+    the step's end): a state is saved only where it really is.
     """
 
     request_id: str
@@ -178,6 +189,12 @@ class SaveRequest:
     num_computed_tokens: int
     num_saved_tokens: int = 0
     finished: bool = False
+    state_tokens: int | None = None
+
+    @property
+    def state_end(self) -> int:
+        """The tokens the recurrent state in the engine's blocks has seen."""
+        return self.num_computed_tokens if self.state_tokens is None else self.state_tokens
 
 
 @dataclass(frozen=True, slots=True)

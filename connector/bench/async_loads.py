@@ -78,11 +78,17 @@ def _live(role: str) -> Any:
     """The live engine's connector object of ``role`` ("worker" or "scheduler")."""
     from ..vllm import KVPipeConnector
 
-    (side,) = [getattr(c, role) for c in KVPipeConnector.instances if getattr(c, role) is not None and c.store is not None]
+    (side,) = [
+        getattr(c, role)
+        for c in KVPipeConnector.instances
+        if getattr(c, role) is not None and c.store is not None
+    ]
     return side
 
 
-def _steps(llm: Any, running: list[list[int]], loaders: list[list[int]] | None) -> tuple[list[float], list[float], list[float]]:
+def _steps(
+    llm: Any, running: list[list[int]], loaders: list[list[int]] | None
+) -> tuple[list[float], list[float], list[float]]:
     """Step the engine: the running requests, then (after WARM_STEPS) the loaders.
 
     Returns the times of the steps that ran while a load was in flight (async:
@@ -112,7 +118,9 @@ def _steps(llm: Any, running: list[list[int]], loaders: list[list[int]] | None) 
         started = time.perf_counter()
         outputs = engine.step()
         took = time.perf_counter() - started
-        loading = scheduler.loads_in_flight > 0 or (worker.stats["loads"] > loads_before and not worker.settings.load_async)
+        loading = scheduler.loads_in_flight > 0 or (
+            worker.stats["loads"] > loads_before and not worker.settings.load_async
+        )
         if step > WARM_STEPS // 2:  # past the running requests' own prefill
             (during if loading else quiet).append(took)
         for output in outputs:
@@ -180,7 +188,9 @@ def run(options: BenchOptions) -> WorkloadResult:
         targets=[
             Target(
                 name="async decode p99 / no loads",
-                measured=round(async_["decode p99 ms (loading)"] / max(async_["decode p99 ms (no loads)"], 1e-9), 2),
+                measured=round(
+                    async_["decode p99 ms (loading)"] / max(async_["decode p99 ms (no loads)"], 1e-9), 2
+                ),
                 goal=1.2,
                 op="<=",
             ),
@@ -190,7 +200,12 @@ def run(options: BenchOptions) -> WorkloadResult:
                 goal=1.0,
                 op="<=",
             ),
-            Target(name="async loads per shared prefix", measured=async_["loads per shared prefix"], goal=1, op="<="),
+            Target(
+                name="async loads per shared prefix",
+                measured=async_["loads per shared prefix"],
+                goal=1,
+                op="<=",
+            ),
         ],
         parameters={"rounds": rounds, "shared_tokens": SHARED, "loaders": LOADERS, "running": RUNNING},
     )

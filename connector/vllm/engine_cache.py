@@ -8,6 +8,7 @@ without talking to each other.
 
 from __future__ import annotations
 
+import math
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
@@ -77,6 +78,9 @@ class EngineCache:
     layer_names: tuple[tuple[str, ...], ...]  # per engine group
     num_blocks: int
     layout_name: str
+    #: where a hit may end when the engine allows partial hits (vLLM's
+    #: ``cache_hit_alignment_tokens``, below a prefix unit); None: whole prefix units
+    hit_alignment: int | None = None
     #: TP ranks that hold byte-identical objects (MLA: every rank; GQA with more ranks
     #: than KV heads: tp_size // heads); they share one key, every one of them loads it
     tp_replicas: int = 1
@@ -91,9 +95,12 @@ class EngineCache:
     ) -> EngineCache:
         mamba_mode = getattr(vllm_config.cache_config, "mamba_cache_mode", None)
         parallel = vllm_config.parallel_config
+        groups = groups_of(kv_cache_config, mamba_mode)
+        unit = math.lcm(*(g.block_size for g in groups if g.prefix_cacheable) or (1,))
+        alignment = getattr(kv_cache_config, "cache_hit_alignment_tokens", None)
         tp_size = int(parallel.tensor_parallel_size)
         return cls(
-            groups=groups_of(kv_cache_config, mamba_mode),
+            groups=groups,
             hash_block_size=int(kv_cache_config.hash_block_size),
             model=key_model_name(vllm_config.model_config.model),
             cache_prefix=settings.cache_prefix,
@@ -102,6 +109,7 @@ class EngineCache:
             layer_names=tuple(tuple(g.layer_names) for g in kv_cache_config.kv_cache_groups),
             num_blocks=int(kv_cache_config.num_blocks),
             layout_name=str(getattr(kv_cache_config, "kv_cache_layout", None) or "unresolved"),
+            hit_alignment=int(alignment) if alignment and int(alignment) < unit else None,
             tp_replicas=tp_replicas(
                 kv_cache_config,
                 tp_size,
@@ -140,7 +148,7 @@ class EngineCache:
         """The cache with ``layouts`` (by engine group) under ``key_ranks`` (default: every distinct one)."""
         ranks = range(self.tp_size // self.tp_replicas) if key_ranks is None else key_ranks
         shards = tuple(Shard(self.namespace(rank), dict(layouts)) for rank in ranks)
-        return KVCache(self.groups, self.hash_block_size, shards)
+        return KVCache(self.groups, self.hash_block_size, shards, self.hit_alignment)
 
 
 def tp_replicas(kv_cache_config: KVCacheConfig, tp_size: int, kv_heads: int, dcp_size: int) -> int:

@@ -177,7 +177,9 @@ def group_layout(
                 seen.add((run.start, run.stride))
                 runs.append(run)
     if not runs:
-        raise LayoutError(f"no KV cache tensor was given for the stored layers ({layout_name}): nothing to store")
+        raise LayoutError(
+            f"no KV cache tensor was given for the stored layers ({layout_name}): nothing to store"
+        )
     # Runs whose rows overlap share one row (B outermost): the row is their region.
     clusters: list[list[_Run]] = []
     for run in sorted(runs, key=lambda r: r.start):

@@ -62,6 +62,7 @@ class _Tracked:
 
     request: Request
     saved_tokens: int | None = None  # None until it is first scheduled
+    tail_saved: bool = False  # its prompt's partial tail was offered
 
 
 class SchedulerSide:
@@ -117,8 +118,9 @@ class SchedulerSide:
             self.stats["lookups_missed_after_failed_load"] += 1
             return 0, False
         lookup = LookupRequest(rid, tuple(request.block_hashes), request.num_tokens, num_computed_tokens)
+        cache = self.cache
         keys = lookup_keys(
-            self.cache.store_groups, self.cache.lookup_shards, self.cache.hash_block_size, lookup
+            cache.store_groups, cache.lookup_shards, cache.hash_block_size, lookup, cache.hit_alignment
         )
         if not keys:
             return 0, False
@@ -128,7 +130,12 @@ class SchedulerSide:
         # unanswered: a miss; a chunk whose load just failed: a miss too, whatever the master says
         exists = {key: self._exists.get(key, False) and key.rsplit("@", 1)[1] not in failed for key in keys}
         hit = longest_stored_prefix(
-            self.cache.store_groups, self.cache.lookup_shards, self.cache.hash_block_size, lookup, exists
+            cache.store_groups,
+            cache.lookup_shards,
+            cache.hash_block_size,
+            lookup,
+            exists,
+            cache.hit_alignment,
         )
         new = max(0, hit - num_computed_tokens)
         if new and self.settings.load_async and self._loaded_by_another(lookup, hit):
@@ -170,7 +177,9 @@ class SchedulerSide:
             if len(wanted) >= LOOKUP_BATCH_KEYS:
                 break
             ahead = LookupRequest(waiting.request_id, tuple(waiting.block_hashes), waiting.num_tokens)
-            keys_ahead = lookup_keys(cache.store_groups, cache.lookup_shards, cache.hash_block_size, ahead)
+            keys_ahead = lookup_keys(
+                cache.store_groups, cache.lookup_shards, cache.hash_block_size, ahead, cache.hit_alignment
+            )
             wanted.update(dict.fromkeys(key for key in keys_ahead if key not in self._exists))
         asked = list(wanted)
         self.stats["lookup_calls"] += 1
@@ -241,21 +250,49 @@ class SchedulerSide:
                 continue
             request = tracked.request
             saved = tracked.saved_tokens if tracked.saved_tokens is not None else request.num_computed_tokens
-            done = request.num_computed_tokens + scheduled
-            if not self.settings.save_decode_cache:
-                done = min(done, request.num_prompt_tokens)  # decode chunks are not worth the store
+            state = request.num_computed_tokens + scheduled  # where the engine's state will stand
+            done = state if self.settings.save_decode_cache else min(state, request.num_prompt_tokens)
             hashes = tuple(request.block_hashes)
-            reach = min(
-                min(done // g.spec.block_size, len(hashes) * self.cache.hash_block_size // g.spec.block_size)
-                * g.spec.block_size
-                for g in self.cache.store_groups
-            )
-            if reach <= saved:
-                continue
-            block_ids = tuple(tuple(ids) for ids in block_state.get_block_ids(rid))
-            meta.saves.append(SaveRequest(rid, hashes, block_ids, done, saved, False))
-            tracked.saved_tokens = reach
-            self.stats["saves_planned"] += 1
+            ends = [(done, False)]
+            tail = self._tail_boundary(request)
+            if tail is not None and not tracked.tail_saved and done >= tail:
+                tracked.tail_saved = True  # offered once, on the first save that covers it
+                ends = [(tail, True)] + (
+                    [(done, False)] if self._reach(done, hashes) > self._reach(tail, hashes) else []
+                )
+            block_ids: tuple[tuple[int, ...], ...] | None = None
+            for end, finished in ends:
+                reach = self._reach(end, hashes)
+                if reach <= saved and not finished:
+                    continue
+                block_ids = block_ids or tuple(tuple(ids) for ids in block_state.get_block_ids(rid))
+                meta.saves.append(
+                    SaveRequest(rid, hashes, block_ids, end, saved, finished, state_tokens=state)
+                )
+                saved = max(saved, reach)
+                self.stats["saves_planned"] += 1
+            tracked.saved_tokens = saved
+
+    def _reach(self, tokens: int, hashes: Sequence[bytes]) -> int:
+        """The end of the whole chunks of every stored group within ``tokens`` (and the hashes)."""
+        hashed = len(hashes) * self.cache.hash_block_size
+        return min(
+            min(tokens, hashed) // g.spec.block_size * g.spec.block_size for g in self.cache.store_groups
+        )
+
+    def _tail_boundary(self, request: Request) -> int | None:
+        """Where a prompt's partial tail ends, when the engine allows hits inside a block.
+
+        The longest hashed prefix strictly below the prompt (a request with the
+        same prompt must compute one token): vLLM's connector publishes the tail
+        there, with a recurrent group's state, and vLLM's scheduler ends a
+        prefill step there so that the state exists.
+        """
+        if self.cache.hit_alignment is None:
+            return None
+        hbs = self.cache.hash_block_size
+        tail = (request.num_prompt_tokens - 1) // hbs * hbs
+        return tail if any(tail % g.spec.block_size for g in self.cache.store_groups) else None
 
     def update_connector_output(self, connector_output: KVConnectorOutput) -> None:
         """Async loads that ended (well or not) release their prefix; failed ones are remembered."""

@@ -25,7 +25,7 @@ import threading
 import time
 from collections import Counter, deque
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import TYPE_CHECKING
 
 import structlog
@@ -223,15 +223,7 @@ class WorkerSide:
         ids = _remapped(
             save.block_ids, [(g, index, slot) for (g, index, _), slot in zip(plan, slots, strict=True)]
         )
-        request = SaveRequest(
-            save.request_id,
-            save.block_hashes,
-            ids,
-            save.num_computed_tokens,
-            save.num_saved_tokens,
-            save.finished,
-        )
-        return slots, request
+        return slots, replace(save, block_ids=ids)
 
     def _reap(self) -> None:
         """Free the staging slots of completed save jobs and count their outcomes."""
@@ -275,9 +267,7 @@ class WorkerSide:
         ids = _remapped(
             load.block_ids, [(g, index, slot) for (g, index, _), slot in zip(plan, slots, strict=True)]
         )
-        job = self._load_pipeline.submit(
-            LoadRequest(load.request_id, load.block_hashes, ids, load.start_tokens, load.end_tokens)
-        )
+        job = self._load_pipeline.submit(replace(load, block_ids=ids))
         return _Load(load, job, [(g, slot, block) for (g, _, block), slot in zip(plan, slots, strict=True)])
 
     def _load_plan(self, load: LoadRequest) -> list[tuple[int, int, int]]:

@@ -98,3 +98,36 @@ def test_a_tail_already_saved_is_not_offered_again():
     request = make_request(kv, tokens=104, saved=96, finished=True)
 
     assert tail_chunks(request, group, kv.hash_block_size) == ()
+
+
+# -- a recurrent (mamba) group: states, not per-chunk KV ----------------------------------------
+
+from .kv_fixtures import MAMBA_ALIGN  # noqa: E402
+
+
+def test_a_mamba_group_saves_the_state_at_a_block_aligned_end_only():
+    kv, group = _setup(MAMBA_ALIGN)
+
+    assert [c.tokens_end for c in full_chunks(make_request(kv, tokens=48), group, 16)] == [48]
+    assert full_chunks(make_request(kv, tokens=40), group, 16) == ()  # the state is inside a block
+
+
+def test_a_mamba_state_is_saved_only_where_the_engine_holds_it():
+    kv, group = _setup(MAMBA_ALIGN)
+    request = replace(make_request(kv, tokens=48), state_tokens=50)  # the step went on past 48
+
+    assert full_chunks(request, group, 16) == ()
+
+
+def test_a_finished_mamba_request_gives_the_state_inside_a_block_as_its_tail():
+    kv, group = _setup(MAMBA_ALIGN, hash_block_size=8)
+    request = make_request(kv, tokens=40, finished=True)
+
+    (tail,) = tail_chunks(request, group, 8)
+
+    assert (tail.tokens_end, tail.block_id, tail.chunk_hash) == (
+        40,
+        request.block_ids[0][2],
+        request.block_hashes[4],
+    )
+    assert tail_chunks(replace(request, state_tokens=44), group, 8) == ()

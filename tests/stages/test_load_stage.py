@@ -256,7 +256,7 @@ async def test_two_requests_loading_the_same_chunk_never_share_a_call_but_both_l
 @pytest.mark.parametrize(
     ("start", "end", "message"),
     [
-        (0, 40, "end_tokens 40 is not a multiple of block_size 16"),
+        (0, 40, "end_tokens 40 is not a multiple of hash_block_size 16"),
         (8, 48, "start_tokens 8 is not a multiple of block_size 16"),
         (0, 64, "end_tokens 64 is beyond the 3 hash blocks"),
     ],
@@ -321,3 +321,16 @@ def test_the_load_stage_needs_a_store_that_can_read_into_buffers():
 
     with pytest.raises(BuildError, match="resource 'store' must be a ReadableStore"):
         stage_type.build(LoadParams(), resources)
+
+
+async def test_a_partial_hit_loads_its_last_block_whole_from_the_tail_stored_where_it_ends():
+    source = make_kv([FULL], shards=1, seed=0, hash_block_size=8)
+    store = MemoryStore(lease_ttl_s=0)
+    saved = make_request(source.kv, 40, finished=True)  # chunks 0-1 and the tail 32-40 of block 3
+    await run_save_path(source.kv, store, [saved])
+    target = make_kv([FULL], shards=1, seed=1, hash_block_size=8)
+
+    (emit,), failed = await _load(target.kv, store, _load_request(saved, end=40))
+
+    assert (emit.counts["loaded"], failed) == (3, {"req-1": frozenset()})
+    assert all(_moved(source, target, groups=(0,), shards=1).values())  # blocks 1, 2 and the tail's block 3

@@ -277,3 +277,41 @@ def test_the_hit_is_the_longest_prefix_of_whole_units_stored_everywhere(
     assert whole(hit)
     longer = hit + 32
     assert longer >= num_tokens or longer > 16 * hashed_blocks or not whole(longer)
+
+
+# -- partial hits: an engine that hashes finer than its blocks -----------------------------------
+
+
+def _partial_kv(groups=(FULL,)):
+    return make_kv(list(groups), hash_block_size=8).kv
+
+
+def _answers(store, keys):
+    return {key: answer == 1 for key, answer in zip(keys, store.batch_is_exist(list(keys)), strict=True)}
+
+
+async def test_with_partial_hits_a_hit_may_end_inside_a_block_where_its_tail_is_stored():
+    kv = _partial_kv()
+    store = MemoryStore(lease_ttl_s=0)
+    saved = make_request(kv, 40, finished=True)  # chunks 0-1, and the tail 32-40 of block 2
+    await run_save_path(kv, store, [saved])
+    groups, request = storable_groups(kv), _asking(saved, num_tokens=100)
+    exists = _answers(store, lookup_keys(groups, kv.shards, 8, request, 8))
+
+    assert longest_stored_prefix(groups, kv.shards, 8, request, exists, alignment=8) == 40
+    assert longest_stored_prefix(groups, kv.shards, 8, request, exists) == 32  # whole blocks only
+
+
+async def test_a_partial_hit_of_a_hybrid_needs_the_mamba_state_where_it_ends():
+    kv = _partial_kv((FULL, RING, MAMBA_ALIGN))
+    store = MemoryStore(lease_ttl_s=0)
+    await run_save_path(kv, store, [make_request(kv, 32)])  # a step ended at 32: the state at 32
+    saved = make_request(kv, 40, saved=32, finished=True)  # the next at 40: the state at 40, the tail
+    await run_save_path(kv, store, [saved])
+    groups, request = storable_groups(kv), _asking(saved, num_tokens=100)
+    keys = lookup_keys(groups, kv.shards, 8, request, 8)
+
+    assert longest_stored_prefix(groups, kv.shards, 8, request, _answers(store, keys), alignment=8) == 40
+    assert store.remove(object_key(kv.shards[0].namespace, 1, saved.block_hashes[4])) == 0  # the state at 40
+    exists = _answers(store, keys)
+    assert longest_stored_prefix(groups, kv.shards, 8, request, exists, alignment=8) == 32  # the state at 32

@@ -18,12 +18,14 @@ def engine_cache(
     model: str = "m",
     tp_size: int = 1,
     tp_replicas: int = 1,
+    hash_block_size: int | None = None,
+    hit_alignment: int | None = None,
 ) -> EngineCache:
     """One full-attention group over ``layers`` unless ``groups`` are given (each over ``layers``)."""
     specs = tuple(groups) if groups is not None else (GroupSpec(GroupKind.FULL_ATTENTION, block_size),)
     return EngineCache(
         groups=specs,
-        hash_block_size=block_size,
+        hash_block_size=hash_block_size or block_size,
         model=model,
         cache_prefix="",
         tp_size=tp_size,
@@ -32,4 +34,5 @@ def engine_cache(
         num_blocks=num_blocks,
         layout_name=layout_name,
         tp_replicas=tp_replicas,
+        hit_alignment=hit_alignment,
     )

@@ -3,7 +3,13 @@
 - MLA: a tiny DeepSeek-V2 (``CPU_MLA``, one latent per token; vLLM's own prefix cache
   is off for it on CPU, so every pass-2 hit is the connector's).
 - Hybrid: a tiny Qwen3-Next, three mamba groups (GDN, ``align``) and one
-  full-attention group overlaying one cache; a hit needs every group's chunk.
+  full-attention group overlaying one cache (384-token blocks); a hit needs every
+  attention chunk and each mamba group's state where it ends.
+- Hybrid with partial hits (``prefix_match_unit=128``): the engine hashes every 128
+  tokens and a hit may end inside a block: on the prompt's partial tail (the
+  attention block holding it, keyed where it ends, and the mamba states there).
+  The only engine configuration on the CPU build with tails: a single KV-cache group
+  refuses a ``prefix_match_unit`` other than its block size.
 
 Each kind runs a kvpipe engine in this process and vLLM's own ``MooncakeStoreConnector``
 in a process of its own, on the session's master: each stores what the other loads.
@@ -21,7 +27,6 @@ from typing import Any
 import pytest
 
 from kvpipe.connector.vllm import launch
-from kvpipe.stages.chunks import is_recurrent
 
 from .test_connector import scheduler, stored_by, worker
 
@@ -35,15 +40,35 @@ class Kind:
     config: dict[str, Any]
     engine_args: dict[str, Any]
     groups: int  # the engine's KV-cache groups
+    objects_per_prompt: int  # what one 1,400-token prompt stores (as vLLM's connector does)
+    loads_per_prompt: int  # what its hit loads: every attention chunk, one state per mamba group
 
     @property
     def model(self) -> Path:
-        return launch.model_dir(f"tiny-{self.name}", self.config)
+        return launch.model_dir(f"tiny-{self.config['model_type'].replace('_', '-')}", self.config)
 
 
 KINDS = [
-    Kind("deepseek-v2", launch.TINY_DEEPSEEK_V2, {}, groups=1),
-    Kind("qwen3-next", launch.TINY_QWEN3_NEXT, launch.HYBRID_ENGINE_ARGS, groups=4),
+    # ten 128-token chunks of latent
+    Kind("deepseek-v2", launch.TINY_DEEPSEEK_V2, {}, groups=1, objects_per_prompt=10, loads_per_prompt=10),
+    # three attention chunks; per mamba group the state at 1,152, where vLLM ends the first step
+    Kind(
+        "qwen3-next",
+        launch.TINY_QWEN3_NEXT,
+        launch.HYBRID_ENGINE_ARGS,
+        groups=4,
+        objects_per_prompt=3 + 3,
+        loads_per_prompt=3 + 3,
+    ),
+    # and the partial tail at 1,280: the attention block holding it, each mamba group's state there
+    Kind(
+        "qwen3-next-partial",
+        launch.TINY_QWEN3_NEXT,
+        {**launch.HYBRID_ENGINE_ARGS, "prefix_match_unit": 128},
+        groups=4,
+        objects_per_prompt=(3 + 1) + 3 * 2,
+        loads_per_prompt=(3 + 1) + 3,
+    ),
 ]
 ENGINE = {"max_model_len": 2048, "kv_cache_memory_bytes": 256 << 20}
 
@@ -58,10 +83,10 @@ class Engine:
 
     @property
     def full_hit(self) -> int:
-        """The longest hit of a prompt: whole prefix units (lcm of the stored groups' block sizes)."""
-        groups = scheduler().cache.store_groups
-        unit = math.lcm(*(g.spec.block_size for g in groups))
-        return (PROMPT_TOKENS - 1) // unit * unit
+        """The longest hit of a prompt: whole grains (partial hits' alignment, or the stored groups' lcm)."""
+        cache = scheduler().cache
+        grain = cache.hit_alignment or math.lcm(*(g.spec.block_size for g in cache.store_groups))
+        return (PROMPT_TOKENS - 1) // grain * grain
 
 
 @pytest.fixture(scope="module", params=KINDS, ids=lambda kind: kind.name)
@@ -100,19 +125,13 @@ def test_a_reset_engine_loads_every_stored_chunk_with_identical_outputs(kvpipe: 
     batch = prompts(31)
     first, records = stored_by(kvpipe.llm, batch)
     assert first["cached"] == [0, 0]
-    # every attention chunk; of a mamba group, the one state the engine holds at a block
-    # boundary: where the prefill's first step ends (vLLM ends it at the last whole block)
-    per_prompt = sum(
-        1 if is_recurrent(group) else kvpipe.full_hit // group.spec.block_size
-        for group in scheduler().cache.store_groups
-    )
-    assert len({r.key for r in records}) == 2 * per_prompt
+    assert len({r.key for r in records}) == 2 * kvpipe.kind.objects_per_prompt
     assert kvpipe.llm.reset_prefix_cache()
     loaded = worker().stats["chunks_loaded"]
     second = kvpipe.generate(batch)
     assert second["cached"] == [kvpipe.full_hit] * 2
     assert second["connector_hits"] == 2 * kvpipe.full_hit
-    assert worker().stats["chunks_loaded"] - loaded == len({r.key for r in records})
+    assert worker().stats["chunks_loaded"] - loaded == 2 * kvpipe.kind.loads_per_prompt
     assert second["tokens"] == first["tokens"]
 
 

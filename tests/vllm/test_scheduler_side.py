@@ -16,7 +16,7 @@ import pytest
 from kvpipe.connector.memory import MemoryStore
 from kvpipe.connector.vllm.scheduler import FAILED_CHUNK_TTL_S, SchedulerSide
 from kvpipe.connector.vllm.settings import settings_from
-from kvpipe.stages import object_key
+from kvpipe.stages import GroupKind, GroupSpec, object_key
 
 from ..stages.kv_fixtures import chain_hashes
 from .caches import engine_cache
@@ -224,3 +224,31 @@ def test_decode_chunks_are_saved_only_with_save_decode_cache(
     saves += plan_saves(side, request, 7 * BLOCK - PROMPT)  # the decode steps, as one
     chunks = [i for s in saves for i in range(s.num_saved_tokens // BLOCK, s.num_computed_tokens // BLOCK)]
     assert chunks == list(range(saved_chunks))
+
+
+def test_with_partial_hits_the_prompts_tail_is_offered_once_on_the_step_that_reaches_it() -> None:
+    """Hash blocks of 8 in blocks of 16, a 45-token prompt: the tail ends at 40, inside block 2."""
+    groups = (
+        GroupSpec(GroupKind.FULL_ATTENTION, BLOCK),
+        GroupSpec(GroupKind.MAMBA, BLOCK, mamba_mode="align"),
+    )
+    cache = engine_cache(groups=groups, hash_block_size=8, hit_alignment=8)
+    side = SchedulerSide(cache, settings_from({"store": {"kind": "memory"}}), MemoryStore(1 << 20))
+    request = Request("a", chain_hashes(5, salt="a"), num_tokens=45, num_prompt_tokens=45)
+    side.on_new_request(request)
+    side.update_state_after_alloc(request, SimpleNamespace(get_block_ids=lambda: ([], [])), 0)
+    table = SimpleNamespace(get_block_ids=lambda rid: ([1, 2, 3], [4, 5, 6]))
+    planned = []
+    for scheduled in (32, 8, 5):  # vLLM ends a step at the tail, where the mamba state must be
+        output = SimpleNamespace(
+            finished_req_ids=set(),
+            scheduled_new_reqs=[SimpleNamespace(req_id="a", num_computed_tokens=request.num_computed_tokens)],
+            num_scheduled_tokens={"a": scheduled},
+            kv_connector_block_state=table,
+        )
+        planned += [
+            (s.num_computed_tokens, s.finished, s.state_end) for s in side.build_connector_meta(output).saves
+        ]
+        request.num_computed_tokens += scheduled
+
+    assert planned == [(32, False, 32), (40, True, 40)]
