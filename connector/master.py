@@ -112,9 +112,16 @@ class LocalMaster:
         eviction_high_watermark: float | None = None,
         eviction_ratio: float | None = None,
         client_ttl_s: int | None = None,
+        etcd_endpoints: str | None = None,
         startup_timeout_s: float = 20.0,
     ) -> None:
+        """``etcd_endpoints`` (``host:port;...``) makes it one of an HA group that elects a leader
+        there, with its operation log in etcd (without it a standby takes over with an empty store).
+        """
         self._flags: dict[str, str] = {}
+        self.ha = etcd_endpoints is not None
+        if etcd_endpoints is not None:
+            self._flags.update(enable_ha="true", enable_oplog="true", etcd_endpoints=etcd_endpoints)
         if lease_ttl_ms is not None:
             self._flags["default_kv_lease_ttl"] = str(lease_ttl_ms)
         if eviction_high_watermark is not None:
@@ -183,9 +190,19 @@ class LocalMaster:
         return self
 
     def _wait_ready(self) -> None:
+        """Until it listens; an HA master listens only once it leads, so for it: until it runs."""
         assert self._process is not None and self.endpoints is not None
         deadline = time.monotonic() + self._startup_timeout_s
         port = self.endpoints.rpc_port
+        if self.ha:
+            deadline = time.monotonic() + 0.3  # started and still running: it stands by or leads
+            while time.monotonic() < deadline:
+                if self._process.poll() is not None:
+                    raise MasterError(
+                        f"mooncake_master exited with {self._process.returncode}: {self.log_tail()}"
+                    )
+                time.sleep(0.05)
+            return
         while not is_listening(self.endpoints.host, port, timeout_s=0.2):
             if self._process.poll() is not None:
                 raise MasterError(

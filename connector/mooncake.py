@@ -8,7 +8,9 @@ adds only what the raw client lacks and production needs:
   and close waits for calls in flight on other threads before closing.
 - **Fast, one-line connection errors.** With no master listening, ``setup()``
   retries for ~90 s. :meth:`MooncakeStore.open` first checks that the master
-  (and an HTTP metadata server) accept connections, within ``connect_timeout_s``.
+  (and an HTTP metadata server) accept connections, within ``connect_timeout_s``;
+  for an HA cluster (``etcd://``, ``redis://``: :mod:`.master_address`), that a
+  leader serves.
 - **A deadline on every master RPC.** A stopped master makes each call wait
   30 s before -901; ``rpc_timeout_ms`` (2 s by default) bounds that wait. The
   client reads it from ``MC_RPC_TIMEOUT_MS`` at set-up, so it is the process's:
@@ -17,8 +19,9 @@ adds only what the raw client lacks and production needs:
   call fail at once (-900), but every later one spends ~4.5 s in the client's
   reconnection attempts, whatever ``MC_RPC_TIMEOUT_MS`` says. So after a call
   whose every key came back -900, each call first checks that the master's port
-  accepts a connection (within ``rpc_timeout_ms``) and answers -900 itself when
-  it does not; once it does, calls go to the client again, which reconnects.
+  (in HA: the leader etcd records) accepts a connection (within ``rpc_timeout_ms``)
+  and answers -900 itself when it does not; once it does, calls go to the client
+  again, which reconnects (or follows the new leader).
 - **A master for the asking.** ``master: spawn`` starts a ``mooncake_master`` on
   free loopback ports (:class:`~.master.LocalMaster`) and the store stops it on close.
 - **vLLM's config file.** :meth:`MooncakeSettings.from_vllm_file` reads the JSON
@@ -37,6 +40,7 @@ import logging
 import os
 import re
 import threading
+import time
 import weakref
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from contextlib import contextmanager
@@ -62,9 +66,9 @@ from .master import (
     LocalMaster,
     MasterEndpoints,
     MasterError,
-    is_listening,
     wait_until_listening,
 )
+from .master_address import MasterAddress
 from .store import replicate_config_supports_group_ids
 
 __all__ = [
@@ -159,16 +163,6 @@ def _mib(n: int) -> str:
     return f"{n / MiB:g} MiB"
 
 
-def split_host_port(address: str) -> tuple[str, int]:
-    """``"host:port"`` -> ``("host", port)``; ValueError naming the problem otherwise."""
-    host, sep, port_text = address.strip().rpartition(":")
-    if not sep or not host or any(c.isspace() for c in host) or "/" in host:
-        raise ValueError("must be 'host:port' (e.g. '127.0.0.1:50051') or 'spawn'")
-    if not port_text.isdigit() or not 0 < int(port_text) < 65536:
-        raise ValueError("must be 'host:port' with a port in 1..65535")
-    return host.strip("[]"), int(port_text)
-
-
 def _http_endpoint(metadata_server: str) -> tuple[str, int] | None:
     """The host and port of an HTTP metadata server, or None for other kinds."""
     parts = urlsplit(metadata_server)
@@ -219,10 +213,9 @@ class MooncakeSettings(BaseModel):
         if value == "spawn":
             return value
         try:
-            split_host_port(value)
+            return MasterAddress.parse(value).text
         except ValueError as exc:
             raise PydanticCustomError("master_address", str(exc)) from None
-        return value.strip()
 
     @field_validator("metadata_server")
     @classmethod
@@ -435,7 +428,7 @@ class MooncakeStore:
         self._closed = False
         # set when a call found the master gone (every key -900): see _master_back
         self._master_lost = False
-        self._master_host, self._master_port = split_host_port(master_address)
+        self._address = MasterAddress.parse(master_address)
         self.rpc_timeout_s = _rpc_timeout_ms(settings) / 1000  # the deadline the client really has
         self._release = weakref.finalize(self, _release, client, master)
 
@@ -466,6 +459,7 @@ class MooncakeStore:
             metadata_server = settings.metadata_server
         try:
             _check_reachable(master_address, metadata_server, settings.connect_timeout_s)
+            etcd = _one_etcd_per_process(master_address)
             client = client_cls()
             extra = {} if settings.tenant_id == "default" else {"tenant_id": settings.tenant_id}
             with _rpc_timeout_for_setup(settings):
@@ -486,6 +480,8 @@ class MooncakeStore:
                     f"metadata {metadata_server}, protocol {settings.protocol!r}, "
                     f"segment {_mib(settings.global_segment_size)}: {hint}"
                 )
+            if etcd is not None:
+                _JOINED_ETCD.append(etcd)
         except BaseException:
             if master is not None:
                 master.stop()
@@ -628,12 +624,12 @@ class MooncakeStore:
         return results
 
     def _master_back(self) -> bool:
-        """Whether the lost master's port accepts connections again (bounded by the RPC deadline).
+        """Whether a master serves again: its port, or in HA the recorded leader's (bounded by the RPC deadline).
 
         The client's own call would find out only after ~4.5 s of reconnection
         attempts; a connection refused on the port says the same at once.
         """
-        return is_listening(self._master_host, self._master_port, timeout_s=self.rpc_timeout_s)
+        return self._address.serving(self.rpc_timeout_s)
 
     def _batch(self, n_keys: int, call: Callable[[Any], list[int]]) -> list[int]:
         if not self._enter():
@@ -701,10 +697,48 @@ def open_mooncake_store(settings: MooncakeSettings | None = None) -> MooncakeSto
     return MooncakeStore.open(settings)
 
 
+#: the etcd endpoints this process's Mooncake clients joined: the library keeps one etcd
+#: client per process and refuses another ("Etcd client already connected to ...")
+_JOINED_ETCD: list[tuple[tuple[str, int], ...]] = []
+
+
+def _one_etcd_per_process(master_address: str) -> tuple[tuple[str, int], ...] | None:
+    """The etcd endpoints of ``master_address`` (None if it is no etcd cluster); MasterError for a second etcd."""
+    address = MasterAddress.parse(master_address)
+    if address.kind != "etcd":
+        return None
+    if _JOINED_ETCD and _JOINED_ETCD[0] != address.endpoints:
+        joined = ";".join(f"{host}:{port}" for host, port in _JOINED_ETCD[0])
+        raise MasterError(
+            f"this process joined the mooncake cluster at etcd://{joined} already: Mooncake's client keeps one "
+            f"etcd connection per process, so etcd://{';'.join(f'{h}:{p}' for h, p in address.endpoints)} "
+            "needs a process of its own"
+        )
+    return address.endpoints
+
+
 def _check_reachable(master_address: str, metadata_server: str, timeout_s: float) -> None:
-    """MasterError within ``timeout_s`` unless the master (and an HTTP metadata server) listen."""
-    host, port = split_host_port(master_address)
-    wait_until_listening(host, port, timeout_s=timeout_s, what="mooncake master")
+    """MasterError within ``timeout_s`` unless a master serves (and an HTTP metadata server listens).
+
+    In HA, a leader must be recorded and listening: a cluster whose masters are
+    all standing by (or gone) would make ``setup()`` retry for ~90 s.
+    """
+    address = MasterAddress.parse(master_address)
+    if address.kind == "direct":
+        wait_until_listening(*address.endpoints[0], timeout_s=timeout_s, what="mooncake master")
+    else:
+        deadline = time.monotonic() + timeout_s
+        while not address.serving(timeout_s=min(0.5, timeout_s)):
+            if time.monotonic() >= deadline:
+                what = (
+                    "no etcd endpoint listens"
+                    if not address.coordinators_listening(0.5)
+                    else "no master leads"
+                )
+                raise MasterError(
+                    f"mooncake cluster at {master_address} is not reachable: {what} (waited {timeout_s:g} s)"
+                )
+            time.sleep(0.05)
     if (http := _http_endpoint(metadata_server)) is not None:
         wait_until_listening(*http, timeout_s=timeout_s, what="mooncake metadata server")
 

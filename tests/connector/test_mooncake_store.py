@@ -187,6 +187,16 @@ def test_settings_come_from_vllms_json_file_with_sizes_as_strings(tmp_path: Path
     assert settings.local_hostname == "127.0.0.1"
 
 
+def test_vllms_json_may_name_an_ha_cluster_as_its_master(tmp_path: Path) -> None:
+    document = {
+        **VLLM_FILE,
+        "master_server_address": "etcd://10.0.0.1:2379;10.0.0.2:2379",
+        "metadata_server": "P2PHANDSHAKE",
+    }
+    settings = MooncakeSettings.from_vllm_file(write_json(tmp_path, document), env={})
+    assert settings.master == "etcd://10.0.0.1:2379;10.0.0.2:2379"
+
+
 def test_the_local_hostname_comes_from_vllms_environment_variable(tmp_path: Path) -> None:
     path = write_json(tmp_path, VLLM_FILE)
     env = {"MOONCAKE_CONFIG_PATH": str(path), "MOONCAKE_REQUESTER_LOCAL_HOSTNAME": "10.0.0.7"}

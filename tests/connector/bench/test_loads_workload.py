@@ -15,7 +15,9 @@ from kvpipe.connector.bench import BenchOptions, WorkloadResult, workload_runner
 
 @pytest.fixture(scope="module")
 def result(tmp_path_factory: pytest.TempPathFactory) -> WorkloadResult:
-    return workload_runner("vllm-loads")(BenchOptions(quick=True, repeats=1, out_dir=tmp_path_factory.mktemp("b")))
+    return workload_runner("vllm-loads")(
+        BenchOptions(quick=True, repeats=1, out_dir=tmp_path_factory.mktemp("b"))
+    )
 
 
 def test_one_row_per_load_mode_with_every_column(result: WorkloadResult) -> None:
