@@ -24,7 +24,7 @@ from pathlib import Path
 from types import FrameType
 from typing import Any, Self
 
-from .master import LOOPBACK, LocalMaster, MasterError, free_ports, wait_until_listening
+from .master import LOOPBACK, LocalMaster, MasterError, free_ports, stop_process, wait_until_listening
 from .master_address import MasterAddress
 
 
@@ -146,13 +146,8 @@ class LocalCluster:
             master.stop()
         self.masters.clear()
         etcd, self._etcd = self._etcd, None
-        if etcd is not None and etcd.poll() is None:
-            etcd.terminate()
-            try:
-                etcd.wait(timeout=5)
-            except subprocess.TimeoutExpired:
-                etcd.kill()
-                etcd.wait()
+        if etcd is not None:
+            stop_process(etcd)
         if self._data_dir is not None:
             shutil.rmtree(self._data_dir, ignore_errors=True)
             self._data_dir = None

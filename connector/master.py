@@ -88,6 +88,19 @@ def wait_until_listening(host: str, port: int, timeout_s: float, what: str = "mo
         time.sleep(0.05)
 
 
+def stop_process(process: subprocess.Popen[bytes], timeout_s: float = 5.0) -> None:
+    """End a child: SIGCONT (a stopped one cannot act on SIGTERM), SIGTERM, SIGKILL after ``timeout_s``."""
+    if process.poll() is not None:
+        return
+    process.send_signal(signal.SIGCONT)
+    process.terminate()
+    try:
+        process.wait(timeout=timeout_s)
+    except subprocess.TimeoutExpired:
+        process.kill()
+        process.wait()
+
+
 def find_master_binary() -> Path:
     """``mooncake_master`` beside this interpreter (a venv's bin) or on PATH."""
     beside = Path(sys.executable).parent / "mooncake_master"
@@ -260,14 +273,8 @@ class LocalMaster:
 
     def stop(self) -> None:
         process, self._process = self._process, None
-        if process is not None and process.poll() is None:
-            process.send_signal(signal.SIGCONT)  # a paused master cannot act on SIGTERM
-            process.terminate()
-            try:
-                process.wait(timeout=5)
-            except subprocess.TimeoutExpired:
-                process.kill()
-                process.wait()
+        if process is not None:
+            stop_process(process)
         if self._log_path is not None:
             self._log_path.unlink(missing_ok=True)
             self._log_path = None
