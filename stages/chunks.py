@@ -10,9 +10,11 @@ A recurrent group (mamba) is different: its block holds the state after a number
 of tokens, not those tokens' keys and values, and the engine keeps a state only
 where a step ended (vLLM's ``align`` mode schedules prefill chunks to end on block
 boundaries, and frees older states soon after). So a mamba group's only chunk is
-the state at ``num_computed_tokens`` when that is a block boundary: the state
-after chunk ``i`` in the block the engine lists for chunk ``i``. Earlier entries
-of its block table are placeholders (vLLM's null block), never saved.
+the state where the engine's state stands (``SaveRequest.state_end``) when that is
+a block boundary: the state after chunk ``i`` in the block the engine lists for
+chunk ``i``; where the engine hashes finer than its blocks, a state at a hash-block
+boundary inside a block is the group's tail. Earlier entries of its block table are
+placeholders (vLLM's null block), never saved.
 (:func:`is_recurrent` names the rule; lookups and loads follow it too.)
 
 These functions are pure and shared by ``project`` (is there anything to save?)

@@ -8,7 +8,6 @@ without talking to each other.
 
 from __future__ import annotations
 
-import math
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
@@ -78,8 +77,8 @@ class EngineCache:
     layer_names: tuple[tuple[str, ...], ...]  # per engine group
     num_blocks: int
     layout_name: str
-    #: where a hit may end when the engine allows partial hits (vLLM's
-    #: ``cache_hit_alignment_tokens``, below a prefix unit); None: whole prefix units
+    #: where a hit may end (vLLM's ``cache_hit_alignment_tokens``: below a prefix unit
+    #: when the engine allows partial hits); None: whole prefix units
     hit_alignment: int | None = None
     #: TP ranks that hold byte-identical objects (MLA: every rank; GQA with more ranks
     #: than KV heads: tp_size // heads); they share one key, every one of them loads it
@@ -96,7 +95,6 @@ class EngineCache:
         mamba_mode = getattr(vllm_config.cache_config, "mamba_cache_mode", None)
         parallel = vllm_config.parallel_config
         groups = groups_of(kv_cache_config, mamba_mode)
-        unit = math.lcm(*(g.block_size for g in groups if g.prefix_cacheable) or (1,))
         alignment = getattr(kv_cache_config, "cache_hit_alignment_tokens", None)
         tp_size = int(parallel.tensor_parallel_size)
         return cls(
@@ -109,7 +107,7 @@ class EngineCache:
             layer_names=tuple(tuple(g.layer_names) for g in kv_cache_config.kv_cache_groups),
             num_blocks=int(kv_cache_config.num_blocks),
             layout_name=str(getattr(kv_cache_config, "kv_cache_layout", None) or "unresolved"),
-            hit_alignment=int(alignment) if alignment and int(alignment) < unit else None,
+            hit_alignment=int(alignment) if alignment else None,
             tp_replicas=tp_replicas(
                 kv_cache_config,
                 tp_size,

@@ -217,13 +217,19 @@ class WorkerSide:
         if len(plan) > self._staging.free:
             self.stats["saves_dropped_no_staging"] += 1
             return None
-        slots = self._staging.take(len(plan))
+        slots, ids = self._into_slots(plan, save.block_ids)
         for (engine_group, _, block), slot in zip(plan, slots, strict=True):
             self._staging.copy_in(engine_group, slot, block)
-        ids = _remapped(
-            save.block_ids, [(g, index, slot) for (g, index, _), slot in zip(plan, slots, strict=True)]
-        )
         return slots, replace(save, block_ids=ids)
+
+    def _into_slots(
+        self, plan: Sequence[tuple[int, int, int]], block_ids: tuple[tuple[int, ...], ...]
+    ) -> tuple[list[int], tuple[tuple[int, ...], ...]]:
+        """Free slots for ``plan``'s (engine group, chunk index, engine block), and ``block_ids`` naming them."""
+        assert self._staging is not None
+        slots = self._staging.take(len(plan))
+        placed = [(group, index, slot) for (group, index, _), slot in zip(plan, slots, strict=True)]
+        return slots, _remapped(block_ids, placed)
 
     def _reap(self) -> None:
         """Free the staging slots of completed save jobs and count their outcomes."""
@@ -263,10 +269,7 @@ class WorkerSide:
         if len(plan) > self._staging.free:
             self.stats["loads_failed_no_staging"] += 1
             return _Load(load, None)
-        slots = self._staging.take(len(plan))
-        ids = _remapped(
-            load.block_ids, [(g, index, slot) for (g, index, _), slot in zip(plan, slots, strict=True)]
-        )
+        slots, ids = self._into_slots(plan, load.block_ids)
         job = self._load_pipeline.submit(replace(load, block_ids=ids))
         return _Load(load, job, [(g, slot, block) for (g, _, block), slot in zip(plan, slots, strict=True)])
 
