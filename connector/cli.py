@@ -2,6 +2,7 @@
 
 ``kvpipe run CONFIG [--json] [--set dotted.path=value ...] [--dump-objects FILE]``
 ``kvpipe bench [WORKLOAD ...] [--quick] [--repeats N] [--out DIR] [--json] [--markdown FILE]``
+``kvpipe store [--master ADDRESS|spawn] [--segment SIZE] [--master-metrics HOST:PORT ...] [--json]``
 
 Bad input (a missing file, malformed YAML, a wrong value, an unreachable master)
 is one line on stderr naming the field and the value, and exit code 2: no
@@ -13,19 +14,24 @@ from __future__ import annotations
 import argparse
 import json
 import logging
+import os
+import signal
 import sys
+import threading
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Any, NoReturn
 
 import structlog
+import yaml
 from pydantic import ValidationError
 
 from kvpipe.pipeline import BuildError
 from kvpipe.pipeline.config import describe_validation_error, load_yaml, one_line
 
 from .master import MasterError
-from .mooncake import MooncakeError
+from .master_address import split_host_port
+from .mooncake import MooncakeError, MooncakeSettings
 from .run.config import RunConfig, apply_override
 from .run.job import RunResult, run
 from .run.report import ProgressLine, summary_table
@@ -85,6 +91,35 @@ def _parser() -> argparse.ArgumentParser:
         "--markdown", type=Path, metavar="FILE", help="also write the tables as Markdown (for BENCHMARKS.md)"
     )
     bench_parser.set_defaults(command=_bench_command)
+    store_parser = commands.add_parser(
+        "store", help="a store node: lend the store a segment until SIGTERM (engines then mount none)"
+    )
+    store_parser.add_argument(
+        "--master",
+        default="spawn",
+        help="'spawn' (a local master), 'host:port' or an HA cluster 'etcd://h1:p1;h2:p2' (default: spawn)",
+    )
+    store_parser.add_argument(
+        "--metadata-server", help="with an existing master: 'P2PHANDSHAKE' or 'http://host:port/metadata'"
+    )
+    store_parser.add_argument("--segment", default="1GB", help="memory lent to the store (default: 1GB)")
+    store_parser.add_argument("--protocol", default="tcp", help="transfer protocol (default: tcp)")
+    store_parser.add_argument("--device-name", default="", help="RDMA device(s) for --protocol rdma")
+    store_parser.add_argument(
+        "--local-hostname", default="127.0.0.1", help="this machine's address as engines reach it"
+    )
+    store_parser.add_argument(
+        "--master-metrics",
+        action="append",
+        default=[],
+        metavar="HOST:PORT",
+        help="a master's metrics endpoint, to report the segment's use (a spawned master's is known)",
+    )
+    store_parser.add_argument(
+        "--report-every", type=float, default=10.0, metavar="S", help="seconds (default 10)"
+    )
+    store_parser.add_argument("--json", action="store_true", help="one JSON object per line on stdout")
+    store_parser.set_defaults(command=_store_command)
     return parser
 
 
@@ -129,6 +164,93 @@ def _bench_command(args: argparse.Namespace) -> int:
     if missed:
         print(f"kvpipe bench: {len(missed)} target(s) missed: {', '.join(missed)}", file=sys.stderr)
     return 0
+
+
+def _store_command(args: argparse.Namespace) -> int:
+    from .store_node import NodeReady, SegmentUse, serve
+
+    if args.report_every <= 0:
+        raise UsageError(f"--report-every: must be > 0 seconds, got {args.report_every:g}")
+    for address in args.master_metrics:
+        try:
+            split_host_port(address)
+        except ValueError as error:
+            raise UsageError(f"--master-metrics: {error}, got {address!r}") from None
+    fields = {
+        "master": args.master,
+        "metadata_server": args.metadata_server,
+        "global_segment_size": args.segment,
+        "protocol": args.protocol,
+        "device_name": args.device_name,
+        "local_hostname": args.local_hostname,
+    }
+    try:
+        settings = MooncakeSettings.model_validate({k: v for k, v in fields.items() if v is not None})
+    except ValidationError as error:
+        flags = {"global_segment_size": "segment"}
+        field = str(error.errors()[0]["loc"][0]) if error.errors()[0]["loc"] else ""
+        flag = "--" + flags.get(field, field).replace("_", "-")
+        problem = error.errors()[0]
+        message = (
+            problem["msg"] if ", got " in problem["msg"] else f"{problem['msg']}, got {problem['input']!r}"
+        )
+        raise UsageError(f"{flag}: {message}") from None
+    if settings.global_segment_size == 0:
+        raise UsageError(
+            f"--segment: a store node lends memory, so it must be at least 16 MiB, got {args.segment!r}"
+        )
+    stop = threading.Event()
+    previous = {sig: signal.signal(sig, lambda *_: stop.set()) for sig in (signal.SIGTERM, signal.SIGINT)}
+
+    def ready(node: NodeReady) -> None:
+        if args.json:
+            print(json.dumps(node.as_json()), flush=True)
+            return
+        print(
+            f"kvpipe store: segment {node.segment_name} ({node.segment_bytes / (1 << 20):g} MiB) "
+            f"serves the store at {node.master}\n"
+            "engines mount no segment of their own; kvpipe's store settings (YAML, or the connector's "
+            f"extra config):\n{_indented(yaml.safe_dump({'store': node.kvpipe_store()}, sort_keys=False))}"
+            f"vLLM's Mooncake JSON (MOONCAKE_CONFIG_PATH):\n  {json.dumps(node.vllm_config())}\n"
+            "stop with SIGTERM or Ctrl-C (the segment's objects go with it)",
+            flush=True,
+        )
+
+    def use(report: SegmentUse) -> None:
+        if args.json:
+            print(json.dumps(report.as_json()), flush=True)
+            return
+        share = report.used_bytes / report.capacity_bytes if report.capacity_bytes else 0.0
+        print(
+            f"kvpipe store: {report.used_bytes / (1 << 20):.1f} of "
+            f"{report.capacity_bytes / (1 << 20):g} MiB used ({share:.1%})",
+            flush=True,
+        )
+
+    try:
+        closed = serve(settings, stop=stop, on_ready=ready, on_use=use, master_metrics=args.master_metrics,
+                       report_every_s=args.report_every)  # fmt: skip
+    except (MasterError, MooncakeError, ValueError) as error:
+        if args.verbose:
+            raise
+        field = "--master" if isinstance(error, MasterError) and args.master != "spawn" else None
+        message = one_line(str(error))
+        raise UsageError(f"{field}: {message}" if field else message) from None
+    finally:
+        for sig, handler in previous.items():
+            signal.signal(sig, handler)
+    done = "stopped" if closed else "stopped (the master drops the segment after its client TTL)"
+    print(
+        json.dumps({"event": "stopped", "closed": closed}) if args.json else f"kvpipe store: {done}",
+        flush=True,
+    )
+    if not closed:
+        os._exit(0)  # the native close still runs: exiting under it would crash at interpreter exit
+    return 0
+
+
+def _indented(text: str, prefix: str = "  ") -> str:
+    return "".join(prefix + line for line in text.splitlines(keepends=True))
 
 
 def load_run_config(path: Path, overrides: Sequence[str]) -> RunConfig:

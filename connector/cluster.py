@@ -1,4 +1,4 @@
-"""A local Mooncake cluster for tests and demos: etcd and HA masters on free loopback ports.
+"""A local Mooncake cluster for tests and demos: etcd, HA masters and store nodes on loopback.
 
 Mooncake's HA masters (``--enable_ha``) elect a leader in etcd and keep their
 operation log there (``--enable_oplog``), so a standby that takes over still has
@@ -8,24 +8,42 @@ stops every process it started on exit, on an error while starting, and when the
 process that owns it gets SIGTERM. Clients join it as ``etcd://127.0.0.1:PORT``
 with ``P2PHANDSHAKE`` metadata.
 
+Store nodes (:class:`StoreNodeProcess`, each a ``kvpipe store`` process) hold the
+objects: :meth:`LocalCluster.add_store_node` starts one (``store_nodes`` at start),
+and a test kills one to see what a lost machine costs. Clients of such a cluster
+mount no segment of their own (``global_segment_size: 0``).
+
 Raises :class:`~.master.MasterError` (one line) when etcd or the masters cannot
 start or no master leads in time.
 """
 
 from __future__ import annotations
 
+import json
 import shutil
 import signal
 import subprocess
+import sys
 import tempfile
 import threading
 import time
+from collections import deque
 from pathlib import Path
 from types import FrameType
 from typing import Any, Self
 
-from .master import LOOPBACK, LocalMaster, MasterError, free_ports, stop_process, wait_until_listening
-from .master_address import MasterAddress
+from .master import (
+    LOOPBACK,
+    P2P_HANDSHAKE,
+    LocalMaster,
+    MasterError,
+    free_ports,
+    stop_process,
+    wait_until_listening,
+)
+from .master_address import MasterAddress, etcd_range
+
+_OPLOG_PUT, _OPLOG_REMOVE = 1, 3
 
 
 def find_etcd() -> Path:
@@ -35,13 +53,85 @@ def find_etcd() -> Path:
     return Path(found)
 
 
-class LocalCluster:
-    """etcd and ``masters`` HA masters on loopback. Use as a context manager."""
+class StoreNodeProcess:
+    """One ``kvpipe store`` process: a segment of the cluster, until it is stopped or killed.
 
-    def __init__(self, masters: int = 2, *, startup_timeout_s: float = 30.0) -> None:
+    Its JSON lines are read on a thread (a full pipe would block it): :attr:`segment_name`
+    once it is ready, :attr:`last_use` as it reports.
+    """
+
+    def __init__(
+        self, master_address: str, *, segment: str, metrics: list[str], startup_timeout_s: float = 30.0
+    ) -> None:
+        command = [
+            sys.executable, "-m", "kvpipe.connector.cli", "store",
+            "--master", master_address, "--metadata-server", P2P_HANDSHAKE,
+            "--segment", segment, "--json", "--report-every", "1",
+            *(f"--master-metrics={endpoint}" for endpoint in metrics),
+        ]  # fmt: skip
+        self._process = subprocess.Popen(
+            command, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, stdin=subprocess.DEVNULL
+        )
+        self._ready = threading.Event()
+        self._lines: deque[dict[str, object]] = deque(maxlen=100)
+        self.segment_name = ""
+        self.last_use: dict[str, object] | None = None
+        threading.Thread(target=self._read, name="store-node-stdout", daemon=True).start()
+        if not self._ready.wait(startup_timeout_s) or not self.segment_name:
+            self.stop()
+            raise MasterError(
+                f"store node did not get ready within {startup_timeout_s:g} s "
+                f"(exit code {self._process.poll()}): {list(self._lines)[-3:]}"
+            )
+
+    def _read(self) -> None:
+        assert self._process.stdout is not None
+        for raw in self._process.stdout:
+            try:
+                line = json.loads(raw)
+            except ValueError:
+                continue
+            self._lines.append(line)
+            if line.get("event") == "ready":
+                self.segment_name = str(line["segment"])
+                self._ready.set()
+            elif line.get("event") == "segment":
+                self.last_use = line
+        self._ready.set()  # it exited: whoever waits learns it now, not at the deadline
+
+    @property
+    def pid(self) -> int | None:
+        return self._process.pid if self._process.poll() is None else None
+
+    def kill(self) -> None:
+        """SIGKILL, as a lost machine: the master drops its objects after its client TTL."""
+        self._process.kill()
+        self._process.wait()
+
+    def stop(self) -> None:
+        """SIGTERM: the node unmounts its segment and exits."""
+        stop_process(self._process, timeout_s=15.0)
+
+
+class LocalCluster:
+    """etcd, ``masters`` HA masters and ``store_nodes`` store nodes on loopback. Use as a context manager."""
+
+    def __init__(
+        self,
+        masters: int = 2,
+        *,
+        store_nodes: int = 0,
+        node_segment: str = "64MB",
+        startup_timeout_s: float = 30.0,
+    ) -> None:
         if masters < 1:
             raise ValueError(f"LocalCluster: masters must be >= 1, got {masters}")
+        if store_nodes < 0:
+            raise ValueError(f"LocalCluster: store_nodes must be >= 0, got {store_nodes}")
         self._count = masters
+        self._node_count = store_nodes
+        self._node_segment = node_segment
+        self.store_nodes: list[StoreNodeProcess] = []
         self._startup_timeout_s = startup_timeout_s
         self._etcd: subprocess.Popen[bytes] | None = None
         self._data_dir: Path | None = None
@@ -101,7 +191,21 @@ class LocalCluster:
         for _ in range(self._count):
             self.masters.append(LocalMaster(etcd_endpoints=f"{LOOPBACK}:{client_port}").start())
         self.wait_for_leader(self._startup_timeout_s)
+        for _ in range(self._node_count):
+            self.add_store_node()
         return self
+
+    def add_store_node(self, segment: str | None = None) -> StoreNodeProcess:
+        """A new ``kvpipe store`` process of ``segment`` bytes (the cluster's default size), ready."""
+        metrics = [f"{m.endpoints.host}:{m.endpoints.metrics_port}" for m in self.masters if m.endpoints]
+        node = StoreNodeProcess(
+            self.master_address,
+            segment=segment or self._node_segment,
+            metrics=metrics,
+            startup_timeout_s=self._startup_timeout_s,
+        )
+        self.store_nodes.append(node)
+        return node
 
     def leader(self) -> LocalMaster | None:
         """The master etcd records as the leader, if it is one of ours and running."""
@@ -133,15 +237,45 @@ class LocalCluster:
                 )
             time.sleep(0.1)
 
+    def durable_puts(self, cluster_id: str = "mooncake_cluster") -> set[str]:
+        """Keys whose put the leader's operation log holds durably in etcd: what a standby restores.
+
+        The leader acknowledges a put before its log record reaches etcd (a group
+        commit, a few ms later; longer on a busy machine): a put acknowledged in that
+        window before the leader dies is lost with it. This reads the log
+        (``/oplog/<cluster>/batches/``, records ``[schema, batch, first, last, ops,
+        checksum]``, op 1 a put, 3 a remove) up to its ``durable_prefix``, to tell
+        such puts from losses that would be kvpipe's. (Mooncake's own format,
+        schema 1: a test and measurement aid, not an interface.)
+        """
+        assert self.etcd_port is not None
+        prefix = f"/oplog/{cluster_id}/".encode()
+        found = dict(etcd_range(LOOPBACK, self.etcd_port, prefix, timeout_s=5.0) or [])
+        durable = json.loads(found.get(prefix + b"durable_prefix", b'{"batch_id": 0}'))["batch_id"]
+        keys: set[str] = set()
+        for key, value in sorted(found.items()):
+            if not key.startswith(prefix + b"batches/") or int(key.rsplit(b"/", 1)[1]) > durable:
+                continue
+            for op, _tenant, name, *_ in json.loads(value)[4]:
+                if op == _OPLOG_PUT:
+                    keys.add(name)
+                elif op == _OPLOG_REMOVE:
+                    keys.discard(name)
+        return keys
+
     @property
     def pids(self) -> list[int]:
         """Every process of the cluster that runs now."""
         pids = [master.pid for master in self.masters if master.pid is not None]
+        pids += [node.pid for node in self.store_nodes if node.pid is not None]
         if self._etcd is not None and self._etcd.poll() is None:
             pids.append(self._etcd.pid)
         return pids
 
     def stop(self) -> None:
+        for node in self.store_nodes:  # first: they unmount from a master that still runs
+            node.stop()
+        self.store_nodes.clear()
         for master in self.masters:
             master.stop()
         self.masters.clear()

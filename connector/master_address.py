@@ -104,14 +104,11 @@ class MasterAddress:
         return leader is not None and is_listening(*leader, timeout_s=timeout_s)
 
 
-def etcd_leader(host: str, port: int, timeout_s: float) -> tuple[str, int] | None:
-    """The leading master etcd at ``host:port`` records (etcd's v3 JSON gateway), or None.
-
-    With several clusters recorded, the first whose leader is a valid address.
-    """
+def etcd_range(host: str, port: int, prefix: bytes, timeout_s: float) -> list[tuple[bytes, bytes]] | None:
+    """Every ``(key, value)`` under ``prefix`` in the etcd at ``host:port`` (its v3 JSON gateway); None if it does not answer."""
     body = {
-        "key": base64.b64encode(LEADER_KEY_PREFIX).decode(),
-        "range_end": base64.b64encode(LEADER_KEY_PREFIX[:-1] + bytes([LEADER_KEY_PREFIX[-1] + 1])).decode(),
+        "key": base64.b64encode(prefix).decode(),
+        "range_end": base64.b64encode(prefix[:-1] + bytes([prefix[-1] + 1])).decode(),
     }
     request = urllib.request.Request(f"http://{host}:{port}/v3/kv/range", data=json.dumps(body).encode())
     try:
@@ -119,11 +116,21 @@ def etcd_leader(host: str, port: int, timeout_s: float) -> tuple[str, int] | Non
             found = json.loads(response.read())
     except (OSError, ValueError):
         return None
-    for entry in found.get("kvs", []):
-        key = base64.b64decode(entry.get("key", ""))
+    return [
+        (base64.b64decode(entry.get("key", "")), base64.b64decode(entry.get("value", "")))
+        for entry in found.get("kvs", [])
+    ]
+
+
+def etcd_leader(host: str, port: int, timeout_s: float) -> tuple[str, int] | None:
+    """The leading master etcd at ``host:port`` records, or None.
+
+    With several clusters recorded, the first whose leader is a valid address.
+    """
+    for key, value in etcd_range(host, port, LEADER_KEY_PREFIX, timeout_s) or []:
         if key.endswith(LEADER_KEY_SUFFIX):
             try:
-                return split_host_port(base64.b64decode(entry.get("value", "")).decode())
+                return split_host_port(value.decode())
             except ValueError:
                 continue
     return None

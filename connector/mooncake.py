@@ -69,6 +69,7 @@ from .master import (
     wait_until_listening,
 )
 from .master_address import MasterAddress
+from .segment_liveness import SegmentLiveness
 from .store import replicate_config_supports_group_ids
 
 __all__ = [
@@ -188,6 +189,13 @@ class MooncakeSettings(BaseModel):
     mounts none: this client then stores into the segments of longer-lived
     clients (e.g. a ``mooncake_client`` store service), so its objects outlive
     it, which is vLLM's ``standalone-store`` mode.
+
+    ``replicas`` is Mooncake's replica count for every put (``ReplicateConfig.replica_num``):
+    with 2 or more, each object lives in that many segments (of different store
+    nodes where there are enough), so losing one node loses no object. The
+    master places what it can: fewer segments than ``replicas`` store fewer
+    copies, not an error. ``verify_replicas`` makes lookups count no object whose
+    every replica is on a store node that is gone (:mod:`.segment_liveness`).
     """
 
     model_config = ConfigDict(extra="forbid", frozen=True)
@@ -206,6 +214,8 @@ class MooncakeSettings(BaseModel):
     eviction_high_watermark: float | None = Field(None, gt=0, le=1)
     eviction_ratio: float | None = Field(None, ge=0, le=1)
     client_ttl_s: int | None = Field(None, gt=0)
+    replicas: int = Field(1, ge=1, le=16)
+    verify_replicas: bool = True
 
     @field_validator("master")
     @classmethod
@@ -430,6 +440,7 @@ class MooncakeStore:
         self._master_lost = False
         self._address = MasterAddress.parse(master_address)
         self.rpc_timeout_s = _rpc_timeout_ms(settings) / 1000  # the deadline the client really has
+        self._liveness = SegmentLiveness(probe_timeout_s=min(0.2, self.rpc_timeout_s))
         self._release = weakref.finalize(self, _release, client, master)
 
     @classmethod
@@ -537,11 +548,46 @@ class MooncakeStore:
         # Without one (vLLM's standalone-store mode) every put goes to a peer.
         return self.settings.global_segment_size > 0 and self.settings.protocol == "tcp"
 
+    def hostname(self) -> str:
+        """This client's name in the store: its segment's name, as the master's metrics label it."""
+        with self._state:
+            if self._closed:
+                raise MooncakeError("this Mooncake store is closed")
+            return str(self._client.get_hostname())
+
     def new_replicate_config(self) -> Any:
-        return self._config_cls()
+        config = self._config_cls()
+        config.replica_num = self.settings.replicas
+        return config
 
     def batch_is_exist(self, keys: Sequence[str]) -> list[int]:
-        return self._master_call(len(keys), lambda c: c.batch_is_exist(list(keys)))
+        """The master's answers, less objects whose every replica is on a node that is gone.
+
+        The master counts a dead node's objects for its client TTL (10 s) after the
+        node died, and every read of them fails: :mod:`.segment_liveness` tells
+        them apart (``verify_replicas``), at the cost of one more RPC when any key exists.
+        """
+        answers = self._master_call(len(keys), lambda c: c.batch_is_exist(list(keys)))
+        if not self.settings.verify_replicas or 1 not in answers:
+            return answers
+        present = [key for key, answer in zip(keys, answers, strict=True) if answer == 1]
+        lost = self._on_lost_nodes(present)
+        return [
+            0 if answer == 1 and key in lost else answer for key, answer in zip(keys, answers, strict=True)
+        ]
+
+    def _on_lost_nodes(self, keys: list[str]) -> set[str]:
+        """Those of ``keys`` with no replica on a node that accepts connections (none if unknown)."""
+        if not self._enter():
+            return set()
+        try:
+            replicas = self._client.batch_get_replica_desc(keys)
+        except Exception:  # a descriptor this wheel cannot give: keep the master's word
+            log.debug("mooncake: batch_get_replica_desc failed; replicas not verified", exc_info=True)
+            return set()
+        finally:
+            self._leave()
+        return {key for key in keys if not self._liveness.any_alive(_endpoints(replicas.get(key, ())))}
 
     def batch_put_from_multi_buffers(
         self,
@@ -741,6 +787,21 @@ def _check_reachable(master_address: str, metadata_server: str, timeout_s: float
             time.sleep(0.05)
     if (http := _http_endpoint(metadata_server)) is not None:
         wait_until_listening(*http, timeout_s=timeout_s, what="mooncake metadata server")
+
+
+def _endpoints(replicas: Sequence[Any]) -> Iterator[str]:
+    """The transfer endpoints of an object's complete replicas; ``""`` for one that is not in memory.
+
+    (``""`` is no ``host:port``, so it counts as alive: a disk replica is not probed.)
+    """
+    for replica in replicas:
+        if "COMPLETE" not in str(replica.status):
+            continue
+        yield (
+            replica.get_memory_descriptor().buffer_descriptor.transport_endpoint
+            if replica.is_memory_replica()
+            else ""
+        )
 
 
 def _release(client: Any, master: LocalMaster | None) -> None:

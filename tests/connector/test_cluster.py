@@ -136,12 +136,12 @@ def test_a_cluster_that_cannot_start_leaves_no_process_behind() -> None:
 
 
 @pytestmark_real
-def test_sigterm_to_the_owner_stops_every_process_of_its_cluster(tmp_path: Path) -> None:
+def test_sigterm_to_the_owner_stops_every_process_of_its_cluster_store_nodes_too(tmp_path: Path) -> None:
     script = textwrap.dedent(
         """
         import sys, time
         from kvpipe.connector.cluster import LocalCluster
-        with LocalCluster(masters=2) as cluster:
+        with LocalCluster(masters=2, store_nodes=1) as cluster:
             print(" ".join(map(str, cluster.pids)), flush=True)
             time.sleep(600)
         """
@@ -150,7 +150,7 @@ def test_sigterm_to_the_owner_stops_every_process_of_its_cluster(tmp_path: Path)
     try:
         assert owner.stdout is not None
         pids = [int(pid) for pid in owner.stdout.readline().split()]
-        assert len(pids) == 3 and all(psutil.pid_exists(pid) for pid in pids)
+        assert len(pids) == 4 and all(psutil.pid_exists(pid) for pid in pids)  # etcd, 2 masters, a node
         owner.send_signal(signal.SIGTERM)
         assert owner.wait(timeout=30) == 128 + signal.SIGTERM
     finally:

@@ -1,0 +1,69 @@
+"""Which store nodes are alive, as a client can tell between the master's heartbeats.
+
+A store node that dies takes its segment's objects with it, but the master learns
+so only when the node's heartbeats stop for its client TTL (``--client_ttl``, 10 s
+by default). Until then ``batch_is_exist`` still answers 1 for every object on the
+lost node and each read of one fails (-800): a lookup would count chunks that can
+no longer load as hits.
+
+:class:`SegmentLiveness` closes that window from the client's side. An object's
+replicas name the transfer endpoint (``host:port``) of the segment that holds
+them; a node that is gone refuses a connection there (or, a machine that is gone,
+lets it time out). Each endpoint is probed at most once per ``ttl_s`` and the answer
+cached, so a lookup costs one more master RPC (the replica descriptors) and, once
+a second, one connect per node it touches.
+
+The probe is a TCP connect, which every transport's endpoint accepts on the
+machines this is tested on (``tcp``); ``verify_replicas: false`` turns it off.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from collections.abc import Callable, Iterable
+
+from .master import is_listening
+from .master_address import split_host_port
+
+
+class SegmentLiveness:
+    """Cached answers to "does this transfer endpoint accept a connection?"."""
+
+    def __init__(
+        self,
+        *,
+        probe_timeout_s: float = 0.2,
+        ttl_s: float = 1.0,
+        probe: Callable[[str, int, float], bool] = is_listening,
+        clock: Callable[[], float] = time.monotonic,
+    ) -> None:
+        self._probe_timeout_s = probe_timeout_s
+        self._ttl_s = ttl_s
+        self._probe = probe
+        self._clock = clock
+        self._lock = threading.Lock()
+        self._known: dict[str, tuple[bool, float]] = {}  # endpoint -> (alive, when probed)
+
+    def alive(self, endpoint: str) -> bool:
+        """Whether ``endpoint`` accepted a connection within the last ``ttl_s`` (probing it if needed).
+
+        An endpoint that is no ``host:port`` cannot be probed and counts as alive:
+        liveness only ever takes away hits it can prove lost.
+        """
+        now = self._clock()
+        with self._lock:
+            known = self._known.get(endpoint)
+        if known is not None and now - known[1] < self._ttl_s:
+            return known[0]
+        try:
+            host, port = split_host_port(endpoint)
+        except ValueError:
+            return True
+        alive = self._probe(host, port, self._probe_timeout_s)
+        with self._lock:
+            self._known[endpoint] = (alive, now)
+        return alive
+
+    def any_alive(self, endpoints: Iterable[str]) -> bool:
+        return any(self.alive(endpoint) for endpoint in endpoints)

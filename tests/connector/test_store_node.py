@@ -1,0 +1,168 @@
+"""``kvpipe store``: a store node as one command, and what it tells engines."""
+
+from __future__ import annotations
+
+import ctypes
+import json
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import psutil
+import pytest
+
+from kvpipe.connector.mooncake import MooncakeSettings, MooncakeStore
+from kvpipe.connector.segment_liveness import SegmentLiveness
+from kvpipe.connector.store_node import NodeReady
+
+ROOT = Path(__file__).resolve().parents[2]
+READY = NodeReady("127.0.0.1:12000", 64 << 20, "10.0.0.1:50051", "P2PHANDSHAKE", "tcp")
+
+
+def _kvpipe(*args: str) -> subprocess.CompletedProcess[str]:
+    return subprocess.run(
+        [sys.executable, "-m", "kvpipe.connector.cli", *args],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+
+
+@pytest.mark.parametrize(
+    ("args", "says"),
+    [
+        (["--segment", "1MB"], "--segment: must be 0 (mount no segment) or at least 16 MiB"),
+        (["--segment", "0"], "--segment: is 0 (mount no segment), but a spawned master"),
+        (
+            ["--master", "127.0.0.1:1", "--metadata-server", "P2PHANDSHAKE", "--segment", "0"],
+            "--segment: a store node lends memory, so it must be at least 16 MiB, got '0'",
+        ),
+        (["--report-every", "0"], "--report-every: must be > 0 seconds, got 0"),
+        (["--master-metrics", "nowhere"], "--master-metrics: must be"),
+        (["--master", "zk://h:1", "--metadata-server", "P2PHANDSHAKE"], "--master: has scheme 'zk'"),
+    ],
+)
+def test_bad_input_to_the_store_command_is_one_line_naming_the_flag(args: list[str], says: str) -> None:
+    done = _kvpipe("store", *args)
+    assert done.returncode == 2
+    assert says in done.stderr and done.stderr.count("\n") == 1, done.stderr
+
+
+def test_the_printed_vllm_json_is_a_config_vllms_connector_and_kvpipe_both_accept(tmp_path: Path) -> None:
+    path = tmp_path / "mooncake.json"
+    path.write_text(json.dumps(READY.vllm_config()))
+    settings = MooncakeSettings.from_vllm_file(path)
+    assert (settings.master, settings.metadata_server, settings.global_segment_size) == (
+        "10.0.0.1:50051",
+        "P2PHANDSHAKE",
+        0,
+    )
+
+
+def test_the_printed_store_block_mounts_no_segment() -> None:
+    from kvpipe.connector.stores import MooncakeStoreConfig
+
+    config = MooncakeStoreConfig.model_validate(READY.kvpipe_store())
+    assert config.settings().global_segment_size == 0 and config.master == "10.0.0.1:50051"
+
+
+def test_replicas_is_at_least_one() -> None:
+    with pytest.raises(ValueError, match="replicas"):
+        MooncakeSettings(replicas=0)
+
+
+# -- segment liveness (no processes) ----------------------------------------------------------
+
+
+class _Probes:
+    def __init__(self, alive: bool) -> None:
+        self.alive = alive
+        self.calls: list[tuple[str, int]] = []
+
+    def __call__(self, host: str, port: int, timeout_s: float) -> bool:
+        self.calls.append((host, port))
+        return self.alive
+
+
+def test_an_endpoint_is_probed_once_per_ttl() -> None:
+    now = [0.0]
+    probes = _Probes(alive=False)
+    liveness = SegmentLiveness(ttl_s=1.0, probe=probes, clock=lambda: now[0])
+    assert [liveness.alive("10.0.0.2:15000") for _ in range(3)] == [False] * 3
+    now[0] = 1.5
+    probes.alive = True
+    assert liveness.alive("10.0.0.2:15000") is True
+    assert probes.calls == [("10.0.0.2", 15000)] * 2
+
+
+def test_an_endpoint_that_cannot_be_probed_counts_as_alive() -> None:
+    probes = _Probes(alive=False)
+    liveness = SegmentLiveness(probe=probes)
+    assert liveness.alive("") and liveness.alive("rdma-device-0") and probes.calls == []
+
+
+def test_an_object_with_one_live_replica_is_alive() -> None:
+    liveness = SegmentLiveness(probe=lambda host, port, timeout: port == 2)
+    assert liveness.any_alive(["h:1", "h:2"]) and not liveness.any_alive(["h:1", "h:3"])
+
+
+# -- the command on a real master -------------------------------------------------------------
+
+
+@pytest.mark.mooncake
+def test_a_store_node_serves_engines_reports_its_use_and_stops_on_sigterm() -> None:
+    node = subprocess.Popen(
+        [
+            sys.executable,
+            "-m",
+            "kvpipe.connector.cli",
+            "store",
+            "--segment",
+            "32MB",
+            "--json",
+            "--report-every",
+            "0.2",
+        ],
+        cwd=ROOT,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.DEVNULL,
+        text=True,
+    )
+    try:
+        assert node.stdout is not None
+        ready = json.loads(node.stdout.readline())
+        assert ready["event"] == "ready" and ready["segment_bytes"] == 32 << 20
+        children = [child.pid for child in psutil.Process(node.pid).children(recursive=True)]
+        assert children  # the master it spawned
+        settings = MooncakeSettings.model_validate(
+            {k: v for k, v in ready["kvpipe_store"].items() if k != "kind"}
+        )
+        value = bytearray(b"n" * (1 << 20))
+        with MooncakeStore.open(settings) as engine:  # no segment: the object lands in the node's
+            address = ctypes.addressof((ctypes.c_char * len(value)).from_buffer(value))
+            assert engine.register_buffer(address, len(value)) == 0
+            assert engine.batch_put_from(
+                ["node-k"], [address], [len(value)], engine.new_replicate_config()
+            ) == [0]
+            used = 0
+            deadline = time.monotonic() + 20
+            while used < len(value) and time.monotonic() < deadline:
+                line = json.loads(node.stdout.readline())
+                if line["event"] == "segment":
+                    used = line["used_bytes"]
+            assert used >= len(value)
+            engine.unregister_buffer(address)
+        node.send_signal(signal.SIGTERM)
+        assert node.wait(timeout=30) == 0
+        rest = [json.loads(line) for line in node.stdout.read().splitlines()]
+        assert rest[-1]["event"] == "stopped"
+    finally:
+        if node.poll() is None:
+            node.kill()
+            node.wait()
+    assert not [
+        pid for pid in children if psutil.pid_exists(pid) and psutil.Process(pid).status() != "zombie"
+    ]
