@@ -126,10 +126,17 @@ class LocalMaster:
         eviction_ratio: float | None = None,
         client_ttl_s: int | None = None,
         etcd_endpoints: str | None = None,
+        snapshot_dir: Path | None = None,
+        snapshot_interval_s: int = 2,
         startup_timeout_s: float = 20.0,
     ) -> None:
         """``etcd_endpoints`` (``host:port;...``) makes it one of an HA group that elects a leader
         there, with its operation log in etcd (without it a standby takes over with an empty store).
+
+        ``snapshot_dir`` makes it snapshot its metadata there every ``snapshot_interval_s``
+        and restore the latest snapshot when it starts (Mooncake reads the folder from
+        ``MOONCAKE_SNAPSHOT_LOCAL_PATH``), so a restart keeps what the last snapshot held;
+        objects whose lease ran out are dropped on restore.
         """
         self._flags: dict[str, str] = {}
         self.ha = etcd_endpoints is not None
@@ -143,6 +150,15 @@ class LocalMaster:
             self._flags["eviction_ratio"] = str(eviction_ratio)
         if client_ttl_s is not None:
             self._flags["client_ttl"] = str(client_ttl_s)
+        self._env: dict[str, str] | None = None
+        if snapshot_dir is not None:
+            self._flags.update(
+                enable_snapshot="true",
+                enable_snapshot_restore="true",
+                snapshot_interval_seconds=str(snapshot_interval_s),
+                snapshot_object_store_type="local",
+            )
+            self._env = {**os.environ, "MOONCAKE_SNAPSHOT_LOCAL_PATH": str(snapshot_dir)}
         self._startup_timeout_s = startup_timeout_s
         self._process: subprocess.Popen[bytes] | None = None
         self._log_path: Path | None = None
@@ -193,7 +209,7 @@ class LocalMaster:
         self._log_path = Path(log_name)
         with os.fdopen(fd, "wb") as log:
             self._process = subprocess.Popen(
-                command, stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL
+                command, stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, env=self._env
             )
         try:
             self._wait_ready()

@@ -23,7 +23,9 @@ adds only what the raw client lacks and production needs:
   and answers -900 itself when it does not; once it does, calls go to the client
   again, which reconnects (or follows the new leader).
 - **A master for the asking.** ``master: spawn`` starts a ``mooncake_master`` on
-  free loopback ports (:class:`~.master.LocalMaster`) and the store stops it on close.
+  free loopback ports (:class:`~.master.LocalMaster`) and the store stops it on close;
+  with ``cluster:`` beside it, a whole local cluster (:class:`~.cluster.LocalCluster`:
+  etcd, HA masters, store nodes), stopped on close too.
 - **vLLM's config file.** :meth:`MooncakeSettings.from_vllm_file` reads the JSON
   that vLLM's ``MooncakeStoreConnector`` users already have (``MOONCAKE_CONFIG_PATH``),
   with sizes parsed exactly as vLLM parses them.
@@ -61,6 +63,7 @@ from pydantic_core import PydanticCustomError
 
 from kvpipe.stages.store import Code, describe
 
+from .cluster import LocalCluster
 from .master import (
     P2P_HANDSHAKE,
     LocalMaster,
@@ -175,19 +178,38 @@ def _http_endpoint(metadata_server: str) -> tuple[str, int] | None:
 # -- settings ------------------------------------------------------------------------------
 
 
+class ClusterSpawn(BaseModel):
+    """A local cluster for ``master: spawn``: etcd, ``masters`` HA masters, ``store_nodes`` nodes."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    masters: int = Field(2, ge=1, le=5)
+    store_nodes: int = Field(1, ge=0, le=16)
+    node_segment: SegmentSize = 256 * MiB
+
+    @field_validator("node_segment")
+    @classmethod
+    def _lends_memory(cls, value: int) -> int:
+        if value == 0:
+            raise PydanticCustomError("node_segment", "must be at least 16 MiB: a store node lends memory")
+        return value
+
+
 class MooncakeSettings(BaseModel):
     """Where the store is and how the client joins it.
 
     ``master`` is ``"spawn"`` (a local master on free loopback ports, stopped
     with the store; its knobs are ``lease_ttl_ms``, ``eviction_high_watermark``,
     ``eviction_ratio`` and ``client_ttl_s``) or the ``host:port`` of a running
-    master, which then needs ``metadata_server`` too. Sizes are bytes or
+    master, which then needs ``metadata_server`` too. ``cluster`` (with ``spawn`` only)
+    spawns a local HA cluster instead (:class:`ClusterSpawn`); its store nodes hold
+    the objects, so this client may mount no segment. Sizes are bytes or
     strings such as ``"256MB"`` (binary units, as vLLM reads them).
 
     Objects live in the segments clients mount (``global_segment_size``), and
     a closing client takes its segment's objects with it. A segment of 0
     mounts none: this client then stores into the segments of longer-lived
-    clients (e.g. a ``mooncake_client`` store service), so its objects outlive
+    clients (a ``kvpipe store`` node, :mod:`.store_node`), so its objects outlive
     it, which is vLLM's ``standalone-store`` mode.
 
     ``replicas`` is Mooncake's replica count for every put (``ReplicateConfig.replica_num``):
@@ -202,6 +224,7 @@ class MooncakeSettings(BaseModel):
 
     master: Literal["spawn"] | str = "spawn"
     metadata_server: str | None = Field(default=None, validate_default=True)
+    cluster: ClusterSpawn | None = None
     protocol: str = "tcp"
     device_name: str = ""
     global_segment_size: SegmentSize = 256 * MiB
@@ -262,15 +285,17 @@ class MooncakeSettings(BaseModel):
     @field_validator("global_segment_size")
     @classmethod
     def _segment_somewhere(cls, value: int, info: ValidationInfo) -> int:
-        if value == 0 and info.data.get("master") == "spawn":
+        cluster = info.data.get("cluster")
+        if value == 0 and info.data.get("master") == "spawn" and (cluster is None or not cluster.store_nodes):
             raise PydanticCustomError(
                 "no_segment",
                 "is 0 (mount no segment), but a spawned master has no other client to hold objects: "
-                "give it at least 16 MiB, or use an existing master",
+                "give it at least 16 MiB, spawn a cluster with store nodes (cluster: {store_nodes: 1}), "
+                "or use an existing master",
             )
         return value
 
-    @field_validator("lease_ttl_ms", "eviction_high_watermark", "eviction_ratio", "client_ttl_s")
+    @field_validator("cluster", "lease_ttl_ms", "eviction_high_watermark", "eviction_ratio", "client_ttl_s")
     @classmethod
     def _spawn_only(cls, value: object, info: ValidationInfo) -> object:
         master = info.data.get("master")
@@ -422,7 +447,7 @@ class MooncakeStore:
         settings: MooncakeSettings,
         master_address: str,
         metadata_server: str,
-        master: LocalMaster | None = None,
+        master: LocalMaster | LocalCluster | None = None,
         drain_timeout_s: float = 60.0,
     ) -> None:
         self._client = client
@@ -436,6 +461,8 @@ class MooncakeStore:
         self._state = threading.Condition()
         self._in_flight = 0
         self._closed = False
+        self._users = 1  # open_shared hands the same store out again; close ends it for the last user
+        self._shared_as: MooncakeSettings | None = None  # its key in open_shared's registry
         # set when a call found the master gone (every key -900): see _master_back
         self._master_lost = False
         self._address = MasterAddress.parse(master_address)
@@ -453,8 +480,16 @@ class MooncakeStore:
         """
         settings = settings or MooncakeSettings()
         client_cls, config_cls = _import_mooncake()
-        master: LocalMaster | None = None
-        if settings.master == "spawn":
+        master: LocalMaster | LocalCluster | None = None
+        if settings.master == "spawn" and settings.cluster is not None:
+            spec = settings.cluster
+            master = LocalCluster(
+                spec.masters, store_nodes=spec.store_nodes, node_segment=str(spec.node_segment)
+            )
+            master.__enter__()  # its SIGTERM handler too: the store's owner stops it all on SIGTERM
+            master_address = master.master_address
+            metadata_server = settings.metadata_server or P2P_HANDSHAKE
+        elif settings.master == "spawn":
             master = LocalMaster(
                 lease_ttl_ms=settings.lease_ttl_ms,
                 eviction_high_watermark=settings.eviction_high_watermark,
@@ -495,7 +530,7 @@ class MooncakeStore:
                 _JOINED_ETCD.append(etcd)
         except BaseException:
             if master is not None:
-                master.stop()
+                _stop_spawned(master)
             raise
         return cls(
             client,
@@ -505,6 +540,31 @@ class MooncakeStore:
             metadata_server=metadata_server,
             master=master,
         )
+
+    @classmethod
+    def open_shared(cls, settings: MooncakeSettings) -> MooncakeStore:
+        """The process's client for ``settings``: opened once, closed when its last user closes it.
+
+        Mooncake's client is made to be one per process (one etcd connection, one
+        transfer engine): two clients of one HA cluster in a process do not follow a
+        new leader alike (measured: one back 14 s after a leader's kill, the other
+        33 s), so a vLLM engine's scheduler and worker share one. ``master: spawn``
+        is never shared: each asker gets a master of its own.
+        """
+        if settings.master == "spawn":
+            return cls.open(settings)
+        key = MooncakeSettings.model_validate(settings.model_dump(include=set(MooncakeSettings.model_fields)))
+        with _SHARED_LOCK:
+            store = _SHARED.get(key)
+            if store is not None:
+                with store._state:
+                    if not store._closed:
+                        store._users += 1
+                        return store
+            store = cls.open(settings)
+            store._shared_as = key
+            _SHARED[key] = store
+            return store
 
     def __enter__(self) -> Self:
         return self
@@ -525,11 +585,17 @@ class MooncakeStore:
     @property
     def endpoints(self) -> MasterEndpoints | None:
         """The spawned master's ports; None when the master is someone else's."""
-        return None if self._master is None else self._master.endpoints
+        return self.spawned_master.endpoints if self.spawned_master is not None else None
 
     @property
     def spawned_master(self) -> LocalMaster | None:
-        return self._master
+        """The one master this store spawned (``master: spawn`` without ``cluster``)."""
+        return self._master if isinstance(self._master, LocalMaster) else None
+
+    @property
+    def spawned_cluster(self) -> LocalCluster | None:
+        """The local cluster this store spawned (``master: spawn`` with ``cluster``)."""
+        return self._master if isinstance(self._master, LocalCluster) else None
 
     @property
     def closed(self) -> bool:
@@ -643,7 +709,12 @@ class MooncakeStore:
         with self._state:
             if self._closed:
                 return
+            if self._users > 1:  # another user of open_shared still has it
+                self._users -= 1
+                return
             self._closed = True
+            if self._shared_as is not None and _SHARED.get(self._shared_as) is self:
+                del _SHARED[self._shared_as]
             drained = self._state.wait_for(lambda: self._in_flight == 0, timeout=self._drain_timeout_s)
         if drained:
             self._release()
@@ -656,7 +727,7 @@ class MooncakeStore:
         )
         self._release.detach()
         if self._master is not None:
-            self._master.stop()
+            _stop_spawned(self._master)
 
     # -- internals --------------------------------------------------------------------------
 
@@ -743,6 +814,10 @@ def open_mooncake_store(settings: MooncakeSettings | None = None) -> MooncakeSto
     return MooncakeStore.open(settings)
 
 
+#: the clients open_shared hands out, by their settings (a closed one is replaced)
+_SHARED: dict[MooncakeSettings, MooncakeStore] = {}
+_SHARED_LOCK = threading.Lock()
+
 #: the etcd endpoints this process's Mooncake clients joined: the library keeps one etcd
 #: client per process and refuses another ("Etcd client already connected to ...")
 _JOINED_ETCD: list[tuple[tuple[str, int], ...]] = []
@@ -804,10 +879,17 @@ def _endpoints(replicas: Sequence[Any]) -> Iterator[str]:
         )
 
 
-def _release(client: Any, master: LocalMaster | None) -> None:
-    """Close the client, then stop the master it was mounted on (the unmount needs it)."""
+def _stop_spawned(spawned: LocalMaster | LocalCluster) -> None:
+    if isinstance(spawned, LocalCluster):
+        spawned.__exit__(None, None, None)  # restores the SIGTERM handler it installed
+    else:
+        spawned.stop()
+
+
+def _release(client: Any, master: LocalMaster | LocalCluster | None) -> None:
+    """Close the client, then stop the master (or cluster) it was mounted on (the unmount needs it)."""
     try:
         client.close()
     finally:
         if master is not None:
-            master.stop()
+            _stop_spawned(master)

@@ -79,13 +79,17 @@ def without_store_tag(loc: tuple[str | int, ...]) -> tuple[str | int, ...]:
     return loc
 
 
-def connect(config: MemoryStoreConfig | MooncakeStoreConfig, *, mount_segment: bool = True) -> Store:
+def connect(
+    config: MemoryStoreConfig | MooncakeStoreConfig, *, mount_segment: bool = True, shared: bool = False
+) -> Store:
     """The configured store, open and behind its breaker: the one way kvpipe opens a store.
 
     ``mount_segment=False`` opens a Mooncake client that lends the store no memory
-    (``global_segment_size: 0``), for a process that only asks what exists. The
-    caller closes the store. Raises :class:`~.mooncake.MasterError` (one line) when
-    the master cannot be reached or set up.
+    (``global_segment_size: 0``), for a process that only asks what exists.
+    ``shared=True`` takes the process's client for the same settings if one is open
+    (:meth:`~.mooncake.MooncakeStore.open_shared`). The caller closes the store.
+    Raises :class:`~.mooncake.MasterError` (one line) when the master cannot be
+    reached or set up.
     """
     store: Store
     if isinstance(config, MemoryStoreConfig):
@@ -94,7 +98,7 @@ def connect(config: MemoryStoreConfig | MooncakeStoreConfig, *, mount_segment: b
         settings = config.settings()
         if not mount_segment:
             settings = settings.model_copy(update={"global_segment_size": 0})
-        store = MooncakeStore.open(settings)
+        store = MooncakeStore.open_shared(settings) if shared else MooncakeStore.open(settings)
     return guarded(store, config.breaker)
 
 

@@ -205,4 +205,4 @@ def open_store(settings: ConnectorSettings, *, mount_segment: bool) -> tuple[Sto
             "kv_connector_extra_config.store.master: 'spawn' cannot serve vLLM (the scheduler and the "
             "worker must share one master); give 'host:port' of a running mooncake_master, got 'spawn'"
         )
-    return connect(config, mount_segment=mount_segment), True
+    return connect(config, mount_segment=mount_segment, shared=True), True

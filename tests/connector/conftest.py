@@ -27,7 +27,6 @@ from dataclasses import dataclass, field, replace
 
 import pytest
 
-from kvpipe.connector.cluster import LocalCluster
 from kvpipe.connector.memory import MemoryStore
 from kvpipe.connector.mooncake import MooncakeSettings, MooncakeStore
 from kvpipe.connector.store import Store
@@ -216,10 +215,3 @@ def kv(make_kv: Callable[..., Kv]) -> Kv:
 @pytest.fixture
 def store(kv: Kv) -> Store:
     return kv.store
-
-
-@pytest.fixture(scope="session")
-def cluster() -> Iterator[LocalCluster]:
-    """etcd and two HA masters for the session: Mooncake's client joins one etcd per process."""
-    with LocalCluster(masters=2) as running:
-        yield running

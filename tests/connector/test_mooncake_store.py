@@ -558,3 +558,22 @@ def test_opening_a_store_leaves_the_rpc_timeout_environment_as_it_found_it() -> 
     assert "MC_RPC_TIMEOUT_MS" not in os.environ
     with MooncakeStore.open(MooncakeSettings(global_segment_size="16MB", rpc_timeout_ms=500)):
         assert "MC_RPC_TIMEOUT_MS" not in os.environ
+
+
+@pytest.mark.mooncake
+def test_open_shared_hands_out_one_client_per_settings_until_its_last_user_closes() -> None:
+    with LocalMaster() as master:
+        assert master.endpoints is not None
+        settings = MooncakeSettings(
+            master=master.endpoints.master_address, metadata_server="P2PHANDSHAKE", global_segment_size=0
+        )
+        first = MooncakeStore.open_shared(settings)
+        second = MooncakeStore.open_shared(settings)
+        assert second is first
+        first.close()
+        assert not second.closed and second.batch_is_exist(["shared-k"]) == [0]
+        second.close()
+        assert second.closed and second.batch_is_exist(["shared-k"]) == [Code.RPC_FAILED]
+        third = MooncakeStore.open_shared(settings)  # a closed one is replaced
+        assert third is not first
+        third.close()
