@@ -84,7 +84,10 @@ def _parser() -> argparse.ArgumentParser:
     bench_parser.add_argument("--quick", action="store_true", help="tiny sizes: a smoke test, not figures")
     bench_parser.add_argument("--repeats", type=int, default=5, help="rounds per contender (median)")
     bench_parser.add_argument(
-        "--out", type=Path, default=Path("bench-results"), help="folder for JSON records and plots"
+        "--out",
+        type=Path,
+        default=None,
+        help="folder for JSON records and plots (default: $XDG_CACHE_HOME/kvpipe/bench, ~/.cache/kvpipe/bench)",
     )
     bench_parser.add_argument("--json", action="store_true", help="one JSON line per workload")
     bench_parser.add_argument(
@@ -146,12 +149,15 @@ def _run_command(args: argparse.Namespace) -> int:
 
 def _bench_command(args: argparse.Namespace) -> int:
     from .bench import WORKLOADS, BenchOptions
+    from .bench.result import default_out_dir
     from .bench.suite import run_suite, unknown_workloads, write_markdown
 
     if unknown := unknown_workloads(args.workloads):
         raise UsageError(f"workload: unknown {unknown[0]!r}; choose from {', '.join(WORKLOADS)}")
     if args.repeats < 1:
         raise UsageError(f"--repeats: must be >= 1, got {args.repeats}")
+    if args.out is None:
+        args.out = default_out_dir()
     if args.out.exists() and not args.out.is_dir():
         raise UsageError(f"--out: {str(args.out)!r} is a file, not a folder")
     if args.markdown is not None:
@@ -160,6 +166,7 @@ def _bench_command(args: argparse.Namespace) -> int:
     results = run_suite(args.workloads, options, as_json=args.json)
     if args.markdown is not None:
         write_markdown(args.markdown, results, "kvpipe bench " + " ".join(sys.argv[2:]))
+    print(f"kvpipe bench: records and plots in {args.out}", file=sys.stderr)
     missed = [target.name for result in results for target in result.targets if not target.met]
     if missed:
         print(f"kvpipe bench: {len(missed)} target(s) missed: {', '.join(missed)}", file=sys.stderr)

@@ -8,6 +8,7 @@ repetitions, medians) and states its targets as ratios between them.
 from __future__ import annotations
 
 import json
+import os
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Any, Literal
@@ -15,12 +16,18 @@ from typing import Any, Literal
 from pydantic import BaseModel, Field
 
 
+def default_out_dir() -> Path:
+    """Where records and plots go unless told: the user's cache (``$XDG_CACHE_HOME``), never the working folder."""
+    cache = os.environ.get("XDG_CACHE_HOME") or str(Path.home() / ".cache")
+    return Path(cache) / "kvpipe" / "bench"
+
+
 class BenchOptions(BaseModel):
     """How hard to try: ``quick`` shrinks every workload to a smoke test (used by the tests)."""
 
     quick: bool = False
     repeats: int = Field(5, gt=0)
-    out_dir: Path = Path("bench-results")
+    out_dir: Path = Field(default_factory=default_out_dir)
 
 
 class Target(BaseModel):

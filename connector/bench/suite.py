@@ -23,7 +23,7 @@ def unknown_workloads(names: Sequence[str]) -> list[str]:
 
 
 def run_suite(
-    names: Sequence[str], options: BenchOptions, *, as_json: bool = False, out: TextIO = sys.stdout
+    names: Sequence[str], options: BenchOptions, *, as_json: bool = False, out: TextIO | None = None
 ) -> list[WorkloadResult]:
     """Run ``names`` (all workloads when empty) in the suite's order.
 
@@ -46,7 +46,12 @@ def run_suite(
             result = workload_runner(name)(options)
         result.parameters.setdefault("wall_s", round(time.perf_counter() - started, 1))
         result.write(options.out_dir)
-        print(json.dumps(result.record()) if as_json else result.table() + "\n", file=out, flush=True)
+        # sys.stdout looked up per call, not bound at import: tests and embedders may swap it
+        print(
+            json.dumps(result.record()) if as_json else result.table() + "\n",
+            file=out or sys.stdout,
+            flush=True,
+        )
         results.append(result)
     return results
 
