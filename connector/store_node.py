@@ -136,6 +136,8 @@ def serve(
         closer = threading.Thread(target=store.close, name="store-node-close", daemon=True)
         closer.start()
         closer.join(close_timeout_s)
+        if closer.is_alive() and (master := store.spawned_master) is not None:
+            master.stop()  # the node's own master must not outlive the node
     return not closer.is_alive()
 
 

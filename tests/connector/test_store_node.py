@@ -166,3 +166,41 @@ def test_a_store_node_serves_engines_reports_its_use_and_stops_on_sigterm() -> N
     assert not [
         pid for pid in children if psutil.pid_exists(pid) and psutil.Process(pid).status() != "zombie"
     ]
+
+
+@pytest.mark.mooncake
+def test_a_node_whose_close_outlasts_its_deadline_still_stops_the_master_it_spawned(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    import threading
+
+    from kvpipe.connector.store_node import serve
+
+    real_close = MooncakeStore.close
+    slow: list[MooncakeStore] = []
+
+    def slow_close(store: MooncakeStore) -> None:  # an HA client's close waits ~30 s
+        slow.append(store)
+        time.sleep(1.0)
+
+    monkeypatch.setattr(MooncakeStore, "close", slow_close)
+    stop = threading.Event()
+    masters: list[int] = []
+
+    def ready(node: NodeReady) -> None:
+        masters.extend(
+            child.pid for child in psutil.Process().children() if "mooncake_master" in child.name()
+        )
+        stop.set()
+
+    closed = serve(
+        MooncakeSettings(global_segment_size="32MB"),
+        stop=stop,
+        on_ready=ready,
+        on_use=lambda use: None,
+        close_timeout_s=0.1,
+    )
+    assert closed is False and masters
+    assert not [pid for pid in masters if psutil.pid_exists(pid) and psutil.Process(pid).status() != "zombie"]
+    time.sleep(1.0)
+    real_close(slow[0])  # the close the node left to its thread, done here before the test ends
