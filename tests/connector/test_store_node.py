@@ -186,10 +186,13 @@ def test_a_node_whose_close_outlasts_its_deadline_still_stops_the_master_it_spaw
     monkeypatch.setattr(MooncakeStore, "close", slow_close)
     stop = threading.Event()
     masters: list[int] = []
+    before = {child.pid for child in psutil.Process().children()}  # the session's own masters stay
 
     def ready(node: NodeReady) -> None:
         masters.extend(
-            child.pid for child in psutil.Process().children() if "mooncake_master" in child.name()
+            child.pid
+            for child in psutil.Process().children()
+            if child.pid not in before and "mooncake_master" in child.name()
         )
         stop.set()
 
