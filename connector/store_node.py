@@ -136,9 +136,11 @@ def serve(
         closer = threading.Thread(target=store.close, name="store-node-close", daemon=True)
         closer.start()
         closer.join(close_timeout_s)
-        if closer.is_alive() and (master := store.spawned_master) is not None:
+        # Decided at the deadline: stopping the master below can outlast the close itself.
+        closed = not closer.is_alive()
+        if not closed and (master := store.spawned_master) is not None:
             master.stop()  # the node's own master must not outlive the node
-    return not closer.is_alive()
+    return closed
 
 
 def segment_use(endpoints: Sequence[tuple[str, int]], segment: str, timeout_s: float) -> SegmentUse | None:
