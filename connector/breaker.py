@@ -20,14 +20,13 @@ import threading
 import time
 from collections.abc import Callable, Sequence
 from enum import StrEnum
-from typing import Any
 
 import structlog
 from pydantic import BaseModel, ConfigDict, Field
 
 from kvpipe.stages.store import Code
 
-from .store import Store
+from .store import ForwardingStore, Operation, Store
 
 log = structlog.get_logger("kvpipe.connector.breaker")
 
@@ -45,6 +44,14 @@ class BreakerState(StrEnum):
     CLOSED = "closed"  # calls go through
     OPEN = "open"  # calls fail at once
     HALF_OPEN = "half_open"  # one probe call is in flight
+
+    @property
+    def level(self) -> int:
+        """0 closed, 1 half-open, 2 open: how far from serving (a gauge's value)."""
+        return _LEVELS[self]
+
+
+_LEVELS = {BreakerState.CLOSED: 0, BreakerState.HALF_OPEN: 1, BreakerState.OPEN: 2}
 
 
 class CircuitBreaker:
@@ -103,70 +110,34 @@ class CircuitBreaker:
         return self._clock() - self._opened_at >= self.settings.open_s
 
 
-class GuardedStore:
-    """A :class:`Store` whose calls pass through a :class:`CircuitBreaker`.
+def breaker_of(store: Store) -> CircuitBreaker | None:
+    """The breaker guarding ``store``, through any wrappers around it (None: unguarded)."""
+    while True:
+        if isinstance(store, GuardedStore):
+            return store.breaker
+        if not isinstance(store, ForwardingStore):
+            return None
+        store = store.inner
+
+
+class GuardedStore(ForwardingStore):
+    """A :class:`Store` whose master calls pass through a :class:`CircuitBreaker`.
 
     Everything else (close, register_buffer, capabilities) goes straight to the
     wrapped store: those are local or must happen whatever the master's state.
     """
 
     def __init__(self, store: Store, breaker: CircuitBreaker) -> None:
-        self.inner = store
+        super().__init__(store)
         self.breaker = breaker
 
-    @property
-    def supports_group_ids(self) -> bool:
-        return self.inner.supports_group_ids
-
-    @property
-    def local_transfers(self) -> bool:
-        return self.inner.local_transfers
-
-    def new_replicate_config(self) -> Any:
-        return self.inner.new_replicate_config()
-
-    def batch_is_exist(self, keys: Sequence[str]) -> list[int]:
-        return self._batch(len(keys), lambda: self.inner.batch_is_exist(keys))
-
-    def batch_put_from_multi_buffers(
-        self, keys: Sequence[str], ptrs: Sequence[Sequence[int]], sizes: Sequence[Sequence[int]], config: Any
+    def _call(
+        self,
+        operation: Operation,
+        n_keys: int,
+        sizes: Sequence[Sequence[int]] | None,
+        call: Callable[[], list[int]],
     ) -> list[int]:
-        return self._batch(
-            len(keys), lambda: self.inner.batch_put_from_multi_buffers(keys, ptrs, sizes, config)
-        )
-
-    def batch_get_into_multi_buffers(
-        self, keys: Sequence[str], ptrs: Sequence[Sequence[int]], sizes: Sequence[Sequence[int]]
-    ) -> list[int]:
-        return self._batch(len(keys), lambda: self.inner.batch_get_into_multi_buffers(keys, ptrs, sizes))
-
-    def batch_put_from(
-        self, keys: Sequence[str], ptrs: Sequence[int], sizes: Sequence[int], config: Any
-    ) -> list[int]:
-        return self._batch(len(keys), lambda: self.inner.batch_put_from(keys, ptrs, sizes, config))
-
-    def batch_get_into(self, keys: Sequence[str], ptrs: Sequence[int], sizes: Sequence[int]) -> list[int]:
-        return self._batch(len(keys), lambda: self.inner.batch_get_into(keys, ptrs, sizes))
-
-    def get_size(self, key: str) -> int:
-        return self._batch(1, lambda: [self.inner.get_size(key)])[0]
-
-    def remove(self, key: str) -> int:
-        return self._batch(1, lambda: [self.inner.remove(key)])[0]
-
-    def remove_all(self) -> int:
-        return self.inner.remove_all()
-
-    def register_buffer(self, addr: int, nbytes: int) -> int:
-        return self.inner.register_buffer(addr, nbytes)
-
-    def unregister_buffer(self, addr: int) -> int:
-        return self.inner.unregister_buffer(addr)
-
-    def close(self) -> None:
-        self.inner.close()
-
-    def _batch(self, n_keys: int, call: Callable[[], list[int]]) -> list[int]:
         if not self.breaker.allow():
             return [Code.RPC_FAILED] * n_keys
         try:

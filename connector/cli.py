@@ -3,6 +3,8 @@
 ``kvpipe run CONFIG [--json] [--set dotted.path=value ...] [--dump-objects FILE]``
 ``kvpipe bench [WORKLOAD ...] [--quick] [--repeats N] [--out DIR] [--json] [--markdown FILE]``
 ``kvpipe store [--master ADDRESS|spawn] [--segment SIZE] [--master-metrics HOST:PORT ...] [--json]``
+``kvpipe inspect [--master ADDRESS | --config FILE] [--metrics HOST:PORT ...] [--model NAME]
+[--cache-prefix P] [--run CONFIG] [--groups N] [--tp-ranks N] [--json] [--png PATH]``
 
 Bad input (a missing file, malformed YAML, a wrong value, an unreachable master)
 is one line on stderr naming the field and the value, and exit code 2: no
@@ -18,7 +20,7 @@ import os
 import signal
 import sys
 import threading
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any, NoReturn
 
@@ -28,10 +30,11 @@ from pydantic import ValidationError
 
 from kvpipe.pipeline import BuildError
 from kvpipe.pipeline.config import describe_validation_error, load_yaml, one_line
+from kvpipe.stages import key_model_name
 
 from .master import MasterError
-from .master_address import split_host_port
-from .mooncake import MooncakeError, MooncakeSettings
+from .master_address import MasterAddress, split_host_port
+from .mooncake import MooncakeConfigError, MooncakeError, MooncakeSettings
 from .run.config import RunConfig, apply_override
 from .run.job import RunResult, run
 from .run.report import ProgressLine, summary_table
@@ -123,6 +126,53 @@ def _parser() -> argparse.ArgumentParser:
     )
     store_parser.add_argument("--json", action="store_true", help="one JSON object per line on stdout")
     store_parser.set_defaults(command=_store_command)
+    inspect_parser = commands.add_parser(
+        "inspect", help="a live store's report on one model: objects, bytes, chunks, store nodes"
+    )
+    where = inspect_parser.add_mutually_exclusive_group()
+    where.add_argument(
+        "--master",
+        metavar="ADDRESS",
+        help="the master, 'host:port' or 'etcd://h1:p1;h2:p2': probed, and its host with port 9003 "
+        "(Mooncake's default) is the default --metrics",
+    )
+    where.add_argument(
+        "--config",
+        type=Path,
+        metavar="FILE",
+        help="where the master is: a kvpipe run config (its store: section) or vLLM's Mooncake JSON (*.json)",
+    )
+    inspect_parser.add_argument(
+        "--metrics",
+        action="append",
+        default=[],
+        metavar="HOST:PORT",
+        help="the master's admin HTTP (its --metrics_port), which lists the keys; repeat for HA masters",
+    )
+    inspect_parser.add_argument(
+        "--model", metavar="NAME", help="the model: its key part, the last path component of its name"
+    )
+    inspect_parser.add_argument(
+        "--cache-prefix", metavar="P", help="the deployment's cache prefix (default: none)"
+    )
+    inspect_parser.add_argument(
+        "--run",
+        type=Path,
+        metavar="CONFIG",
+        help="a kvpipe run config: its workload says which chunks should be stored (absent ones are counted)",
+    )
+    inspect_parser.add_argument(
+        "--groups", type=int, metavar="N", help="store groups per chunk (default: as seen)"
+    )
+    inspect_parser.add_argument(
+        "--tp-ranks", type=int, metavar="N", help="tp ranks per chunk (default: as seen)"
+    )
+    inspect_parser.add_argument("--json", action="store_true", help="print one JSON object on stdout")
+    inspect_parser.add_argument("--png", type=Path, metavar="PATH", help="also draw the report as a PNG")
+    inspect_parser.add_argument(
+        "--timeout", type=float, default=5.0, metavar="S", help="per HTTP request and probe (default 5)"
+    )
+    inspect_parser.set_defaults(command=_inspect_command)
     return parser
 
 
@@ -254,6 +304,153 @@ def _store_command(args: argparse.Namespace) -> int:
     if not closed:
         os._exit(0)  # the native close still runs: exiting under it would crash at interpreter exit
     return 0
+
+
+def _inspect_command(args: argparse.Namespace) -> int:
+    from .inspect import (
+        InspectError,
+        admin_of_master,
+        build_report,
+        check_master,
+        expected_objects,
+        find_admin,
+        render_table,
+        write_png,
+    )
+
+    if args.timeout <= 0:
+        raise UsageError(f"--timeout: must be > 0 seconds, got {args.timeout:g}")
+    for flag, value in (("--groups", args.groups), ("--tp-ranks", args.tp_ranks)):
+        if value is not None and value < 1:
+            raise UsageError(f"{flag}: must be >= 1, got {value}")
+        if value is not None and args.run is not None:
+            raise UsageError(
+                f"{flag}: not with --run (the run config says which shards each chunk has), got {value}"
+            )
+    if args.model is not None and "@" in key_model_name(args.model):
+        raise UsageError(
+            f"--model: must hold no '@' (vLLM's key format cannot tell it from a cache prefix), got {args.model!r}"
+        )
+    metrics = []
+    for address in args.metrics:
+        try:
+            metrics.append(split_host_port(address))
+        except ValueError as error:
+            raise UsageError(f"--metrics: {error}, got {address!r}") from None
+    if args.png is not None:
+        _check_file_to_write("--png", args.png)
+    run_config = _flagged("--run", lambda: load_run_config(args.run, [])) if args.run is not None else None
+    model, cache_prefix = args.model, args.cache_prefix
+    if run_config is not None:
+        model, cache_prefix = _model_of_run(run_config, args)
+    if model is None:
+        raise UsageError(
+            "--model: is required (the model's key part, e.g. Llama-3.1-8B), or give --run CONFIG"
+        )
+
+    master, master_field = _inspected_master(args, run_config)
+    try:
+        address = MasterAddress.parse(master) if master is not None else None
+    except ValueError as error:
+        raise UsageError(f"{master_field}: {error}, got {master!r}") from None
+    try:
+        if address is not None:
+            check_master(address, args.timeout)
+        if not metrics and address is None:
+            raise InspectError(
+                "metrics", "is required: the master's admin HTTP (its --metrics_port), or --master/--config"
+            )
+        derived = not metrics
+        try:
+            admin = find_admin(metrics or [admin_of_master(address, args.timeout)], args.timeout)  # type: ignore[arg-type]
+        except InspectError as error:
+            if not derived:
+                raise
+            raise InspectError(
+                "metrics",
+                f"not given, and {error} (Mooncake's default --metrics_port): pass --metrics HOST:PORT",
+            ) from None
+        expected = None
+        if run_config is not None:
+            try:
+                expected = expected_objects(run_config)
+            except ValueError as error:
+                raise InspectError("run", f"{args.run}: {one_line(str(error))}") from None
+        report = build_report(
+            admin,
+            model,
+            cache_prefix or "",
+            store_groups=args.groups,
+            tp_ranks=args.tp_ranks,
+            expected=expected,
+            run_config=None if args.run is None else str(args.run),
+            run_requests_group_ids=None
+            if run_config is None
+            else bool(run_config.save.enable_group_semantics),
+            master=None if address is None else address.text,
+            probe_timeout_s=min(args.timeout, 0.5),
+        )
+    except InspectError as error:
+        if args.verbose:
+            raise
+        field = master_field if error.field == "master" else f"--{error.field.replace('_', '-')}"
+        raise UsageError(f"{field}: {one_line(str(error))}") from None
+    print(json.dumps(report.as_json()) if args.json else render_table(report))
+    if args.png is not None:
+        write_png(report, args.png)
+        print(f"kvpipe inspect: figure in {args.png}", file=sys.stderr)
+    return 0
+
+
+def _model_of_run(config: RunConfig, args: argparse.Namespace) -> tuple[str, str]:
+    """The run's model and cache prefix; UsageError when --model or --cache-prefix says otherwise."""
+    model, cache_prefix = key_model_name(config.model.name), config.save.cache_prefix
+    if args.model is not None and key_model_name(args.model) != model:
+        raise UsageError(f"--model: {args.model!r} is not the model of --run {args.run} ({model!r})")
+    if args.cache_prefix is not None and args.cache_prefix != cache_prefix:
+        raise UsageError(
+            f"--cache-prefix: {args.cache_prefix!r} is not the cache prefix of --run {args.run} ({cache_prefix!r})"
+        )
+    return model, cache_prefix
+
+
+def _inspected_master(args: argparse.Namespace, run_config: RunConfig | None) -> tuple[str | None, str]:
+    """The master's address (--master, else --config's, else --run's store if it names a running
+    master) and where it was given, for errors: ``--master`` or ``--config: FILE: field``."""
+    if args.master is not None:
+        return str(args.master), "--master"
+    if args.config is not None:
+        if args.config.suffix.lower() == ".json":
+            try:
+                master = MooncakeSettings.from_vllm_file(args.config).master
+            except MooncakeConfigError as error:
+                raise UsageError(f"--config: {one_line(str(error))}") from None
+            return master, f"--config: {args.config}: master_server_address"
+        config = _flagged("--config", lambda: load_run_config(args.config, []))
+        return _master_of_run(config, "--config", args.config), f"--config: {args.config}: store.master"
+    if run_config is not None and isinstance(run_config.store, MooncakeStoreConfig):
+        if run_config.store.master != "spawn":
+            return run_config.store.master, f"--run: {args.run}: store.master"
+    return None, "--master"
+
+
+def _flagged(flag: str, load: Callable[[], RunConfig]) -> RunConfig:
+    """``load()``, its UsageError prefixed with the flag that named the file."""
+    try:
+        return load()
+    except UsageError as error:
+        raise UsageError(f"{flag}: {error}") from None
+
+
+def _master_of_run(config: RunConfig, flag: str, path: Path) -> str:
+    store = config.store
+    if not isinstance(store, MooncakeStoreConfig):
+        raise UsageError(
+            f"{flag}: {path}: store.kind: must be 'mooncake' to name a running store, got {store.kind!r}"
+        )
+    if store.master == "spawn":
+        raise UsageError(f"{flag}: {path}: store.master: 'spawn' names no running master; give its address")
+    return store.master
 
 
 def _indented(text: str, prefix: str = "  ") -> str:

@@ -30,6 +30,7 @@ from __future__ import annotations
 import ctypes
 import math
 import random
+import re
 import threading
 import time
 from collections import OrderedDict
@@ -328,6 +329,21 @@ class MemoryStore:
             for key in expired:
                 self._drop(key)
             return len(expired)
+
+    def remove_by_regex(self, pattern: str, force: bool = False) -> int:
+        if (failed := self._unavailable(None, 1)) is not None:
+            return failed[0]
+        matches = re.compile(pattern).search
+        with self._lock:
+            now = self._clock()
+            chosen = [
+                key
+                for key, obj in self._objects.items()
+                if matches(key) and (force or obj.lease_until <= now)
+            ]
+            for key in chosen:
+                self._drop(key)
+            return len(chosen)
 
     def register_buffer(self, addr: int, nbytes: int) -> int:
         _check_unsigned([[addr]], [[nbytes]])

@@ -693,6 +693,9 @@ class MooncakeStore:
         """As the protocol says; ``force`` also removes leased objects (cleanup only)."""
         return self._master_call(1, lambda c: [c.remove_all(force)])[0]
 
+    def remove_by_regex(self, pattern: str, force: bool = False) -> int:
+        return self._master_call(1, lambda c: [c.remove_by_regex(pattern, force)])[0]
+
     def register_buffer(self, addr: int, nbytes: int) -> int:
         return self._one(lambda c: c.register_buffer(addr, nbytes))
 

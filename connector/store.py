@@ -30,6 +30,11 @@ The primitives, and why each is here:
     Cleanup for tests, benchmarks and operators. Leased objects stay:
     ``remove`` returns -706 on them and ``remove_all`` skips them (it returns
     how many it removed).
+``remove_by_regex(pattern, force)``
+    Remove the objects whose key the pattern *searches* (not full-matches:
+    anchor it with ``^``), leased ones too with ``force``; how many went, or
+    negative. One master call: a scoped reset removes one deployment's objects
+    without listing the store, and never another deployment's.
 ``register_buffer(addr, nbytes)`` / ``unregister_buffer(addr)``
     The transfer engine may only touch registered memory, so the KV caches are
     registered once at start-up, not per call.
@@ -49,12 +54,15 @@ the codes); the only raises are programming errors, such as a non-string group i
 
 from __future__ import annotations
 
-from collections.abc import Sequence
-from typing import Any, Protocol, runtime_checkable
+from collections.abc import Callable, Sequence
+from typing import Any, Literal, Protocol, runtime_checkable
 
 from kvpipe.stages.store import ObjectStore
 
-__all__ = ["Store", "replicate_config_supports_group_ids"]
+__all__ = ["ForwardingStore", "Operation", "Store", "replicate_config_supports_group_ids"]
+
+#: What a wrapper's hook sees a call as: the three the data path makes, and cleanup.
+Operation = Literal["exist", "put", "get", "remove"]
 
 
 @runtime_checkable
@@ -92,6 +100,10 @@ class Store(ObjectStore, Protocol):
         """Remove every object that is not leased; returns how many were removed."""
         ...
 
+    def remove_by_regex(self, pattern: str, force: bool = False) -> int:
+        """Remove the objects whose key ``pattern`` searches (leased too if ``force``): how many, or negative."""
+        ...
+
     def close(self) -> None:
         """Release the client. Idempotent; later calls return -900."""
         ...
@@ -107,3 +119,91 @@ def replicate_config_supports_group_ids(config_cls: type, config_instance: objec
     if hasattr(config_cls, "group_ids"):
         return True
     return hasattr(config_instance, "group_ids")
+
+
+class ForwardingStore:
+    """A :class:`Store` that hands every call to ``inner``; master calls pass one hook.
+
+    Wrappers (the circuit breaker, the operation meter) override :meth:`_call`
+    only, so each of them sees every store call the data path makes, and none
+    restates the protocol. Local calls (buffer registration, capabilities,
+    close) and ``remove_all`` go straight through.
+    """
+
+    def __init__(self, inner: Store) -> None:
+        self.inner = inner
+
+    @property
+    def supports_group_ids(self) -> bool:
+        return self.inner.supports_group_ids
+
+    @property
+    def local_transfers(self) -> bool:
+        return self.inner.local_transfers
+
+    def new_replicate_config(self) -> Any:
+        return self.inner.new_replicate_config()
+
+    def batch_is_exist(self, keys: Sequence[str]) -> list[int]:
+        return self._call("exist", len(keys), None, lambda: self.inner.batch_is_exist(keys))
+
+    def batch_put_from_multi_buffers(
+        self, keys: Sequence[str], ptrs: Sequence[Sequence[int]], sizes: Sequence[Sequence[int]], config: Any
+    ) -> list[int]:
+        return self._call(
+            "put",
+            len(keys),
+            sizes,
+            lambda: self.inner.batch_put_from_multi_buffers(keys, ptrs, sizes, config),
+        )
+
+    def batch_get_into_multi_buffers(
+        self, keys: Sequence[str], ptrs: Sequence[Sequence[int]], sizes: Sequence[Sequence[int]]
+    ) -> list[int]:
+        return self._call(
+            "get", len(keys), None, lambda: self.inner.batch_get_into_multi_buffers(keys, ptrs, sizes)
+        )
+
+    def batch_put_from(
+        self, keys: Sequence[str], ptrs: Sequence[int], sizes: Sequence[int], config: Any
+    ) -> list[int]:
+        return self._call(
+            "put",
+            len(keys),
+            [[size] for size in sizes],
+            lambda: self.inner.batch_put_from(keys, ptrs, sizes, config),
+        )
+
+    def batch_get_into(self, keys: Sequence[str], ptrs: Sequence[int], sizes: Sequence[int]) -> list[int]:
+        return self._call("get", len(keys), None, lambda: self.inner.batch_get_into(keys, ptrs, sizes))
+
+    def get_size(self, key: str) -> int:
+        return self._call("exist", 1, None, lambda: [self.inner.get_size(key)])[0]
+
+    def remove(self, key: str) -> int:
+        return self._call("remove", 1, None, lambda: [self.inner.remove(key)])[0]
+
+    def remove_all(self) -> int:
+        return self.inner.remove_all()
+
+    def remove_by_regex(self, pattern: str, force: bool = False) -> int:
+        return self._call("remove", 1, None, lambda: [self.inner.remove_by_regex(pattern, force)])[0]
+
+    def register_buffer(self, addr: int, nbytes: int) -> int:
+        return self.inner.register_buffer(addr, nbytes)
+
+    def unregister_buffer(self, addr: int) -> int:
+        return self.inner.unregister_buffer(addr)
+
+    def close(self) -> None:
+        self.inner.close()
+
+    def _call(
+        self,
+        operation: Operation,
+        n_keys: int,
+        sizes: Sequence[Sequence[int]] | None,
+        call: Callable[[], list[int]],
+    ) -> list[int]:
+        """Run one master call (per key codes); ``sizes`` are a put's buffers. Subclasses wrap it."""
+        return call()

@@ -15,6 +15,7 @@ from pydantic import BaseModel, BeforeValidator, ConfigDict, Field, model_valida
 
 from .breaker import BreakerSettings, CircuitBreaker, GuardedStore
 from .memory import MemoryStore
+from .metered import MeteredStore, OperationLog
 from .mooncake import MooncakeSettings, MooncakeStore, parse_size
 from .store import Store
 
@@ -80,14 +81,19 @@ def without_store_tag(loc: tuple[str | int, ...]) -> tuple[str | int, ...]:
 
 
 def connect(
-    config: MemoryStoreConfig | MooncakeStoreConfig, *, mount_segment: bool = True, shared: bool = False
+    config: MemoryStoreConfig | MooncakeStoreConfig,
+    *,
+    mount_segment: bool = True,
+    shared: bool = False,
+    log: OperationLog | None = None,
 ) -> Store:
     """The configured store, open and behind its breaker: the one way kvpipe opens a store.
 
     ``mount_segment=False`` opens a Mooncake client that lends the store no memory
     (``global_segment_size: 0``), for a process that only asks what exists.
     ``shared=True`` takes the process's client for the same settings if one is open
-    (:meth:`~.mooncake.MooncakeStore.open_shared`). The caller closes the store.
+    (:meth:`~.mooncake.MooncakeStore.open_shared`). ``log`` records every call that
+    reaches the store (:mod:`.metered`). The caller closes the store.
     Raises :class:`~.mooncake.MasterError` (one line) when the master cannot be
     reached or set up.
     """
@@ -99,7 +105,7 @@ def connect(
         if not mount_segment:
             settings = settings.model_copy(update={"global_segment_size": 0})
         store = MooncakeStore.open_shared(settings) if shared else MooncakeStore.open(settings)
-    return guarded(store, config.breaker)
+    return guarded(store, config.breaker, log)
 
 
 @contextmanager
@@ -112,6 +118,12 @@ def open_store(config: MemoryStoreConfig | MooncakeStoreConfig) -> Iterator[Stor
         store.close()
 
 
-def guarded(store: Store, breaker: BreakerSettings | None) -> Store:
-    """``store`` behind a circuit breaker, or as it is when ``breaker`` is None."""
+def guarded(store: Store, breaker: BreakerSettings | None, log: OperationLog | None = None) -> Store:
+    """``store`` behind a circuit breaker (None: without), its calls recorded into ``log`` if given.
+
+    The meter sits inside the breaker: it times the calls the store answered,
+    and the calls the breaker refused show as its state, not as fast "calls".
+    """
+    if log is not None:
+        store = MeteredStore(store, log)
     return store if breaker is None else GuardedStore(store, CircuitBreaker(breaker))

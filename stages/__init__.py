@@ -5,7 +5,7 @@ by the :class:`ObjectStore` protocol.
 """
 
 from .backoff import Backoff
-from .chunks import Chunk, full_chunks, tail_chunks
+from .chunks import Chunk, chunks_to_save, full_chunks, tail_chunks
 from .collect import FullChunksStage, TailStage, chunk_records
 from .default_pipeline import DEFAULT_SAVE_PIPELINE, default_save_graph
 from .filter import FilterStage
@@ -121,6 +121,7 @@ __all__ = [
     "ThrottleParams",
     "chunk_records",
     "describe",
+    "chunks_to_save",
     "full_chunks",
     "copy_into_slots",
     "group_id",

@@ -23,6 +23,7 @@ and the collect stages (what exactly?), so the two can never disagree.
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from typing import NamedTuple
 
 from .model import GroupKind, SaveRequest, StoreGroup
@@ -120,3 +121,19 @@ def tail_chunks(request: SaveRequest, group: StoreGroup, hash_block_size: int) -
             tokens_end=end,
         ),
     )
+
+
+def chunks_to_save(request: SaveRequest, groups: Sequence[StoreGroup], hash_block_size: int) -> list[Chunk]:
+    """Every chunk a save stores: each group's complete chunks, then its tail, groups in order.
+
+    What a worker stages and what the scheduler announces once stored: one list,
+    so the two cannot disagree on a chunk.
+    """
+    return [
+        chunk
+        for group in groups
+        for chunk in (
+            *full_chunks(request, group, hash_block_size),
+            *tail_chunks(request, group, hash_block_size),
+        )
+    ]

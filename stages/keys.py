@@ -8,11 +8,15 @@ name every chunk identically, so the formats below copy vLLM's byte for byte:
 
 ``cache_prefix@`` is omitted when the prefix is empty; ``hash`` is the chunk hash in
 lowercase hex; ``g`` is the *store* group (the storable projection's numbering).
+:func:`parse_object_key` reads a key back (the inverse of :func:`object_key`), so
+tools that list a store (``kvpipe inspect``) use this one format too.
 """
 
 from __future__ import annotations
 
 import functools
+import re
+from typing import NamedTuple
 
 from .model import KeyNamespace
 
@@ -52,6 +56,17 @@ def object_key_prefix(namespace: KeyNamespace, store_group: int) -> str:
     )
 
 
+def deployment_key_pattern(namespace: KeyNamespace) -> str:
+    """A regex that finds the keys of ``namespace``'s model and cache prefix, every rank's, and no others.
+
+    Anchored, and the scope is followed by ``@tp_rank:``: a deployment whose cache
+    prefix is another's model name (``tiny@other@tp_rank:...`` beside
+    ``tiny@tp_rank:...``) is never taken along. Written for Mooncake's
+    ``remove_by_regex`` (ECMAScript, searched) and Python's ``re`` alike.
+    """
+    return f"^{re.escape(_model_scope(namespace))}@tp_rank:"
+
+
 def group_id(namespace: KeyNamespace, chunk_hash: bytes) -> str:
     """The lifecycle group of a chunk: every rank's object of every store group.
 
@@ -61,3 +76,48 @@ def group_id(namespace: KeyNamespace, chunk_hash: bytes) -> str:
     whole in the store or gone, never half evicted.
     """
     return f"{GROUP_ID_SCOPE}:{_model_scope(namespace)}@{chunk_hash.hex()}"
+
+
+class ObjectKeyParts(NamedTuple):
+    """What an object key names: its namespace (model as keyed), store group and chunk hash."""
+
+    namespace: KeyNamespace
+    store_group: int
+    chunk_hash: bytes
+
+
+#: ``{cache_prefix@}{model}@tp_rank:{tp}@pcp{pcp}@dcp{dcp}@pp_rank:{pp}@group:{g}@{hash}``; the
+#: model is what follows the scope's last ``@`` (so a cache prefix may hold ``@``, a model not)
+_KEY = re.compile(
+    r"(?:(?P<prefix>.*)@)?(?P<model>[^@]+)@tp_rank:(?P<tp>\d+)@pcp(?P<pcp>\d+)@dcp(?P<dcp>\d+)"
+    r"@pp_rank:(?P<pp>\d+)@group:(?P<group>\d+)@(?P<hash>(?:[0-9a-f]{2})*)",
+    re.DOTALL,
+)
+
+
+def parse_object_key(key: str) -> ObjectKeyParts | None:
+    """The parts of a key :func:`object_key` made, or None for any other string.
+
+    The inverse of :func:`object_key`: for a key it returns parts from which
+    :func:`object_key` makes the very same key, and a string it could not have
+    made (another tool's key, leading zeros, upper-case hex, an empty model)
+    is None. The namespace's model is the key's model part (:func:`key_model_name`
+    of the engine's name). A model name with ``@`` in it cannot be told from a
+    cache prefix in this format (vLLM's): the model is read as what follows the
+    last ``@`` before the ranks.
+    """
+    match = _KEY.fullmatch(key)
+    if match is None:
+        return None
+    namespace = KeyNamespace(
+        model=match["model"],
+        cache_prefix=match["prefix"] or "",
+        tp_rank=int(match["tp"]),
+        pcp_rank=int(match["pcp"]),
+        dcp_rank=int(match["dcp"]),
+        pp_rank=int(match["pp"]),
+    )
+    parts = ObjectKeyParts(namespace, int(match["group"]), bytes.fromhex(match["hash"]))
+    if object_key(*parts) != key:  # e.g. "tp_rank:01", "@model@...", "a/b@..."
+        return None
+    return parts

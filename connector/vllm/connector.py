@@ -8,8 +8,10 @@ role's object: :class:`~.scheduler.SchedulerSide` or :class:`~.worker.WorkerSide
 
 from __future__ import annotations
 
+import time
 import weakref
 from collections import Counter
+from collections.abc import Iterable
 from typing import TYPE_CHECKING, Any
 
 import structlog
@@ -21,19 +23,28 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
     KVConnectorTransferResults,
     SupportsHMA,
 )
-from vllm.distributed.kv_transfer.kv_connector.v1.metrics import KVConnectorStats
+from vllm.distributed.kv_transfer.kv_connector.v1.metrics import (
+    KVConnectorPromMetrics,
+    KVConnectorStats,
+    PromMetric,
+    PromMetricT,
+)
 
 from kvpipe.stages.flags import ConfigError
 
+from ..metered import OperationLog
 from ..store import Store
 from .engine_cache import EngineCache, open_store
-from .messages import KVPipeMetadata, KVPipeStats
+from .events import ChunkAnnouncer
+from .messages import GAUGES, OPS, KVPipeKVEvents, KVPipeMetadata, KVPipeStats
+from .prom import RECORDS_DROPPED, KVPipePromMetrics
 from .scheduler import SchedulerSide
 from .settings import settings_from
 from .worker import WorkerSide, parallel_ranks
 
 if TYPE_CHECKING:
     from vllm.config import VllmConfig
+    from vllm.distributed.kv_events import KVCacheEvent
     from vllm.v1.core.kv_cache_manager import KVCacheBlocks
     from vllm.v1.core.sched.output import SchedulerOutput
     from vllm.v1.kv_cache_interface import KVCacheConfig
@@ -41,6 +52,9 @@ if TYPE_CHECKING:
     from vllm.v1.request import Request
 
 log = structlog.get_logger("kvpipe.connector.vllm")
+
+#: How often a role reads its gauges (a worker's cost a call on each pipeline's loop).
+GAUGES_EVERY_S = 1.0
 
 
 class KVPipeConnector(KVConnectorBase_V1, SupportsHMA):
@@ -69,14 +83,32 @@ class KVPipeConnector(KVConnectorBase_V1, SupportsHMA):
                 "kv_load_failure_policy is 'fail': a load the store fails (master down, object "
                 "evicted) fails its request; set 'recompute' to recompute those blocks instead"
             )
-        store, self._owns_store = open_store(self.settings, mount_segment=not self.is_scheduler)
+        self._operations = OperationLog()
+        store, self._owns_store = open_store(
+            self.settings, mount_segment=not self.is_scheduler, log=self._operations
+        )
+        events_config = vllm_config.kv_events_config
+        self.kv_events = bool(events_config and events_config.enable_kv_cache_events)
         self.scheduler: SchedulerSide | None = None
         self.worker: WorkerSide | None = None
         if self.is_scheduler:
-            self.scheduler = SchedulerSide(self.cache, self.settings, store)
+            announcer = None
+            if self.kv_events:
+                cache = self.cache
+                ranks = [
+                    (rank, pp)
+                    for rank in range(cache.tp_size // cache.tp_replicas)
+                    for pp in range(int(vllm_config.parallel_config.pipeline_parallel_size))
+                ]
+                announcer = ChunkAnnouncer(cache.store_groups, cache.hash_block_size, ranks)
+            self.scheduler = SchedulerSide(self.cache, self.settings, store, announcer=announcer)
+            self._source = "scheduler"
         else:
-            self.worker = WorkerSide(self.cache, self.settings, store, tp_rank)
+            self.worker = WorkerSide(self.cache, self.settings, store, tp_rank, kv_events=self.kv_events)
+            self._source = f"worker:{tp_rank}:{pp_rank}"
         self._reported: Counter[str] = Counter()
+        self._gauges: dict[str, float] = {}
+        self._gauges_read_at = -GAUGES_EVERY_S
         self._shut = False
         KVPipeConnector.instances.add(self)
         log.info(
@@ -142,6 +174,24 @@ class KVPipeConnector(KVConnectorBase_V1, SupportsHMA):
     def requires_kv_delivery(self) -> bool:
         return False  # a best-effort cache: nothing must be delivered before a request goes on
 
+    def take_events(self) -> Iterable[KVCacheEvent]:
+        """KV events of chunks every rank stored, and of loads that found chunks gone (:mod:`.events`)."""
+        if self.scheduler is None or self.scheduler.announcer is None:
+            return ()
+        return self.scheduler.announcer.take()
+
+    def reset_cache(self) -> bool | None:
+        """vLLM's ``reset_prefix_cache(reset_connector=True)``: remove this deployment's objects only.
+
+        The scheduler removes this model's and this cache prefix's objects
+        (:meth:`.SchedulerSide.reset`), never another deployment's on the same
+        master; True when done, False when the store could not. The worker has
+        nothing of its own to reset (None).
+        """
+        if self.scheduler is None:
+            return None
+        return self.scheduler.reset()
+
     # -- worker side ---------------------------------------------------------------------
 
     def _worker(self) -> WorkerSide:
@@ -188,12 +238,49 @@ class KVPipeConnector(KVConnectorBase_V1, SupportsHMA):
     def build_kv_connector_stats(cls, data: dict[str, Any] | None = None) -> KVConnectorStats | None:
         return KVPipeStats(data=dict(data or {}))
 
+    @classmethod
+    def build_prom_metrics(
+        cls,
+        vllm_config: VllmConfig,
+        metric_types: dict[type[PromMetric], type[PromMetricT]],
+        labelnames: list[str],
+        per_engine_labelvalues: dict[int, list[object]],
+    ) -> KVConnectorPromMetrics:
+        return KVPipePromMetrics(vllm_config, metric_types, labelnames, per_engine_labelvalues)
+
     def get_kv_connector_stats(self) -> KVConnectorStats | None:
-        """What this role counted since the last call, or None when nothing happened."""
+        """What this role counted and called since the last call, its gauges when they moved; None: nothing.
+
+        Gauges are read at most every :data:`GAUGES_EVERY_S` and sent only when
+        they changed: vLLM's logger keeps the last reading of each role.
+        """
+        data: dict[str, Any] = {}
+        now = time.monotonic()
+        if now - self._gauges_read_at >= GAUGES_EVERY_S and not self._shut:
+            self._gauges_read_at = now
+            gauges = self._side.gauges()  # a worker counts its stages' drops on the way
+            if gauges != self._gauges:
+                self._gauges = gauges
+                data[GAUGES] = {self._source: gauges}
         current = Counter(self.stats)
-        delta = {name: value for name, value in (current - self._reported).items() if value}
+        data.update((name, value) for name, value in (current - self._reported).items() if value)
         self._reported = current
-        return KVPipeStats(data=delta) if delta else None
+        records, refused = self._operations.drain()
+        if records:
+            data[OPS] = records
+        if refused:
+            data[RECORDS_DROPPED] = refused
+        return KVPipeStats(data=data) if data else None
+
+    def get_kv_connector_kv_cache_events(self) -> KVPipeKVEvents | None:
+        """This rank's chunk reports for the scheduler's KV events (None when events are off).
+
+        Always a container when they are on, empty or not: vLLM combines the
+        workers' containers and expects every worker's to be of one type.
+        """
+        if not self.kv_events or self.worker is None:
+            return None
+        return KVPipeKVEvents(self.worker.take_chunk_reports())
 
     def drain(self, timeout_s: float = 10.0) -> bool:
         """Wait until every submitted save has completed (for tests and shutdown)."""

@@ -26,6 +26,7 @@ from kvpipe.stages import (
 from kvpipe.stages.flags import ConfigError
 
 from ..memory import MemoryStore
+from ..metered import OperationLog
 from ..mooncake import MooncakeSettings
 from ..store import Store
 from ..stores import MemoryStoreConfig, MooncakeStoreConfig, connect, guarded
@@ -185,19 +186,21 @@ def tp_replicas(kv_cache_config: KVCacheConfig, tp_size: int, kv_heads: int, dcp
 _MEMORY_STORES: dict[str, MemoryStore] = {}
 
 
-def open_store(settings: ConnectorSettings, *, mount_segment: bool) -> tuple[Store, bool]:
+def open_store(
+    settings: ConnectorSettings, *, mount_segment: bool, log: OperationLog | None = None
+) -> tuple[Store, bool]:
     """The connector's store, and whether the connector owns it (closes it at shutdown).
 
     ``store`` unset: vLLM's Mooncake JSON (``MOONCAKE_CONFIG_PATH``), so existing
     vLLM setups work as they are. ``mount_segment=False`` (the scheduler: it only
-    asks what exists) lends the store no memory.
+    asks what exists) lends the store no memory. ``log`` records the store calls.
     """
     config = settings.store
     if isinstance(config, MemoryStoreConfig):
         key = config.model_dump_json()
         if key not in _MEMORY_STORES:
             _MEMORY_STORES[key] = config.build()
-        return guarded(_MEMORY_STORES[key], config.breaker), False
+        return guarded(_MEMORY_STORES[key], config.breaker, log), False
     if config is None:
         config = MooncakeStoreConfig.model_validate(MooncakeSettings.from_vllm_env().model_dump())
     if config.master == "spawn":
@@ -205,4 +208,4 @@ def open_store(settings: ConnectorSettings, *, mount_segment: bool) -> tuple[Sto
             "kv_connector_extra_config.store.master: 'spawn' cannot serve vLLM (the scheduler and the "
             "worker must share one master); give 'host:port' of a running mooncake_master, got 'spawn'"
         )
-    return connect(config, mount_segment=mount_segment, shared=True), True
+    return connect(config, mount_segment=mount_segment, shared=True, log=log), True

@@ -1,13 +1,34 @@
-"""What crosses vLLM's process boundaries: the per-step metadata and the connector stats."""
+"""What crosses vLLM's process boundaries: the per-step metadata, the connector stats, chunk reports.
+
+:class:`KVPipeStats` goes from each role to vLLM's logger process (the API server
+with ``vllm serve``), where :mod:`.prom` turns it into Prometheus series. Its
+``data`` is plain JSON-able values, in three kinds that aggregate differently:
+
+- counters, ``name -> int``: growth since the role's last report; summed;
+- ``"ops"``: the store calls' records (:data:`~kvpipe.connector.metered.OperationRecord`
+  as lists); concatenated;
+- ``"gauges"``: ``source -> {name: value}``, the latest reading of each role
+  (``"scheduler"``, ``"worker:<tp>:<pp>"``); merged, a later reading replacing an
+  earlier one of the same source, so readings of several ranks never add up twice.
+
+:class:`KVPipeKVEvents` carries the workers' chunk reports to the scheduler, which
+turns the chunks every rank stored into vLLM's KV events (:mod:`.events`).
+"""
 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from statistics import fmean
+from typing import Any
 
+from vllm.distributed.kv_events import KVConnectorKVEvents
 from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorMetadata
 from vllm.distributed.kv_transfer.kv_connector.v1.metrics import KVConnectorStats
 
 from kvpipe.stages import LoadRequest, SaveRequest
+
+OPS = "ops"
+GAUGES = "gauges"
 
 
 @dataclass
@@ -20,18 +41,68 @@ class KVPipeMetadata(KVConnectorMetadata):
 
 @dataclass
 class KVPipeStats(KVConnectorStats):
-    """Counters since the last report (saves submitted/dropped, objects put/existing/failed, loads)."""
+    """Counters, store-call records and gauge readings since the last report (see the module docstring)."""
 
     def reset(self) -> None:
         self.data = {}
 
     def aggregate(self, other: KVConnectorStats) -> KVConnectorStats:
         for name, value in other.data.items():
-            self.data[name] = self.data.get(name, 0) + value
+            if name == OPS:
+                self.data.setdefault(OPS, []).extend(value)
+            elif name == GAUGES:
+                self.data.setdefault(GAUGES, {}).update(value)
+            else:
+                self.data[name] = self.data.get(name, 0) + value
         return self
 
     def reduce(self) -> dict[str, int | float]:
-        return dict(self.data)
+        """What vLLM's periodic log line shows: the counters, and per operation calls, mean time, failed keys."""
+        reduced: dict[str, int | float] = {
+            name: value for name, value in self.data.items() if name not in (OPS, GAUGES)
+        }
+        by_operation: dict[str, list[list[Any]]] = {}
+        for record in self.data.get(OPS, ()):
+            by_operation.setdefault(record[0], []).append(record)
+        for operation, records in sorted(by_operation.items()):
+            reduced[f"{operation}_calls"] = len(records)
+            reduced[f"{operation}_avg_ms"] = round(fmean(r[2] for r in records) * 1e3, 3)
+            reduced[f"{operation}_failed_keys"] = sum(r[5] for r in records)
+        return reduced
 
     def is_empty(self) -> bool:
-        return not any(self.data.values())
+        return not any(value for name, value in self.data.items())
+
+
+#: One rank's word on one chunk of one save: (tp key rank, pp rank, chunk hash, every object stored).
+ChunkReport = tuple[int, int, bytes, bool]
+
+
+class KVPipeKVEvents(KVConnectorKVEvents):
+    """The workers' chunk reports of one step, on their way to the scheduler.
+
+    vLLM combines the workers' containers (``add_events``) before the scheduler
+    sees them; the reports name their rank, so the scheduler needs no worker
+    count: a chunk is announced once every rank that puts has reported it stored.
+    """
+
+    def __init__(self, reports: list[ChunkReport] | None = None) -> None:
+        self.reports: list[ChunkReport] = list(reports or ())
+
+    def add_events(self, events: list[Any]) -> None:
+        self.reports.extend(events)
+
+    def aggregate(self) -> KVPipeKVEvents:
+        return self
+
+    def increment_workers(self, count: int = 1) -> None:
+        return None  # reports carry their rank
+
+    def get_all_events(self) -> list[Any]:
+        return list(self.reports)
+
+    def get_number_of_workers(self) -> int:
+        return len({(tp, pp) for tp, pp, _, _ in self.reports})
+
+    def clear_events(self) -> None:
+        self.reports.clear()

@@ -33,11 +33,14 @@ from typing import TYPE_CHECKING, Any
 import structlog
 
 from kvpipe.stages import LoadRequest, LookupRequest, SaveRequest, longest_stored_prefix, lookup_keys
+from kvpipe.stages.keys import deployment_key_pattern
 from kvpipe.stages.lookup import EXISTS
 
+from ..breaker import breaker_of
 from ..store import Store
 from .engine_cache import EngineCache
-from .messages import KVPipeMetadata
+from .events import ChunkAnnouncer
+from .messages import KVPipeKVEvents, KVPipeMetadata
 from .settings import ConnectorSettings
 
 if TYPE_CHECKING:
@@ -74,7 +77,9 @@ class SchedulerSide:
         settings: ConnectorSettings,
         store: Store,
         clock: Callable[[], float] = time.monotonic,
+        announcer: ChunkAnnouncer | None = None,
     ) -> None:
+        """``announcer``: publish KV events for what the workers store (vLLM's ``kv_events_config``)."""
         self.cache = cache
         self.settings = settings
         self.store = store
@@ -90,6 +95,8 @@ class SchedulerSide:
         self._loads: dict[str, LoadRequest] = {}  # emitted, not finished yet
         self._miss_once: set[str] = set()  # requests whose load failed: their next lookup misses
         self._failed_chunks: dict[str, float] = {}  # chunk hash (hex) -> until when it is a miss
+        self._deferred: set[str] = set()  # requests told to wait for another's load of their prefix
+        self.announcer = announcer
 
     @property
     def loads_in_flight(self) -> int:
@@ -140,6 +147,7 @@ class SchedulerSide:
         new = max(0, hit - num_computed_tokens)
         if new and self.settings.load_async and self._loaded_by_another(lookup, hit):
             self.stats["lookups_deferred"] += 1
+            self._deferred.add(rid)
             return None, False
         self.stats["lookup_hit_tokens"] += new
         return new, bool(new) and self.settings.load_async
@@ -189,6 +197,13 @@ class SchedulerSide:
             log.warning("lookup failed", error=str(exc))
             return
         self._exists.update((key, answer == EXISTS) for key, answer in zip(asked, answers, strict=False))
+        if self.announcer is not None:  # 0 is "absent"; a negative code knows nothing
+            absent = (
+                bytes.fromhex(key.rsplit("@", 1)[1])
+                for key, code in zip(asked, answers, strict=False)
+                if code == 0
+            )
+            self.announcer.found_absent(absent)
 
     # -- allocation and planning ---------------------------------------------------------
 
@@ -199,6 +214,10 @@ class SchedulerSide:
         self._waiting.pop(rid, None)
         self._tracked.setdefault(rid, _Tracked(request))
         local = self._local_hits.pop(rid, 0)
+        if rid in self._deferred:
+            self._deferred.discard(rid)
+            if num_external_tokens == 0 and local > 0:
+                self.stats["loads_spared"] += 1  # another request's load put its prefix in the local cache
         if num_external_tokens > 0:
             block_ids = tuple(tuple(ids) for ids in blocks.get_block_ids())
             load = LoadRequest(
@@ -266,9 +285,11 @@ class SchedulerSide:
                 if reach <= saved and not finished:
                     continue
                 block_ids = block_ids or tuple(tuple(ids) for ids in block_state.get_block_ids(rid))
-                meta.saves.append(
-                    SaveRequest(rid, hashes, block_ids, end, saved, finished, state_tokens=state)
-                )
+                save = SaveRequest(rid, hashes, block_ids, end, saved, finished, state_tokens=state)
+                meta.saves.append(save)
+                if self.announcer is not None:
+                    self.announcer.expect(request, save)
+                    self.stats["events_dropped"] = self.announcer.given_up  # monotonic: reported as growth
                 saved = max(saved, reach)
                 self.stats["saves_planned"] += 1
             tracked.saved_tokens = saved
@@ -298,6 +319,8 @@ class SchedulerSide:
         """Async loads that ended (well or not) release their prefix; failed ones are remembered."""
         failed_requests = set(connector_output.failed_recving or ())
         failed_blocks = set(connector_output.invalid_block_ids or ())
+        if self.announcer is not None and isinstance(connector_output.kv_cache_events, KVPipeKVEvents):
+            self.announcer.reported(connector_output.kv_cache_events.reports)
         for rid in connector_output.finished_recving or ():
             load = self._loads.pop(rid, None)
             if load is None:
@@ -308,6 +331,8 @@ class SchedulerSide:
                     del self._loading[hash_]
             if rid in failed_requests or any(failed_blocks.intersection(ids) for ids in load.block_ids):
                 self.stats["loads_failed"] += 1
+                if self.announcer is not None:
+                    self.announcer.load_failed(load, None if rid in failed_requests else failed_blocks)
                 self._miss_once.add(rid)
                 until = self._clock() + FAILED_CHUNK_TTL_S
                 self._failed_chunks.update(dict.fromkeys((hash_.hex() for hash_ in hashes), until))
@@ -316,4 +341,33 @@ class SchedulerSide:
         rid = request.request_id
         self._waiting.pop(rid, None)  # e.g. aborted before it was scheduled
         self._miss_once.discard(rid)
+        self._deferred.discard(rid)
         return False, None  # the worker copies what it saves: vLLM may free the blocks now
+
+    # -- operations ----------------------------------------------------------------------
+
+    def reset(self) -> bool:
+        """Remove this deployment's objects (this model, this cache prefix, every rank) from the store.
+
+        Never another deployment's: one ``remove_by_regex`` scoped by
+        :func:`~kvpipe.stages.keys.deployment_key_pattern`, leased objects too (a
+        reset must not leave the objects just read). Saves still in flight on the
+        workers may store a few objects after it: vLLM pauses generation before a
+        reset for that reason. False when the store could not do it (logged).
+        """
+        pattern = deployment_key_pattern(self.cache.namespace(0))
+        removed = self.store.remove_by_regex(pattern, force=True)
+        self._exists.clear()
+        self._failed_chunks.clear()
+        if self.announcer is not None:
+            self.announcer.forget()
+        if removed < 0:
+            log.warning("store reset failed", pattern=pattern, code=removed)
+            return False
+        log.info("store reset: this deployment's objects removed", pattern=pattern, removed=removed)
+        return True
+
+    def gauges(self) -> dict[str, float]:
+        """The scheduler's own reading: its store's breaker."""
+        breaker = breaker_of(self.store)
+        return {} if breaker is None else {"breaker_state": breaker.state.level}

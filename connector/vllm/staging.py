@@ -63,6 +63,7 @@ class StagingArea:
             rows = self.arena[start : start + slots * size].view(slots, size)
             self._areas[group] = _GroupArea(layout, offsets, rows)
             start += slots * size
+        self.slots = slots
         self._free = list(range(slots - 1, -1, -1))
 
     def layouts(self) -> dict[int, BlockLayout]:

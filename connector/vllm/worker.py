@@ -39,21 +39,24 @@ from kvpipe.stages import (
     ObjectStatus,
     SaveRequest,
     StoreObject,
+    chunks_to_save,
     default_load_graph,
     default_save_graph,
-    full_chunks,
-    tail_chunks,
 )
 from kvpipe.stages.load import load_chunks, touched_block_ids
 
+from ..breaker import breaker_of
 from ..store import Store
 from .engine_cache import EngineCache
+from .events import ChunkReporter
 from .kv_layout import GroupLayout, group_layout, storages_of
 from .settings import ConnectorSettings
 from .staging import StagingArea
 
 if TYPE_CHECKING:
-    from .messages import KVPipeMetadata
+    from kvpipe.stages import Chunk
+
+    from .messages import ChunkReport, KVPipeMetadata
 
 log = structlog.get_logger("kvpipe.connector.vllm")
 
@@ -96,8 +99,13 @@ class WorkerSide:
         tp_rank: int = 0,
         *,
         load_via_staging: bool | None = None,
+        kv_events: bool = False,
     ) -> None:
-        """``load_via_staging``: None lets the cache's device decide (host slots for a device cache)."""
+        """``load_via_staging``: None lets the cache's device decide (host slots for a device cache).
+
+        ``kv_events``: report each saved chunk's outcome for the scheduler's KV events
+        (:meth:`take_chunk_reports`).
+        """
         self.cache = cache
         self.settings = settings
         self.store = store
@@ -116,6 +124,8 @@ class WorkerSide:
         self._load_errors: set[int] = set()  # engine block ids, for get_block_ids_with_load_errors
         self._failed_requests: set[str] = set()
         self._registered: list[int] = []
+        self.reporter = ChunkReporter((cache.key_rank(tp_rank), cache.pp_rank)) if kv_events else None
+        self._stage_dropped: dict[str, int] = {}  # cumulative drops per "pipeline/stage", last read
 
     @property
     def started(self) -> bool:
@@ -184,6 +194,8 @@ class WorkerSide:
     def _observe(self, record: StoreObject, status: ObjectStatus) -> None:
         self.observed.append((record, status))
         self.stats[f"objects_{status.value}"] += 1
+        if self.reporter is not None:
+            self.reporter.observed(record, status)
 
     def wait_for_save(self, meta: KVPipeMetadata) -> None:
         """Copy this step's saves into staging slots, then hand them to the save pipeline."""
@@ -194,33 +206,37 @@ class WorkerSide:
             return  # a replica's bytes: the first rank of its replicas puts them
         staged = [staged for save in meta.saves if (staged := self._stage(save)) is not None]
         self._staging.settle()  # a device copy must land before a put reads the slot
-        for slots, request in staged:
+        for slots, request, chunks in staged:
             job = self._save_pipeline.submit(request)
             self.stats["saves_submitted"] += 1
             self._job_slots[job.id] = slots
+            if self.reporter is not None:
+                self.reporter.planned(job.id, request.request_id, chunks)
         self._reap()
 
-    def _stage(self, save: SaveRequest) -> tuple[list[int], SaveRequest] | None:
-        """Copy the save's chunks into free slots: the slots and the request over them (None: nothing, or no room)."""
+    def _stage(self, save: SaveRequest) -> tuple[list[int], SaveRequest, list[Chunk]] | None:
+        """Copy the save's chunks into free slots: the slots, the request over them, its chunks.
+
+        None: nothing to save, or no room.
+        """
         assert self._staging is not None
-        plan: list[tuple[int, int, int]] = []  # (engine group, chunk index, engine block)
-        for group in self.cache.store_groups:
-            bs = group.spec.block_size
-            for chunk in (
-                *full_chunks(save, group, self.cache.hash_block_size),
-                *tail_chunks(save, group, self.cache.hash_block_size),
-            ):
-                # the block its last token falls in (a tail's block is partly filled)
-                plan.append((group.engine_group, (chunk.tokens_end - 1) // bs, chunk.block_id))
+        chunks = chunks_to_save(save, self.cache.store_groups, self.cache.hash_block_size)
+        # (engine group, chunk index, engine block): the block its last token falls in
+        # (a tail's block is partly filled)
+        plan = [
+            (c.group.engine_group, (c.tokens_end - 1) // c.group.spec.block_size, c.block_id) for c in chunks
+        ]
         if not plan:
             return None
         if len(plan) > self._staging.free:
             self.stats["saves_dropped_no_staging"] += 1
+            if self.reporter is not None:
+                self.reporter.dropped(chunks)
             return None
         slots, ids = self._into_slots(plan, save.block_ids)
         for (engine_group, _, block), slot in zip(plan, slots, strict=True):
             self._staging.copy_in(engine_group, slot, block)
-        return slots, replace(save, block_ids=ids)
+        return slots, replace(save, block_ids=ids), chunks
 
     def _into_slots(
         self, plan: Sequence[tuple[int, int, int]], block_ids: tuple[tuple[int, ...], ...]
@@ -238,6 +254,8 @@ class WorkerSide:
         for job in self._save_pipeline.completed():
             self._staging.give_back(self._job_slots.pop(job.id, ()))
             self.stats[f"save_jobs_{job.outcome.value if job.outcome else 'unknown'}"] += 1
+            if self.reporter is not None:
+                self.reporter.ended(job.id)
 
     # -- loads ---------------------------------------------------------------------------
 
@@ -332,6 +350,39 @@ class WorkerSide:
         with self._lock:
             errors, self._load_errors = self._load_errors, set()
         return errors
+
+    # -- telemetry -----------------------------------------------------------------------
+
+    def take_chunk_reports(self) -> list[ChunkReport]:
+        """Chunks whose saves ended since the last call, stored whole or not (empty without ``kv_events``)."""
+        self._reap()
+        return [] if self.reporter is None else self.reporter.take()
+
+    def gauges(self) -> dict[str, float]:
+        """What this rank holds now: staging slots, the breaker, each stage's queue.
+
+        Reading the stages is a call on each pipeline's loop; the connector asks
+        about once a second. Stage drops found on the way go into :attr:`stats`.
+        """
+        readings: dict[str, float] = {}
+        if self._staging is not None:
+            readings["staging_slots"] = self._staging.slots
+            readings["staging_slots_in_use"] = self._staging.slots - self._staging.free
+        if (breaker := breaker_of(self.store)) is not None:
+            readings["breaker_state"] = breaker.state.level
+        for name, pipeline in (("save", self._save_pipeline), ("load", self._load_pipeline)):
+            if pipeline is None:
+                continue
+            dropped = {"entry": pipeline.dropped}
+            for stage, snapshot in pipeline.metrics().items():
+                readings[f"stage_queue_depth/{name}/{stage}"] = snapshot.queue_depth
+                dropped[stage] = snapshot.dropped
+            for stage, count in dropped.items():
+                key = f"{name}/{stage}"
+                if (grown := count - self._stage_dropped.get(key, 0)) > 0:
+                    self.stats[f"stage_dropped/{key}"] += grown
+                self._stage_dropped[key] = count
+        return readings
 
     # -- the end -------------------------------------------------------------------------
 

@@ -245,6 +245,26 @@ def test_remove_all_removes_the_unleased_objects_and_counts_them(kv: Kv) -> None
     assert kv.exists("a", "b", "c") == [1, 0, 0]
 
 
+def test_remove_by_regex_removes_the_keys_it_searches_and_counts_them(kv: Kv) -> None:
+    keys = ["m-1.5@tp_rank:0@a", "m-1.5@tp_rank:1@b", "p@m-1.5@tp_rank:0@c", "m-105@x"]
+    kv.put(dict.fromkeys(keys, b"1"))
+    assert kv.store.remove_by_regex(r"^m\-1\.5@tp_rank:") == 2  # anchored; '.' and '-' escaped
+    assert kv.exists(*keys) == [0, 0, 1, 1]
+
+
+def test_remove_by_regex_searches_anywhere_in_the_key_unless_anchored(kv: Kv) -> None:
+    kv.put({"a@m@1": b"1", "m@2": b"2"})
+    assert kv.store.remove_by_regex("m@") == 2
+
+
+def test_remove_by_regex_keeps_leased_objects_unless_forced(kv: Kv) -> None:
+    kv.put({"k1": b"1", "k2": b"2"})
+    kv.exists("k1")
+    assert kv.store.remove_by_regex("^k") == 1
+    assert kv.store.remove_by_regex("^k", True) == 1
+    assert kv.exists("k1", "k2") == [0, 0]
+
+
 # -- buffers -------------------------------------------------------------------------------
 
 

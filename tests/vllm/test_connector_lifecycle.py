@@ -52,7 +52,8 @@ def connector(extra: dict[str, Any], role: str = "WORKER", groups: int = 1) -> A
 def test_shutting_one_connector_down_leaves_the_shared_memory_store_open_for_the_others() -> None:
     extra = {"store": {"kind": "memory", "capacity": "8MB"}}
     first, second = connector(extra), connector(extra)
-    assert first.store.inner is second.store.inner  # one process-wide memory store
+    # breaker, meter, then one process-wide memory store under both
+    assert first.store.inner.inner is second.store.inner.inner
     first.shutdown()
     assert first.store is None
     assert second.store.batch_is_exist(["k"]) == [0]  # open: -900 once closed

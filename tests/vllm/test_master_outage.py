@@ -222,7 +222,7 @@ def outage(llm: Any, outage_master: LocalMaster, reference: dict[int, list[list[
     scheduler, worker = connectors(outage_master)
     breakers = {"scheduler": scheduler.store.breaker, "worker": worker.store.breaker}
     assert all(b.settings == BREAKER for b in breakers.values())  # on by default, with the defaults
-    rpc_s = worker.store.inner.rpc_timeout_s
+    rpc_s = worker.store.inner.inner.rpc_timeout_s  # breaker, meter, the Mooncake client
     assert rpc_s == RPC_TIMEOUT_MS / 1000, "MC_RPC_TIMEOUT_MS set by the user overrides the test's deadline"
 
     # 1. master up

@@ -128,6 +128,28 @@ def test_a_request_whose_prefix_another_is_loading_asks_again_later(harness: Har
     assert harness.side.stats["lookups_deferred"] == 1
 
 
+def test_a_request_that_waited_for_another_s_load_and_hit_locally_counts_a_load_spared(
+    harness: Harness,
+) -> None:
+    harness.store_chunks(4)
+    first, second = harness.request("a"), harness.request("b")
+    harness.admit(first)
+    harness.step()
+    assert harness.side.get_num_new_matched_tokens(second, 0) == (None, False)
+    harness.loads_ended({"a"})
+    assert harness.side.get_num_new_matched_tokens(second, 4 * BLOCK) == (0, False)
+    harness.side.update_state_after_alloc(second, SimpleNamespace(get_block_ids=lambda: ([],)), 0)
+    assert harness.side.stats["loads_spared"] == 1
+
+
+def test_a_request_that_never_waited_spares_no_load(harness: Harness) -> None:
+    harness.store_chunks(4)
+    request = harness.request("a")
+    assert harness.side.get_num_new_matched_tokens(request, 4 * BLOCK) == (0, False)
+    harness.side.update_state_after_alloc(request, SimpleNamespace(get_block_ids=lambda: ([],)), 0)
+    assert harness.side.stats["loads_spared"] == 0
+
+
 def test_a_request_may_load_what_lies_past_another_requests_load(harness: Harness) -> None:
     harness.store_chunks(2)
     first = harness.request("a")
