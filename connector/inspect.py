@@ -807,13 +807,10 @@ def render_table(report: InspectReport) -> str:
 
 def write_png(report: InspectReport, path: Path) -> Path:
     """Two panels: chunks complete / partial / absent, and each node's bytes of complete and partial chunks."""
-    import matplotlib
-
-    matplotlib.use("Agg")  # no display on a server
-    import matplotlib.pyplot as plt
+    from .bench.plot import new_figure, save_figure
 
     c = report.chunks
-    figure, (chunks_axes, nodes_axes) = plt.subplots(1, 2, figsize=(10.0, 4.0), dpi=100)
+    figure, (chunks_axes, nodes_axes) = new_figure(2, (10.0, 4.0))
     names = ["complete", "partial", "absent"]
     values = [c.complete, c.partial, c.absent if report.absent_known else 0]
     bars = chunks_axes.bar(names, values, color=["tab:green", "tab:orange", "tab:gray"])
@@ -844,8 +841,4 @@ def write_png(report: InspectReport, path: Path) -> Path:
     nodes_axes.tick_params(axis="x", labelrotation=20)
     nodes_axes.grid(True, axis="y", alpha=0.3)
     nodes_axes.legend()
-    figure.tight_layout()
-    path.parent.mkdir(parents=True, exist_ok=True)
-    figure.savefig(path)
-    plt.close(figure)
-    return path
+    return save_figure(figure, path)

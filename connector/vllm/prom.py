@@ -14,7 +14,8 @@ the log full.
 
 The connector's counters (:data:`COUNTERS`, :data:`LABELLED`), each ``_total``;
 ``kvpipe:stage_dropped_total`` (labels ``pipeline``, ``stage``: items a stage
-dropped, ``entry`` for saves refused at a full queue).
+took out of the stream, e.g. the filter's objects the store already has; ``entry``
+for saves refused at a full queue).
 
 Gauges, the latest reading of every role summed over ranks (the breaker: the
 worst of them): ``kvpipe:stage_queue_depth`` (labels ``pipeline``, ``stage``),
@@ -139,7 +140,7 @@ class KVPipePromMetrics(KVConnectorPromMetrics):
         }
         self._stage_dropped = self._counter_cls(
             name=f"{PREFIX}{STAGE_DROPPED}_total",
-            documentation="Items a pipeline stage dropped (entry: saves refused at a full queue).",
+            documentation="Items a pipeline stage took out of the stream (entry: saves refused at a full queue).",
             labelnames=stage,
         )
         self._queue_depth = self._gauge_cls(
@@ -168,6 +169,9 @@ class KVPipePromMetrics(KVConnectorPromMetrics):
         )
         #: per engine, the latest gauge readings of each source (a role on a rank)
         self._readings: dict[int, dict[str, dict[str, float]]] = {}
+        for engine in per_engine_labelvalues.values():  # at 0 from the start, not from the first event
+            for counter in self._counters.values():
+                counter.labels(*engine)
 
     def observe(self, transfer_stats_data: dict[str, Any], engine_idx: int = 0) -> None:
         engine = self.per_engine_labelvalues[engine_idx]

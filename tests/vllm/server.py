@@ -278,6 +278,10 @@ class VllmServer:
             cached_tokens=details.get("cached_tokens"),
         )
 
+    def post(self, path: str) -> Any:
+        """POST ``path`` (an empty JSON body), its JSON answer: e.g. ``/reset_prefix_cache`` (dev mode)."""
+        return json.loads(self._request(path, {}))
+
     def metrics_text(self) -> str:
         return self._request("/metrics").decode()
 

@@ -12,13 +12,16 @@ from __future__ import annotations
 import json
 import random
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 
+import msgspec
 import pytest
-from vllm.distributed.kv_events import BlockStored
+from vllm.distributed.kv_events import BlockRemoved, BlockStored
 
 from kvpipe.connector.master import LocalMaster
+from kvpipe.connector.mooncake import MooncakeStore
 from kvpipe.connector.vllm import launch
 
 from . import engine
@@ -98,9 +101,20 @@ class ServerRun:
 
 
 @dataclass(frozen=True)
+class Afterwards:
+    """Server 2 once its run was judged: an announced object went, and the deployment was reset."""
+
+    gone: str  # the key removed behind the server's back
+    events: list[object] = field(repr=False)  # published after it was asked for again
+    reset: dict[str, object]  # /reset_prefix_cache?reset_external=true's answer
+    keys_after_reset: list[str]
+
+
+@dataclass(frozen=True)
 class Runs:
     first: ServerRun
     second: ServerRun
+    afterwards: Afterwards
 
 
 def model_keys(master: LocalMaster) -> list[str]:
@@ -145,7 +159,28 @@ def settle(server: VllmServer, master: LocalMaster, want_keys: int) -> tuple[Scr
         time.sleep(0.2)
 
 
-def serve(log: Path, master: LocalMaster, want_keys: int, want_announced: int) -> ServerRun:
+def gone_then_reset(
+    server: VllmServer, replayer: Replayer, run: ServerRun, master: LocalMaster, holder: MooncakeStore
+) -> Afterwards:
+    """Remove the object server 2 announced, ask for its prompt again, then reset the deployment over HTTP."""
+    [gone] = [key for key in model_keys(master) if key_block_hash(key) in run.announced]
+    assert holder.remove(gone, force=True) == 0
+    assert server.post("/reset_prefix_cache") == {"success": True}  # vLLM's own cache only
+    # a prompt that goes on past it: its lookup asks for the chunk (a prompt's own last block it never
+    # asks for, vLLM computes that) and finds it absent
+    server.complete(prompts()[1] + NUDGE, MAX_TOKENS)
+    events = replayer.until(lambda found: bool(kvpipe_events(found, BlockRemoved)))
+    reset = server.post("/reset_prefix_cache?reset_external=true")
+    return Afterwards(gone, events, reset, model_keys(master))
+
+
+def serve(
+    log: Path,
+    master: LocalMaster,
+    want_keys: int,
+    want_announced: int,
+    then: Callable[[VllmServer, Replayer, ServerRun], Afterwards] | None = None,
+) -> tuple[ServerRun, Afterwards | None]:
     assert master.endpoints is not None
     transfer = launch.kvpipe_transfer({"store": launch.store_section(master.endpoints)})
     replay = f"ipc://{log.with_suffix('.replay')}"
@@ -155,15 +190,21 @@ def serve(log: Path, master: LocalMaster, want_keys: int, want_announced: int) -
         "endpoint": f"ipc://{log.with_suffix('.events')}",
         "replay_endpoint": replay,
     }
-    with VllmServer(log, transfer=transfer, extra_args=("--kv-events-config", json.dumps(events))) as server:
+    arguments = ("--kv-events-config", json.dumps(events))
+    dev_mode = {"VLLM_SERVER_DEV_MODE": "1"}  # serves /reset_prefix_cache
+    with (
+        VllmServer(log, transfer=transfer, extra_args=arguments, env=dev_mode) as server,
+        Replayer(replay) as replayer,
+    ):
         completions = [server.complete(prompt, MAX_TOKENS) for prompt in prompts()]
         began = time.monotonic()
         scrape, keys = settle(server, master, want_keys)
         settled = round(time.monotonic() - began, 1)
         log.with_suffix(".metrics").write_text(scrape.text)  # what the tests judged, beside the log
-        with Replayer(replay) as replayer:
-            found = replayer.until(lambda found: len(kvpipe_events(found, BlockStored)) >= want_announced)
-        return ServerRun(completions, scrape, keys, server.start_seconds, settled, found)
+        found = replayer.until(lambda found: len(kvpipe_events(found, BlockStored)) >= want_announced)
+        log.with_suffix(".kv-events.json").write_bytes(msgspec.json.encode(found))  # beside the metrics
+        run = ServerRun(completions, scrape, keys, server.start_seconds, settled, found)
+        return run, (None if then is None else then(server, replayer, run))
 
 
 @pytest.fixture(scope="module")
@@ -172,10 +213,16 @@ def runs(tmp_path_factory: pytest.TempPathFactory) -> Runs:
     stored = sum(stored_blocks(length) for length in PROMPT_LENGTHS)
     with LocalMaster() as master:
         assert master.endpoints is not None
-        with launch.segment_holder(master.endpoints, "256MB"):
-            first = serve(logs / "server-1.log", master, want_keys=stored, want_announced=stored)
+        with launch.segment_holder(master.endpoints, "256MB") as holder:
+            first, _ = serve(logs / "server-1.log", master, want_keys=stored, want_announced=stored)
             # the 384-token prompt's last block is recomputed and saved again (as existing)
-            second = serve(logs / "server-2.log", master, want_keys=stored, want_announced=1)
+            second, afterwards = serve(
+                logs / "server-2.log",
+                master,
+                want_keys=stored,
+                want_announced=1,
+                then=lambda server, replayer, run: gone_then_reset(server, replayer, run, master, holder),
+            )
     print(
         f"\nvllm serve: started in {first.start_seconds} s and {second.start_seconds} s, "
         f"settled in {first.settle_seconds} s and {second.settle_seconds} s; "
@@ -183,7 +230,9 @@ def runs(tmp_path_factory: pytest.TempPathFactory) -> Runs:
         f"{first.external_hits:g} -> {second.external_hits:g}; cached "
         f"{[c.cached_tokens for c in first.completions]} -> {[c.cached_tokens for c in second.completions]}"
     )
-    return Runs(first, second)
+    assert afterwards is not None
+    (logs / "server-2-afterwards.kv-events.json").write_bytes(msgspec.json.encode(afterwards.events))
+    return Runs(first, second, afterwards)
 
 
 def test_the_restarted_server_answers_as_the_first(runs: Runs) -> None:
@@ -252,3 +301,13 @@ def test_the_first_server_announces_every_chunk_it_stored_once(runs: Runs) -> No
 def test_a_restarted_server_announces_only_the_chunk_it_saved_again(runs: Runs) -> None:
     assert len(runs.second.announced) == 1
     assert set(runs.second.announced) <= {key_block_hash(key) for key in runs.first.keys}
+
+
+def test_a_server_that_finds_an_announced_chunk_gone_publishes_its_removal(runs: Runs) -> None:
+    removed = [h for e in kvpipe_events(runs.afterwards.events, BlockRemoved) for h in e.block_hashes]
+    assert removed == [key_block_hash(runs.afterwards.gone)]
+
+
+def test_a_reset_over_http_removes_the_deployment_s_objects(runs: Runs) -> None:
+    assert runs.afterwards.reset == {"success": True}
+    assert runs.afterwards.keys_after_reset == []
