@@ -18,7 +18,7 @@ from __future__ import annotations
 
 import threading
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable
 from enum import StrEnum
 
 import structlog
@@ -26,7 +26,7 @@ from pydantic import BaseModel, ConfigDict, Field
 
 from kvpipe.stages.store import Code
 
-from .store import ForwardingStore, Operation, Store
+from .store import ForwardingStore, Operation, Sizes, Store, StoreCall
 
 log = structlog.get_logger("kvpipe.connector.breaker")
 
@@ -131,13 +131,7 @@ class GuardedStore(ForwardingStore):
         super().__init__(store)
         self.breaker = breaker
 
-    def _call(
-        self,
-        operation: Operation,
-        n_keys: int,
-        sizes: Sequence[Sequence[int]] | None,
-        call: Callable[[], list[int]],
-    ) -> list[int]:
+    def _call(self, operation: Operation, n_keys: int, sizes: Sizes | None, call: StoreCall) -> list[int]:
         if not self.breaker.allow():
             return [Code.RPC_FAILED] * n_keys
         try:

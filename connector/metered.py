@@ -22,9 +22,9 @@ from __future__ import annotations
 
 import threading
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable
 
-from .store import ForwardingStore, Operation, Store
+from .store import ForwardingStore, Operation, Sizes, Store, StoreCall
 
 __all__ = ["MeteredStore", "OperationLog", "OperationRecord"]
 
@@ -69,13 +69,7 @@ class MeteredStore(ForwardingStore):
         self.log = log
         self._clock = clock
 
-    def _call(
-        self,
-        operation: Operation,
-        n_keys: int,
-        sizes: Sequence[Sequence[int]] | None,
-        call: Callable[[], list[int]],
-    ) -> list[int]:
+    def _call(self, operation: Operation, n_keys: int, sizes: Sizes | None, call: StoreCall) -> list[int]:
         started = self._clock()
         try:
             results = call()

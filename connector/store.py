@@ -59,10 +59,20 @@ from typing import Any, Literal, Protocol, runtime_checkable
 
 from kvpipe.stages.store import ObjectStore
 
-__all__ = ["ForwardingStore", "Operation", "Store", "replicate_config_supports_group_ids"]
+__all__ = [
+    "ForwardingStore",
+    "Operation",
+    "Sizes",
+    "Store",
+    "StoreCall",
+    "replicate_config_supports_group_ids",
+]
 
 #: What a wrapper's hook sees a call as: the three the data path makes, and cleanup.
 Operation = Literal["exist", "put", "get", "remove"]
+#: A put's buffer sizes, per key; and a master call, answering per key.
+Sizes = Sequence[Sequence[int]]
+StoreCall = Callable[[], list[int]]
 
 
 @runtime_checkable
@@ -198,12 +208,6 @@ class ForwardingStore:
     def close(self) -> None:
         self.inner.close()
 
-    def _call(
-        self,
-        operation: Operation,
-        n_keys: int,
-        sizes: Sequence[Sequence[int]] | None,
-        call: Callable[[], list[int]],
-    ) -> list[int]:
+    def _call(self, operation: Operation, n_keys: int, sizes: Sizes | None, call: StoreCall) -> list[int]:
         """Run one master call (per key codes); ``sizes`` are a put's buffers. Subclasses wrap it."""
         return call()
