@@ -63,8 +63,10 @@ class EngineProcess:
     def __enter__(self) -> Self:
         return self
 
-    def __exit__(self, *exc: object) -> None:
-        self.close()
+    def __exit__(self, exc_type: type[BaseException] | None, *exc: object) -> None:
+        # unwinding an error or a signal: nothing more is wanted of the engine, and a
+        # loading one reads no input (it would notice the end of it only when loaded)
+        self.close(timeout_s=0.0 if exc_type is not None else 30.0)
 
     def _read(self, stdout: IO[str]) -> None:
         """Keep RESULT lines; vLLM's own log lines on stdout are dropped."""
@@ -90,6 +92,20 @@ class EngineProcess:
             raise EngineProcessError(f"engine process: {answer['error']}")
         return answer
 
+    @property
+    def pid(self) -> int:
+        return self._process.pid
+
+    def cpu_seconds(self) -> float:
+        """CPU time the engine process has used so far (user + system, all its threads)."""
+        import psutil
+
+        try:
+            times = psutil.Process(self._process.pid).cpu_times()
+        except psutil.Error:
+            return 0.0
+        return float(times.user + times.system)
+
     def wait_ready(self, timeout_s: float = 240.0) -> dict[str, Any]:
         if self.ready is None:
             self.ready = self._next(timeout_s)
@@ -108,7 +124,7 @@ class EngineProcess:
         return self._stderr.read()[-chars:]
 
     def close(self, timeout_s: float = 30.0) -> None:
-        """End of input: the engine shuts down and the process leaves (killed if it does not)."""
+        """End of input: the engine shuts down and the process leaves (killed past ``timeout_s``)."""
         if self._process.stdin is not None and not self._process.stdin.closed:
             try:
                 self._process.stdin.close()

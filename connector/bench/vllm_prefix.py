@@ -36,6 +36,7 @@ from __future__ import annotations
 import json
 import random
 import statistics
+import sys
 import tempfile
 import time
 from collections.abc import Iterator, Mapping, Sequence
@@ -166,11 +167,17 @@ def run(options: BenchOptions) -> WorkloadResult:
     targets: list[Target] = []
     plots: list[str] = []
     pass2_samples: dict[str, dict[str, list[float]]] = {}
+    idle_cpu: dict[str, dict[str, float]] = {}
     warm_up = None if options.quick else QUICK
     with tempfile.TemporaryDirectory(prefix="kvpipe-bench-vllm-") as scratch:
         for plan in plans:
             model = plan.model
-            measured = _measure(plan, workload, warm_up=warm_up, scratch=Path(scratch))
+            measured, idle = _measure(plan, workload, warm_up=warm_up, scratch=Path(scratch))
+            idle_cpu[model.label] = {
+                "share_of_a_core": round(idle.share(), 4),
+                "timed_s": round(idle.timed_s, 2),
+                **{BAR_LABELS[name]: round(cpu, 3) for name, cpu in idle.cpu_s.items()},
+            }
             model_rows = _rows(model, measured)
             pass2_samples[model.label] = {
                 name: [p["seconds"] for p in measured[name].pass2] for name in CONTENDERS
@@ -217,6 +224,9 @@ def run(options: BenchOptions) -> WorkloadResult:
             "equal the no-connector engine's",
             "vLLM's connector loads one copy per request (async loads keep loaded blocks out of vLLM's "
             "prefix cache until they land); kvpipe loads one copy per prefix and vLLM's cache serves the rest",
+            "while one engine's pass was timed, the idle engines used "
+            + ", ".join(f"{label} {cpu['share_of_a_core']:.1%}" for label, cpu in idle_cpu.items())
+            + " of one core (CPU seconds per engine in the JSON record: idle_engine_cpu)",
         ],
         plots=plots,
         parameters={
@@ -229,6 +239,7 @@ def run(options: BenchOptions) -> WorkloadResult:
             "user_tokens": list(workload.user_tokens),
             "max_tokens": workload.max_tokens,
             "pass2_s_samples": pass2_samples,
+            "idle_engine_cpu": idle_cpu,
         },
     )
 
@@ -238,7 +249,25 @@ def _describe(model: Model) -> str:
     return f"{c['num_hidden_layers']} layers, hidden {c['hidden_size']}, {c['num_attention_heads']} heads"
 
 
-def _measure(plan: Plan, workload: Workload, *, warm_up: Workload | None, scratch: Path) -> dict[str, Passes]:
+@dataclass
+class IdleCpu:
+    """CPU the engines not being timed used while another one was: ~0, unless one spins.
+
+    A pass time is only the contender's own if the others keep still meanwhile (on
+    2 cores, one engine spinning halves the timed one's share).
+    """
+
+    cpu_s: dict[str, float] = field(default_factory=dict)  # per engine, while idle
+    timed_s: float = 0.0  # wall time of every timed pass
+
+    def share(self) -> float:
+        """The idle engines' CPU as a fraction of one core over the timed passes."""
+        return sum(self.cpu_s.values()) / self.timed_s if self.timed_s else 0.0
+
+
+def _measure(
+    plan: Plan, workload: Workload, *, warm_up: Workload | None, scratch: Path
+) -> tuple[dict[str, Passes], IdleCpu]:
     """Every contender's passes on ``plan.model``, the engines taking turns pass by pass."""
     model = plan.model
     folder = model_dir(model.name, model.config, scratch / "models")
@@ -254,31 +283,44 @@ def _measure(plan: Plan, workload: Workload, *, warm_up: Workload | None, scratc
         config_path.write_text(json.dumps(vllm_mooncake_config(vllm_store.endpoints)))
         in_process = {"VLLM_ENABLE_V1_MULTIPROCESSING": "0"}
         kvpipe = kvpipe_transfer({"store": store_section(kvpipe_store.endpoints)})
-        engines = {
-            NONE: EngineProcess({**base, "transfer": None}, in_process),
-            VLLM: EngineProcess(
-                {**base, "transfer": mooncake_transfer()}, {**in_process, **vllm_mooncake_env(config_path)}
+        specs = {
+            NONE: ({**base, "transfer": None}, in_process),
+            VLLM: (
+                {**base, "transfer": mooncake_transfer()},
+                {**in_process, **vllm_mooncake_env(config_path)},
             ),
-            KVPIPE: EngineProcess({**base, "transfer": kvpipe}, in_process),
+            KVPIPE: ({**base, "transfer": kvpipe}, in_process),
         }
-        for engine in engines.values():
-            stack.callback(engine.close)
+        # each in the stack as soon as it runs: an error or a signal stops every one started
+        engines = {name: stack.enter_context(EngineProcess(spec, env)) for name, (spec, env) in specs.items()}
         for engine in engines.values():
             engine.wait_ready()
         stores = [kvpipe_store, vllm_store]
         measured = {name: Passes() for name in CONTENDERS}
+        idle = IdleCpu()
         schedule = [(workload.prompts(seed), plan.pass2_repeats, True) for seed in range(1, plan.rounds + 1)]
         if warm_up is not None:
             schedule.insert(0, (warm_up.prompts(seed=0), 1, False))
         for index, (prompts, repeats, counted) in enumerate(schedule):
-            passes = _round(
-                engines, stores, {"generate": prompts, "max_tokens": workload.max_tokens}, repeats, index
-            )
+            command = {"generate": prompts, "max_tokens": workload.max_tokens}
+            passes = _round(engines, stores, command, repeats, index, idle if counted else IdleCpu())
             if counted:
                 for name, done in passes.items():
                     measured[name].pass1.extend(done.pass1)
                     measured[name].pass2.extend(done.pass2)
-        return measured
+            _progress(plan.model, index + (warm_up is None), len(schedule) - (warm_up is not None), passes)
+        return measured, idle
+
+
+def _progress(model: Model, number: int, rounds: int, passes: Mapping[str, Passes]) -> None:
+    """One line per round on stderr, so a long run is visibly alive (round 0: the warm-up)."""
+    timings = "; ".join(
+        f"{BAR_LABELS[name]} {done.pass1[0]['seconds']:.2f} s / "
+        f"{statistics.median(p['seconds'] for p in done.pass2):.2f} s"
+        for name, done in passes.items()
+    )
+    label = "warm-up" if number == 0 else f"round {number}/{rounds}"
+    print(f"-- vllm {model.label} {label}: pass 1 / pass 2 {timings}", file=sys.stderr, flush=True)
 
 
 @dataclass(frozen=True)
@@ -302,6 +344,7 @@ def _round(
     command: Mapping[str, Any],
     repeats: int,
     turn: int,
+    idle: IdleCpu,
 ) -> dict[str, Passes]:
     """Pass 1 for everyone, the stores settle, then ``repeats`` x (reset, pass 2) for everyone.
 
@@ -310,19 +353,32 @@ def _round(
     """
     passes = {name: Passes() for name in engines}
     for name in _turn(turn):
-        passes[name].pass1.append(engines[name].call(command))
+        passes[name].pass1.append(_timed(engines, name, command, idle))
     for store in stores:
         _settle(store.endpoints, at_least=_full_blocks(command["generate"]))
     for repeat in range(repeats):
         for name in _turn(turn + repeat):
             _reset(engines[name])
-            passes[name].pass2.append(engines[name].call(command))
+            passes[name].pass2.append(_timed(engines, name, command, idle))
     for name in engines:
         _reset(engines[name])
     for store in stores:
         _settle(store.endpoints)
         store.holder.remove_all(force=True)
     return passes
+
+
+def _timed(
+    engines: Mapping[str, EngineProcess], name: str, command: Mapping[str, Any], idle: IdleCpu
+) -> dict[str, Any]:
+    """Engine ``name``'s pass, and what the others burnt meanwhile (into ``idle``)."""
+    others = {other: engine.cpu_seconds() for other, engine in engines.items() if other != name}
+    started = time.perf_counter()
+    answer = engines[name].call(command)
+    idle.timed_s += time.perf_counter() - started
+    for other, before in others.items():
+        idle.cpu_s[other] = idle.cpu_s.get(other, 0.0) + engines[other].cpu_seconds() - before
+    return answer
 
 
 def _turn(index: int) -> tuple[str, ...]:

@@ -76,9 +76,11 @@ def test_requests_sharing_a_prefix_load_it_once(llm: Any) -> None:
     first, _ = stored_by(llm, batch)
     assert llm.reset_prefix_cache()
     loads, deferred = worker().stats["loads"], scheduler().stats["lookups_deferred"]
+    spared = scheduler().stats["loads_spared"]
     second = engine.generate(llm, batch)
     assert worker().stats["loads"] - loads == 1
     assert scheduler().stats["lookups_deferred"] - deferred >= 3
+    assert scheduler().stats["loads_spared"] - spared == 3  # what kvpipe:loads_spared_total shows
     assert all(cached >= SHARED for cached in second["cached"])
     assert second["connector_hits"] == SHARED  # loaded once; the rest are local hits on it
     assert second["tokens"] == first["tokens"]
