@@ -52,6 +52,9 @@ def summary_table(report: dict[str, Any]) -> str:
         f"objects      {objects['considered']:,} considered: {objects['existing']:,} existing, "
         f"{objects['put']:,} put, {objects['failed']:,} failed, {objects['throttled']:,} throttled",
         f"bytes put    {report['bytes_put']:,} in {report['elapsed_s']:.2f} s ({report['put_gbps']:.3f} GB/s)",
+        f"pipeline     {report['pipeline_gbps']:.3f} GB/s without the {report['synthetic_kv_s']:.2f} s of writing "
+        f"synthetic KV; the same objects put raw: {report['raw_put']['gbps']:.3f} GB/s"
+        + (f" (pipeline {ratio:.2f}x)" if (ratio := report["pipeline_vs_raw_put"]) is not None else ""),
         f"chunks       {chunks['total']:,}: {chunks['complete']:,} complete, {chunks['partial']:,} partial, "
         f"{chunks['absent']:,} absent",
         f"verify       {check['checked']:,} read back: {check['mismatches']:,} mismatches, {check['missing']:,} missing",

@@ -1,8 +1,13 @@
 """``kvpipe run``'s job: a synthetic workload saved, read back and counted."""
 
+import re
+
+import pytest
+
 from kvpipe.connector.memory import Faults, MemoryStore
 from kvpipe.connector.run.config import RunConfig
 from kvpipe.connector.run.job import run
+from kvpipe.connector.run.raw_put import SUFFIX
 
 SMALL = {
     "model": {"layers": 2, "kv_heads": 2, "head_size": 32, "num_blocks": 512},
@@ -65,6 +70,24 @@ def test_the_report_has_the_contract_fields():
     assert report.keys() >= {"requests", "bytes_put", "elapsed_s", "put_gbps", "stages"}
     assert set(report["stages"]) == {"project", "full", "tail", "group_ids", "filter", "gather", "put"}
     assert report["stages"]["put"].keys() >= {"in", "out", "dropped", "errors", "p50_ms", "p99_ms"}
+
+
+def test_the_report_separates_the_synthetic_kv_from_the_pipeline_and_gives_the_raw_put_rate():
+    report = run(_config(SMALL)).report
+
+    assert 0 < report["synthetic_kv_s"] < report["elapsed_s"]
+    assert report["pipeline_gbps"] > report["put_gbps"] > 0  # the generator's time taken out
+    assert report["raw_put"]["gbps"] > 0 and report["raw_put"]["failed"] == 0
+    assert report["pipeline_vs_raw_put"] == pytest.approx(
+        report["pipeline_gbps"] / report["raw_put"]["gbps"], 0.01
+    )
+
+
+def test_measuring_the_raw_put_rate_leaves_the_store_as_the_run_left_it():
+    store = MemoryStore()
+    run(_config(SMALL), store=store)
+    assert store.remove_by_regex(re.escape(SUFFIX) + "$", True) == 0  # no raw copy left
+    assert run(_config(SMALL), store=store).report["objects"]["put"] == 0  # none of the run's went
 
 
 def test_a_second_run_on_the_kept_store_finds_every_object_and_puts_none():
