@@ -1,6 +1,6 @@
 """The ``kvpipe`` command line.
 
-``kvpipe run CONFIG [--json] [--set dotted.path=value ...] [--dump-objects FILE]``
+``kvpipe run CONFIG [--json] [--set dotted.path=value ...] [--baselines] [--dump-objects FILE]``
 ``kvpipe bench [WORKLOAD ...] [--quick] [--repeats N] [--out DIR] [--json] [--markdown FILE]``
 ``kvpipe store [--master ADDRESS|spawn] [--segment SIZE] [--master-metrics HOST:PORT ...] [--json]``
 ``kvpipe inspect [--master ADDRESS | --config FILE] [--metrics HOST:PORT ...] [--model NAME]
@@ -108,6 +108,12 @@ def _parser() -> argparse.ArgumentParser:
         help="override a YAML value, e.g. model.layers=8",
     )
     run_parser.add_argument(
+        "--baselines",
+        action="store_true",
+        help="after the run, time the pipeline alone and raw puts on its objects "
+        "(the store needs room for another copy of what the run puts)",
+    )
+    run_parser.add_argument(
         "--dump-objects", type=Path, metavar="FILE", help="write one JSON line per object"
     )
     run_parser.set_defaults(command=_run_command)
@@ -211,7 +217,7 @@ def _run_command(args: argparse.Namespace) -> int:
         _check_file_to_write("--dump-objects", args.dump_objects)
     progress = ProgressLine()
     try:
-        result = run(config, on_progress=progress)
+        result = run(config, on_progress=progress, baselines=args.baselines)
     except (MasterError, MooncakeError, BuildError, ValueError) as error:
         if args.verbose:  # -v: the whole story, traceback included
             raise

@@ -63,6 +63,7 @@ class EngineTotals:
     requests_finished: int = 0
     save_requests: int = 0
     synthetic_s: float = 0.0  # writing the synthetic KV bytes: the workload's time, not the pipeline's
+    saves: list[SaveRequest] = field(default_factory=list)  # every request submitted, in order
 
 
 @dataclass(frozen=True)
@@ -156,6 +157,7 @@ class Engine:
         live.saved = live.computed
         live.open_jobs += 1
         self.totals.save_requests += 1
+        self.totals.saves.append(request)
         self._pipeline.submit(request)
 
     def _write_kv(self, request: SaveRequest) -> None:

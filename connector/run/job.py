@@ -20,6 +20,7 @@ from kvpipe.pipeline import Graph, SyncPipeline, build_graph
 from kvpipe.stages import (
     KV_STAGES,
     GroupSpec,
+    KVCache,
     ObjectStatus,
     StoreObject,
     default_save_graph,
@@ -27,10 +28,10 @@ from kvpipe.stages import (
 )
 
 from . import workload
+from .baselines import pipeline_alone, raw_put
 from .check import count_chunks, final_statuses, verify
 from .config import RunConfig
 from .engine import Engine, EngineTotals, Pacing
-from .raw_put import raw_put
 from .synthetic import SyntheticCache, SyntheticGroup
 
 
@@ -67,16 +68,25 @@ def run(
     *,
     store: Store | None = None,
     on_progress: Callable[[EngineTotals, int], None] | None = None,
+    baselines: bool = False,
 ) -> RunResult:
-    """Run the job; on ``store`` if given (kept open), else on the configured one."""
+    """Run the job; on ``store`` if given (kept open), else on the configured one.
+
+    ``baselines``: after the run, time the pipeline alone and raw puts on the run's
+    objects (:mod:`.baselines`; the store needs room for another copy of what the
+    run put). Without it their report fields are None.
+    """
     if store is not None:
-        return _run_on(config, store, on_progress)
+        return _run_on(config, store, on_progress, baselines)
     with open_store(config.store) as opened:
-        return _run_on(config, opened, on_progress)
+        return _run_on(config, opened, on_progress, baselines)
 
 
 def _run_on(
-    config: RunConfig, store: Store, on_progress: Callable[[EngineTotals, int], None] | None
+    config: RunConfig,
+    store: Store,
+    on_progress: Callable[[EngineTotals, int], None] | None,
+    baselines: bool,
 ) -> RunResult:
     cache = build_cache(config)
     groups = storable_groups(cache.kv)  # refuses an unsupported cache before any work
@@ -95,7 +105,7 @@ def _run_on(
         store.register_buffer(address, nbytes)
 
     observed: list[tuple[StoreObject, ObjectStatus]] = []
-    graph = _save_graph(config, cache, store, lambda record, status: observed.append((record, status)))
+    graph = _save_graph(config, cache.kv, store, lambda record, status: observed.append((record, status)))
     pipeline = SyncPipeline(
         graph, queue_capacity=config.save.queue_capacity, when_full=config.save.when_full, name="save"
     )
@@ -122,9 +132,16 @@ def _run_on(
     verification = verify(store, cache, stored)
     put = [record for record, status in observed if status is ObjectStatus.PUT]
     bytes_put = sum(record.size for record in put)
-    # the pipeline's share of the wall time: all but writing the synthetic KV bytes
-    pipeline_s = max(elapsed - totals.synthetic_s, 1e-9)
-    baseline = raw_put(store, put)
+    alone = raw = None
+    if baselines:
+        alone = pipeline_alone(
+            lambda kv, observer: _save_graph(config, kv, store, observer),
+            cache.kv,
+            store,
+            totals.saves,
+            config.save.queue_capacity,
+        )
+        raw = raw_put(store, put)
     report = {
         "store": {
             "kind": config.store.kind,
@@ -144,15 +161,9 @@ def _run_on(
         "elapsed_s": round(elapsed, 3),
         "put_gbps": round(bytes_put / elapsed / 1e9, 3) if elapsed > 0 else 0.0,
         "synthetic_kv_s": round(totals.synthetic_s, 3),
-        "pipeline_gbps": round(bytes_put / pipeline_s / 1e9, 3),
-        "raw_put": {
-            "seconds": round(baseline.seconds, 3),
-            "gbps": round(baseline.gbps, 3),
-            "failed": baseline.failed,
-        },
-        "pipeline_vs_raw_put": round(bytes_put / pipeline_s / 1e9 / baseline.gbps, 3)
-        if baseline.gbps
-        else None,
+        "pipeline_alone": None if alone is None else alone.as_report(),
+        "raw_put": None if raw is None else raw.as_report(),
+        "pipeline_vs_raw_put": round(alone.gbps / raw.gbps, 3) if alone and raw and raw.gbps else None,
         "chunks": vars(chunks),
         "verify": vars(verification),
         "jobs": {"submitted": totals.save_requests, **dict(totals.outcomes)},
@@ -163,16 +174,16 @@ def _run_on(
     return RunResult(report, objects)
 
 
-def _save_graph(config: RunConfig, cache: SyntheticCache, store: Store, observer: Any) -> Graph:
+def _save_graph(config: RunConfig, kv: KVCache, store: Store, observer: Any) -> Graph:
     if config.pipeline is None:
         return default_save_graph(
-            cache.kv,
+            kv,
             store,
             enable_group_semantics=config.save.enable_group_semantics,
             max_buffers_per_call=config.save.max_buffers_per_call,
             observer=observer,
         )
-    return build_graph(config.pipeline, KV_STAGES, {"kv": cache.kv, "store": store, "observer": observer})
+    return build_graph(config.pipeline, KV_STAGES, {"kv": kv, "store": store, "observer": observer})
 
 
 def _stage_report(snapshot: dict[str, float | int | bool]) -> dict[str, float | int | bool]:

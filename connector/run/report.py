@@ -41,6 +41,17 @@ class ProgressLine:
             self._stream.flush()
 
 
+def _baselines_line(report: dict[str, Any]) -> str:
+    line = f"pipeline     of the run, {report['synthetic_kv_s']:.2f} s wrote synthetic KV"
+    alone, raw = report["pipeline_alone"], report["raw_put"]
+    if alone is None or raw is None:
+        return line
+    ratio = report["pipeline_vs_raw_put"]
+    return f"{line}; alone {alone['gbps']:.3f} GB/s, the same objects put raw {raw['gbps']:.3f} GB/s" + (
+        f" ({ratio:.2f}x)" if ratio is not None else ""
+    )
+
+
 def summary_table(report: dict[str, Any]) -> str:
     """The report as aligned text: headline figures, then one row per stage."""
     store, objects, chunks, check = report["store"], report["objects"], report["chunks"], report["verify"]
@@ -52,9 +63,7 @@ def summary_table(report: dict[str, Any]) -> str:
         f"objects      {objects['considered']:,} considered: {objects['existing']:,} existing, "
         f"{objects['put']:,} put, {objects['failed']:,} failed, {objects['throttled']:,} throttled",
         f"bytes put    {report['bytes_put']:,} in {report['elapsed_s']:.2f} s ({report['put_gbps']:.3f} GB/s)",
-        f"pipeline     {report['pipeline_gbps']:.3f} GB/s without the {report['synthetic_kv_s']:.2f} s of writing "
-        f"synthetic KV; the same objects put raw: {report['raw_put']['gbps']:.3f} GB/s"
-        + (f" (pipeline {ratio:.2f}x)" if (ratio := report["pipeline_vs_raw_put"]) is not None else ""),
+        _baselines_line(report),
         f"chunks       {chunks['total']:,}: {chunks['complete']:,} complete, {chunks['partial']:,} partial, "
         f"{chunks['absent']:,} absent",
         f"verify       {check['checked']:,} read back: {check['mismatches']:,} mismatches, {check['missing']:,} missing",

@@ -5,9 +5,9 @@ import re
 import pytest
 
 from kvpipe.connector.memory import Faults, MemoryStore
+from kvpipe.connector.run.baselines import ALONE_PREFIX, SUFFIX
 from kvpipe.connector.run.config import RunConfig
 from kvpipe.connector.run.job import run
-from kvpipe.connector.run.raw_put import SUFFIX
 
 SMALL = {
     "model": {"layers": 2, "kv_heads": 2, "head_size": 32, "num_blocks": 512},
@@ -72,21 +72,32 @@ def test_the_report_has_the_contract_fields():
     assert report["stages"]["put"].keys() >= {"in", "out", "dropped", "errors", "p50_ms", "p99_ms"}
 
 
-def test_the_report_separates_the_synthetic_kv_from_the_pipeline_and_gives_the_raw_put_rate():
-    report = run(_config(SMALL)).report
+def test_the_report_times_the_pipeline_alone_and_raw_puts_of_the_same_objects():
+    report = run(_config(SMALL), baselines=True).report
 
     assert 0 < report["synthetic_kv_s"] < report["elapsed_s"]
-    assert report["pipeline_gbps"] > report["put_gbps"] > 0  # the generator's time taken out
-    assert report["raw_put"]["gbps"] > 0 and report["raw_put"]["failed"] == 0
-    assert report["pipeline_vs_raw_put"] == pytest.approx(
-        report["pipeline_gbps"] / report["raw_put"]["gbps"], 0.01
+    assert report["pipeline_alone"]["bytes"] > 0 and report["pipeline_alone"]["gbps"] > 0
+    assert report["raw_put"]["bytes"] == report["bytes_put"] and report["raw_put"]["failed"] == 0
+    ratio = report["pipeline_alone"]["gbps"] / report["raw_put"]["gbps"]
+    assert report["pipeline_vs_raw_put"] == pytest.approx(ratio, rel=0.01, abs=0.001)
+
+
+def test_without_baselines_the_report_says_only_the_synthetic_kv_time():
+    report = run(_config(SMALL)).report
+
+    assert report["synthetic_kv_s"] > 0
+    assert (
+        report["pipeline_alone"] is None
+        and report["raw_put"] is None
+        and report["pipeline_vs_raw_put"] is None
     )
 
 
-def test_measuring_the_raw_put_rate_leaves_the_store_as_the_run_left_it():
+def test_the_measurements_after_the_run_leave_the_store_as_the_run_left_it():
     store = MemoryStore()
-    run(_config(SMALL), store=store)
-    assert store.remove_by_regex(re.escape(SUFFIX) + "$", True) == 0  # no raw copy left
+    run(_config(SMALL), store=store, baselines=True)
+    assert store.remove_by_regex(re.escape(SUFFIX), True) == 0  # no raw copy left
+    assert store.remove_by_regex(f"^{ALONE_PREFIX}@", True) == 0  # nor the pipeline-alone replay's
     assert run(_config(SMALL), store=store).report["objects"]["put"] == 0  # none of the run's went
 
 
