@@ -82,7 +82,6 @@ __all__ = [
     "MooncakeError",
     "MooncakeSettings",
     "MooncakeStore",
-    "open_mooncake_store",
     "parse_size",
 ]
 
@@ -810,11 +809,6 @@ def _rpc_timeout_ms(settings: MooncakeSettings) -> int:
         except (KeyError, ValueError):
             pass
     return settings.rpc_timeout_ms
-
-
-def open_mooncake_store(settings: MooncakeSettings | None = None) -> MooncakeStore:
-    """:meth:`MooncakeStore.open`, as a function."""
-    return MooncakeStore.open(settings)
 
 
 #: the clients open_shared hands out, by their settings (a closed one is replaced)

@@ -93,7 +93,6 @@ class Job:
         "released_at",
         "_finished",
         "_async_finished",
-        "_callbacks",
         "_release_callbacks",
     )
 
@@ -112,7 +111,6 @@ class Job:
         self.pending = 0
         self._finished: threading.Event | None = None
         self._async_finished: anyio.Event | None = None
-        self._callbacks: list[Callable[[Job], None]] = []
         self.borrowing = 0
         self.released_at: float | None = None
         self._release_callbacks: list[Callable[[Job], None]] = []
@@ -151,13 +149,6 @@ class Job:
                 self._async_finished = anyio.Event()
             await self._async_finished.wait()
         return self
-
-    def add_done_callback(self, callback: Callable[[Job], None]) -> None:
-        """Run ``callback(job)`` on the loop thread when done (at once if already done)."""
-        if self.done:
-            callback(self)
-        else:
-            self._callbacks.append(callback)
 
     @property
     def released(self) -> bool:
@@ -207,9 +198,6 @@ class Job:
             finished.set()
         if self._async_finished is not None:
             self._async_finished.set()
-        callbacks, self._callbacks = self._callbacks, []
-        for callback in callbacks:
-            callback(self)
 
 
 class JobTracker:

@@ -192,10 +192,6 @@ class Pipeline:
         self._closing = True
         self._workers_scope.cancel()
 
-    @property
-    def closing(self) -> bool:
-        return self._closing
-
     # -- submitting ---------------------------------------------------------
 
     async def submit(self, item: Any) -> Job:
@@ -215,19 +211,6 @@ class Pipeline:
         except BaseException:
             self.jobs.end(job, Outcome.FAILED, "cancelled while submitting")
             raise
-        return job
-
-    def try_submit(self, item: Any) -> Job | None:
-        """Queue ``item`` if the entry has room now; None if it is full."""
-        job = self._open(item)
-        try:
-            self._entry.send_nowait((job, item, True))
-        except anyio.WouldBlock:
-            self.jobs.end(job, Outcome.DROPPED)
-            return None
-        except (anyio.ClosedResourceError, anyio.BrokenResourceError):
-            self.jobs.end(job, Outcome.FAILED, "pipeline closed")
-            raise PipelineClosed(f"{self.name} is closed") from None
         return job
 
     def adopt(self, job: Job) -> None:
