@@ -20,10 +20,8 @@ import os
 import signal
 import sys
 import threading
-from collections.abc import Callable, Iterator, Sequence
-from contextlib import contextmanager
+from collections.abc import Callable, Sequence
 from pathlib import Path
-from types import FrameType
 from typing import Any, NoReturn
 
 import structlog
@@ -34,7 +32,7 @@ from kvpipe.pipeline import BuildError
 from kvpipe.pipeline.config import describe_validation_error, load_yaml, one_line
 from kvpipe.stages import key_model_name
 
-from .master import MasterError
+from .master import MasterError, sigterm_unwinds
 from .master_address import MasterAddress, split_host_port
 from .mooncake import MooncakeConfigError, MooncakeError, MooncakeSettings
 from .run.config import RunConfig, apply_override
@@ -53,7 +51,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     try:
         args = _parser().parse_args(argv)
         _configure_logging(args.verbose)
-        with _sigterm_unwinds():
+        with sigterm_unwinds():  # kvpipe store installs its own handler: it stops serving
             return args.command(args)
     except UsageError as error:
         print(f"kvpipe: error: {error}", file=sys.stderr)
@@ -61,29 +59,6 @@ def main(argv: Sequence[str] | None = None) -> int:
     except KeyboardInterrupt:
         print("kvpipe: interrupted; everything it started is stopped", file=sys.stderr)
         return 128 + signal.SIGINT
-
-
-@contextmanager
-def _sigterm_unwinds() -> Iterator[None]:
-    """SIGTERM (what ``timeout``, ``kill`` and service managers send) ends a command as Ctrl-C does.
-
-    Python's default for SIGTERM is to die on the spot, leaving the masters,
-    clusters and engine processes a command started running; raised as
-    ``SystemExit(143)`` instead, it unwinds through their context managers, which
-    stop them. (``kvpipe store`` installs its own handler: it stops serving.)
-    """
-    if threading.current_thread() is not threading.main_thread():
-        yield
-        return
-    previous = signal.signal(signal.SIGTERM, _exit_on_sigterm)
-    try:
-        yield
-    finally:
-        signal.signal(signal.SIGTERM, previous)
-
-
-def _exit_on_sigterm(signum: int, frame: FrameType | None) -> NoReturn:
-    raise SystemExit(128 + signum)
 
 
 class _ArgumentParser(argparse.ArgumentParser):

@@ -21,16 +21,15 @@ from __future__ import annotations
 
 import json
 import shutil
-import signal
 import subprocess
 import sys
 import tempfile
 import threading
 import time
 from collections import deque
+from contextlib import AbstractContextManager
 from pathlib import Path
-from types import FrameType
-from typing import Any, Self
+from typing import Self
 
 from .master import (
     LOOPBACK,
@@ -38,6 +37,7 @@ from .master import (
     LocalMaster,
     MasterError,
     free_ports,
+    sigterm_unwinds,
     stop_process,
     wait_until_listening,
 )
@@ -137,11 +137,11 @@ class LocalCluster:
         self._data_dir: Path | None = None
         self.etcd_port: int | None = None
         self.masters: list[LocalMaster] = []
-        self._previous_sigterm: Any = None
+        self._sigterm: AbstractContextManager[None] | None = None
 
     def __enter__(self) -> Self:
-        if threading.current_thread() is threading.main_thread():
-            self._previous_sigterm = signal.signal(signal.SIGTERM, self._on_sigterm)
+        self._sigterm = sigterm_unwinds()  # SIGTERM of the owner unwinds through __exit__
+        self._sigterm.__enter__()
         try:
             return self.start()
         except BaseException:
@@ -150,12 +150,9 @@ class LocalCluster:
 
     def __exit__(self, *exc: object) -> None:
         self.stop()
-        if self._previous_sigterm is not None:
-            signal.signal(signal.SIGTERM, self._previous_sigterm)
-            self._previous_sigterm = None
-
-    def _on_sigterm(self, signum: int, frame: FrameType | None) -> None:
-        raise SystemExit(128 + signum)  # unwinds through __exit__, which stops every process
+        if self._sigterm is not None:
+            sigterm, self._sigterm = self._sigterm, None
+            sigterm.__exit__(None, None, None)
 
     @property
     def master_address(self) -> str:

@@ -23,10 +23,14 @@ import socket
 import subprocess
 import sys
 import tempfile
+import threading
 import time
+from collections.abc import Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Self
+from types import FrameType
+from typing import NoReturn, Self
 
 LOOPBACK = "127.0.0.1"
 P2P_HANDSHAKE = "P2PHANDSHAKE"
@@ -99,6 +103,29 @@ def stop_process(process: subprocess.Popen[bytes], timeout_s: float = 5.0) -> No
     except subprocess.TimeoutExpired:
         process.kill()
         process.wait()
+
+
+@contextmanager
+def sigterm_unwinds() -> Iterator[None]:
+    """Within it, SIGTERM (what ``timeout``, ``kill`` and service managers send) unwinds as Ctrl-C does.
+
+    Python's default for SIGTERM is to die on the spot, leaving the masters,
+    clusters and engine processes a process started running; raised as
+    ``SystemExit(143)`` instead, it unwinds through their context managers, which
+    stop them. Off the main thread (where no handler can be installed) it does nothing.
+    """
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+    previous = signal.signal(signal.SIGTERM, _exit_on_sigterm)
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGTERM, previous)
+
+
+def _exit_on_sigterm(signum: int, frame: FrameType | None) -> NoReturn:
+    raise SystemExit(128 + signum)
 
 
 def find_master_binary() -> Path:

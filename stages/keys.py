@@ -56,6 +56,11 @@ def object_key_prefix(namespace: KeyNamespace, store_group: int) -> str:
     )
 
 
+def key_chunk_hex(key: str) -> str:
+    """The chunk hash a key names, in hex: its last field (no parsing of the rest: a hot path)."""
+    return key.rsplit("@", 1)[1]
+
+
 def deployment_key_pattern(namespace: KeyNamespace) -> str:
     """A regex that finds the keys of ``namespace``'s model and cache prefix, every rank's, and no others.
 

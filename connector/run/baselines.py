@@ -35,10 +35,12 @@ ALONE_PREFIX = "kvpipe-pipeline-alone"
 
 
 @dataclass(frozen=True)
-class RawPut:
-    seconds: float  # in the put calls
-    bytes: int  # of the objects stored
-    failed: int  # objects the store refused (a full store: the rate counts the stored only)
+class Measured:
+    """One timed measurement: its seconds, the bytes it stored, the objects the store refused."""
+
+    seconds: float
+    bytes: int
+    failed: int  # a full store: the rate counts the stored bytes only
 
     @property
     def gbps(self) -> float:
@@ -53,7 +55,7 @@ class RawPut:
         }
 
 
-def raw_put(store: Store, records: Sequence[StoreObject], batch: int = BATCH) -> RawPut:
+def raw_put(store: Store, records: Sequence[StoreObject], batch: int = BATCH) -> Measured:
     """Put ``records``' bytes again under keys of their own, ``batch`` a call, timed; then remove them."""
     seconds, stored, failed = 0.0, 0, 0
     for start in range(0, len(records), batch):
@@ -70,20 +72,7 @@ def raw_put(store: Store, records: Sequence[StoreObject], batch: int = BATCH) ->
         stored += sum(record.size for record, code in zip(chunk, codes, strict=True) if code == 0)
         failed += sum(1 for code in codes if code != 0)
         store.remove_by_regex(f"{re.escape(tag)}$", True)
-    return RawPut(seconds, stored, failed)
-
-
-@dataclass(frozen=True)
-class Alone:
-    seconds: float  # first submit to the last job's end
-    bytes: int  # of the objects the replay put
-
-    @property
-    def gbps(self) -> float:
-        return self.bytes / self.seconds / 1e9 if self.seconds > 0 else 0.0
-
-    def as_report(self) -> dict[str, float | int]:
-        return {"seconds": round(self.seconds, 3), "bytes": self.bytes, "gbps": round(self.gbps, 3)}
+    return Measured(seconds, stored, failed)
 
 
 def under_prefix(kv: KVCache, cache_prefix: str) -> KVCache:
@@ -100,14 +89,17 @@ def pipeline_alone(
     store: Store,
     requests: Sequence[SaveRequest],
     queue_capacity: int,
-) -> Alone:
+) -> Measured:
     """The save requests through ``make_graph``'s pipeline with nothing else running; then its objects go."""
     alone = under_prefix(kv, ALONE_PREFIX)
     stored: list[int] = []
+    failed: list[StoreObject] = []
 
     def observe(record: StoreObject, status: ObjectStatus) -> None:
         if status is ObjectStatus.PUT:
             stored.append(record.size)
+        elif status is ObjectStatus.FAILED:
+            failed.append(record)
 
     pipeline = SyncPipeline(
         make_graph(alone, observe), queue_capacity=queue_capacity, when_full="wait", name="alone"
@@ -120,4 +112,4 @@ def pipeline_alone(
             pipeline.next_completed(timeout_s=None)
         seconds = time.perf_counter() - began
     store.remove_by_regex(deployment_key_pattern(alone.shards[0].namespace), True)
-    return Alone(seconds, sum(stored))
+    return Measured(seconds, sum(stored), len(failed))

@@ -63,7 +63,7 @@ class EngineTotals:
     requests_finished: int = 0
     save_requests: int = 0
     synthetic_s: float = 0.0  # writing the synthetic KV bytes: the workload's time, not the pipeline's
-    saves: list[SaveRequest] = field(default_factory=list)  # every request submitted, in order
+    saves: list[SaveRequest] = field(default_factory=list)  # every request submitted (``keep_saves``)
 
 
 @dataclass(frozen=True)
@@ -83,7 +83,9 @@ class Engine:
         block_size: int,
         num_blocks: int,
         on_progress: Callable[[EngineTotals], None] | None = None,
+        keep_saves: bool = False,
     ) -> None:
+        """``keep_saves``: keep every save request in :attr:`EngineTotals.saves` (for a replay)."""
         self._cache = cache
         self._groups = groups
         self._pipeline = pipeline
@@ -92,6 +94,7 @@ class Engine:
         self._hash_block_size = cache.kv.hash_block_size
         self._pool = BlockPool(len(cache.kv.groups), num_blocks)
         self._on_progress = on_progress
+        self._keep_saves = keep_saves
         self._live: dict[str, _Live] = {}
         self.totals = EngineTotals()
 
@@ -157,7 +160,8 @@ class Engine:
         live.saved = live.computed
         live.open_jobs += 1
         self.totals.save_requests += 1
-        self.totals.saves.append(request)
+        if self._keep_saves:
+            self.totals.saves.append(request)
         self._pipeline.submit(request)
 
     def _write_kv(self, request: SaveRequest) -> None:

@@ -118,6 +118,7 @@ def _run_on(
         config.model.block_size,
         config.model.num_blocks,
         progress,
+        keep_saves=baselines,
     )
     started = time.perf_counter()
     with pipeline:

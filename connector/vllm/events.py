@@ -131,7 +131,9 @@ class ChunkAnnouncer:
         self.ranks = frozenset(ranks)
         self._limit = limit
         self._pending: OrderedDict[bytes, _Pending] = OrderedDict()
-        self._announced: OrderedDict[bytes, tuple[int, ...]] = OrderedDict()  # chunk hash -> engine groups
+        self._announced: OrderedDict[bytes, tuple[int | None, ...]] = (
+            OrderedDict()
+        )  # chunk hash -> engine groups
         self._ready: list[KVCacheEvent] = []
         self.given_up = 0  # chunks dropped from the pending set for want of room
 
@@ -140,6 +142,11 @@ class ChunkAnnouncer:
         lora = request.lora_request
         hbs = self.hash_block_size
         for chunk in chunks_to_save(save, self.groups, hbs):
+            pending = self._pending.get(chunk.chunk_hash)
+            if pending is None:
+                pending = self._pending[chunk.chunk_hash] = _Pending([])
+            elif any(e.group_idx == chunk.group.engine_group for e in pending.events):
+                continue  # another request's save of the same chunk: expected already
             start = (chunk.tokens_end - 1) // chunk.group.spec.block_size * chunk.group.spec.block_size
             parent = save.block_hashes[start // hbs - 1] if start else None
             tokens = list(request.all_token_ids[start : chunk.tokens_end])
@@ -153,11 +160,7 @@ class ChunkAnnouncer:
                 lora_name=lora.name if lora else None,
                 group_idx=chunk.group.engine_group,
             )
-            pending = self._pending.get(chunk.chunk_hash)
-            if pending is None:
-                pending = self._pending[chunk.chunk_hash] = _Pending([])
-            if all(e.group_idx != event.group_idx for e in pending.events):
-                pending.events.append(event)
+            pending.events.append(event)
         while len(self._pending) > self._limit:
             self._pending.popitem(last=False)
             self.given_up += 1
@@ -174,16 +177,14 @@ class ChunkAnnouncer:
             if self.ranks <= pending.reported:
                 del self._pending[chunk_hash]
                 self._ready.extend(pending.events)
-                self._announced[chunk_hash] = tuple(
-                    e.group_idx for e in pending.events if e.group_idx is not None
-                )
+                self._announced[chunk_hash] = tuple(e.group_idx for e in pending.events)
                 self._announced.move_to_end(chunk_hash)
                 if len(self._announced) > ANNOUNCED_LIMIT:
                     self._announced.popitem(last=False)
 
     def found_absent(self, chunk_hashes: Iterable[bytes]) -> None:
         """A lookup found these chunks' objects absent: BlockRemoved for the announced ones."""
-        gone: dict[int, list[ExternalBlockHash]] = {}
+        gone: dict[int | None, list[ExternalBlockHash]] = {}
         for chunk_hash in chunk_hashes:
             for group in self._announced.pop(chunk_hash, ()):
                 gone.setdefault(group, []).append(maybe_convert_block_hash(chunk_hash))
@@ -195,7 +196,7 @@ class ChunkAnnouncer:
             chunks = load_chunks(self.groups, self.hash_block_size, load)
         except ValueError:
             return  # a load the stage refused: nothing was found gone
-        gone: dict[int, list[ExternalBlockHash]] = {}
+        gone: dict[int | None, list[ExternalBlockHash]] = {}
         for chunk in chunks:
             if failed_block_ids is None or chunk.block_id in failed_block_ids:
                 self._announced.pop(chunk.chunk_hash, None)
@@ -204,7 +205,7 @@ class ChunkAnnouncer:
                 )
         self._removed(gone)
 
-    def _removed(self, gone: dict[int, list[ExternalBlockHash]]) -> None:
+    def _removed(self, gone: dict[int | None, list[ExternalBlockHash]]) -> None:
         self._ready.extend(
             BlockRemoved(block_hashes=hashes, medium=MEDIUM, group_idx=group)
             for group, hashes in gone.items()

@@ -34,7 +34,16 @@ from vllm.distributed.kv_transfer.kv_connector.v1.metrics import (
     PromMetricT,
 )
 
-from .messages import GAUGES, OPS
+from .messages import (
+    BREAKER_STATE,
+    GAUGES,
+    OPS,
+    QUEUE_DEPTH,
+    STAGE_DROPPED,
+    STAGING_SLOTS,
+    STAGING_SLOTS_IN_USE,
+    split_per_stage,
+)
 
 PREFIX = "kvpipe:"
 
@@ -61,7 +70,6 @@ LABELLED: dict[str, tuple[str, str]] = {
     "objects": ("status", "Save-path objects by final status: put, existing, failed, throttled."),
     "save_jobs": ("outcome", "Save jobs by outcome: ok, partial, failed, dropped."),
 }
-STAGE_DROPPED = "stage_dropped"  # counters "stage_dropped/<pipeline>/<stage>"
 RECORDS_DROPPED = "store_operation_records_dropped"
 OPERATION_BUCKETS = (
     1e-4,
@@ -144,7 +152,7 @@ class KVPipePromMetrics(KVConnectorPromMetrics):
             labelnames=stage,
         )
         self._queue_depth = self._gauge_cls(
-            name=f"{PREFIX}stage_queue_depth",
+            name=f"{PREFIX}{QUEUE_DEPTH}",
             documentation="Items waiting in front of a pipeline stage (summed over ranks).",
             labelnames=stage,
             multiprocess_mode="mostrecent",
@@ -157,12 +165,12 @@ class KVPipePromMetrics(KVConnectorPromMetrics):
                 multiprocess_mode="mostrecent",
             )
             for name, doc in (
-                ("staging_slots_in_use", "Staging slots holding a save or a load (summed over ranks)."),
-                ("staging_slots", "Staging slots (summed over ranks)."),
+                (STAGING_SLOTS_IN_USE, "Staging slots holding a save or a load (summed over ranks)."),
+                (STAGING_SLOTS, "Staging slots (summed over ranks)."),
             )
         }
         self._breaker = self._gauge_cls(
-            name=f"{PREFIX}breaker_state",
+            name=f"{PREFIX}{BREAKER_STATE}",
             documentation="The store circuit breaker, worst over ranks: 0 closed, 1 half-open, 2 open.",
             labelnames=[*labelnames, "role"],
             multiprocess_mode="mostrecent",
@@ -193,9 +201,8 @@ class KVPipePromMetrics(KVConnectorPromMetrics):
                     self._operation_counters[field].labels(*labels).inc(amount)
 
     def _count(self, engine: list[object], name: str, value: int) -> None:
-        if name.startswith(f"{STAGE_DROPPED}/"):
-            _, pipeline, stage = name.split("/", 2)
-            self._stage_dropped.labels(*engine, pipeline, stage).inc(value)
+        if (stage := split_per_stage(name)) is not None and stage[0] == STAGE_DROPPED:
+            self._stage_dropped.labels(*engine, *stage[1:]).inc(value)
             return
         for family, counter in self._labelled.items():
             if name.startswith(f"{family}_"):
@@ -216,14 +223,13 @@ class KVPipePromMetrics(KVConnectorPromMetrics):
         for source, gauges in readings.items():
             role = source.split(":", 1)[0]
             for name, value in gauges.items():
-                if name == "breaker_state":
+                if name == BREAKER_STATE:
                     worst[role] = max(worst.get(role, 0), value)
                 else:
                     summed[name] = summed.get(name, 0) + value
         for name, value in summed.items():
-            if name.startswith("stage_queue_depth/"):
-                _, pipeline, stage = name.split("/", 2)
-                self._queue_depth.labels(*engine, pipeline, stage).set(value)
+            if (stage := split_per_stage(name)) is not None and stage[0] == QUEUE_DEPTH:
+                self._queue_depth.labels(*engine, *stage[1:]).set(value)
             elif name in self._staging:
                 self._staging[name].labels(*engine).set(value)
         for role, value in worst.items():

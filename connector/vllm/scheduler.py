@@ -33,14 +33,14 @@ from typing import TYPE_CHECKING, Any
 import structlog
 
 from kvpipe.stages import LoadRequest, LookupRequest, SaveRequest, longest_stored_prefix, lookup_keys
-from kvpipe.stages.keys import deployment_key_pattern
+from kvpipe.stages.keys import deployment_key_pattern, key_chunk_hex
 from kvpipe.stages.lookup import EXISTS
 
 from ..breaker import breaker_of
 from ..store import Store
 from .engine_cache import EngineCache
 from .events import ChunkAnnouncer
-from .messages import KVPipeKVEvents, KVPipeMetadata
+from .messages import BREAKER_STATE, KVPipeKVEvents, KVPipeMetadata
 from .settings import ConnectorSettings
 
 if TYPE_CHECKING:
@@ -135,7 +135,7 @@ class SchedulerSide:
             self._look_up(keys)
         failed = self._failed_recently()
         # unanswered: a miss; a chunk whose load just failed: a miss too, whatever the master says
-        exists = {key: self._exists.get(key, False) and key.rsplit("@", 1)[1] not in failed for key in keys}
+        exists = {key: self._exists.get(key, False) and key_chunk_hex(key) not in failed for key in keys}
         hit = longest_stored_prefix(
             cache.store_groups,
             cache.lookup_shards,
@@ -199,7 +199,7 @@ class SchedulerSide:
         self._exists.update((key, answer == EXISTS) for key, answer in zip(asked, answers, strict=False))
         if self.announcer is not None:  # 0 is "absent"; a negative code knows nothing
             absent = (
-                bytes.fromhex(key.rsplit("@", 1)[1])
+                bytes.fromhex(key_chunk_hex(key))
                 for key, code in zip(asked, answers, strict=False)
                 if code == 0
             )
@@ -370,4 +370,4 @@ class SchedulerSide:
     def gauges(self) -> dict[str, float]:
         """The scheduler's own reading: its store's breaker."""
         breaker = breaker_of(self.store)
-        return {} if breaker is None else {"breaker_state": breaker.state.level}
+        return {} if breaker is None else {BREAKER_STATE: breaker.state.level}

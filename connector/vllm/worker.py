@@ -50,6 +50,14 @@ from ..store import Store
 from .engine_cache import EngineCache
 from .events import ChunkReporter
 from .kv_layout import GroupLayout, group_layout, storages_of
+from .messages import (
+    BREAKER_STATE,
+    QUEUE_DEPTH,
+    STAGE_DROPPED,
+    STAGING_SLOTS,
+    STAGING_SLOTS_IN_USE,
+    per_stage,
+)
 from .settings import ConnectorSettings
 from .staging import StagingArea
 
@@ -125,7 +133,6 @@ class WorkerSide:
         self._failed_requests: set[str] = set()
         self._registered: list[int] = []
         self.reporter = ChunkReporter((cache.key_rank(tp_rank), cache.pp_rank)) if kv_events else None
-        self._stage_dropped: dict[str, int] = {}  # cumulative drops per "pipeline/stage", last read
 
     @property
     def started(self) -> bool:
@@ -362,26 +369,24 @@ class WorkerSide:
         """What this rank holds now: staging slots, the breaker, each stage's queue.
 
         Reading the stages is a call on each pipeline's loop; the connector asks
-        about once a second. Stage drops found on the way go into :attr:`stats`.
+        about once a second. The stages' drops found on the way go into
+        :attr:`stats` as they stand (they only grow: the connector reports growth).
         """
         readings: dict[str, float] = {}
         if self._staging is not None:
-            readings["staging_slots"] = self._staging.slots
-            readings["staging_slots_in_use"] = self._staging.slots - self._staging.free
+            readings[STAGING_SLOTS] = self._staging.slots
+            readings[STAGING_SLOTS_IN_USE] = self._staging.slots - self._staging.free
         if (breaker := breaker_of(self.store)) is not None:
-            readings["breaker_state"] = breaker.state.level
+            readings[BREAKER_STATE] = breaker.state.level
         for name, pipeline in (("save", self._save_pipeline), ("load", self._load_pipeline)):
             if pipeline is None:
                 continue
-            dropped = {"entry": pipeline.dropped}
+            if pipeline.dropped:
+                self.stats[per_stage(STAGE_DROPPED, name, "entry")] = pipeline.dropped
             for stage, snapshot in pipeline.metrics().items():
-                readings[f"stage_queue_depth/{name}/{stage}"] = snapshot.queue_depth
-                dropped[stage] = snapshot.dropped
-            for stage, count in dropped.items():
-                key = f"{name}/{stage}"
-                if (grown := count - self._stage_dropped.get(key, 0)) > 0:
-                    self.stats[f"stage_dropped/{key}"] += grown
-                self._stage_dropped[key] = count
+                readings[per_stage(QUEUE_DEPTH, name, stage)] = snapshot.queue_depth
+                if snapshot.dropped:
+                    self.stats[per_stage(STAGE_DROPPED, name, stage)] = snapshot.dropped
         return readings
 
     # -- the end -------------------------------------------------------------------------

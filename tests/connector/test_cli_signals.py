@@ -56,10 +56,13 @@ class Command:
         while True:
             found = self.descendants()
             if all(
-                sum(1 for child in found if _matches(want, child)) >= list(wanted).count(want) for want in wanted
+                sum(1 for child in found if _matches(want, child)) >= list(wanted).count(want)
+                for want in wanted
             ):
                 return
-            assert self.process.poll() is None, f"the command ended first: {self.process.communicate()[1][-2000:]}"
+            assert self.process.poll() is None, (
+                f"the command ended first: {self.process.communicate()[1][-2000:]}"
+            )
             assert time.monotonic() < deadline, f"not up in {UP_TIMEOUT_S:g} s: {[c.name() for c in found]}"
             time.sleep(0.2)
 

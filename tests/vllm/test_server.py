@@ -23,6 +23,7 @@ from vllm.distributed.kv_events import BlockRemoved, BlockStored
 from kvpipe.connector.master import LocalMaster
 from kvpipe.connector.mooncake import MooncakeStore
 from kvpipe.connector.vllm import launch
+from kvpipe.stages.keys import key_chunk_hex
 
 from . import engine
 from .replay import Replayer, kvpipe_events
@@ -291,7 +292,7 @@ def test_kvpipe_lookup_counts_agree_with_vllm_after_the_restart(runs: Runs) -> N
 
 def key_block_hash(key: str) -> int:
     """The block hash a key names, as vLLM's KV events carry it (the low 64 bits of the chunk hash)."""
-    return int(key.rsplit("@", 1)[1][-16:], 16)
+    return int(key_chunk_hex(key)[-16:], 16)
 
 
 def test_the_first_server_announces_every_chunk_it_stored_once(runs: Runs) -> None:
