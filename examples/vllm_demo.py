@@ -18,8 +18,8 @@ import random
 def main() -> None:
     os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")  # one process: starts in seconds
 
-    from kvpipe.connector.master import LocalMaster
-    from kvpipe.connector.vllm import launch
+    from kvpipe.connector.bench import launch
+    from kvpipe.connector.store.mooncake.master import LocalMaster
 
     rng = random.Random(0)
     shared = [rng.randrange(1024) for _ in range(768)]  # a system prompt all requests share

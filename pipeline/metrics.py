@@ -25,7 +25,7 @@ class StageSnapshot:
     queue_depth: int
     p50_ms: float
     p99_ms: float
-    wired_around: bool = False  # it passes items through unchanged, so the runtime never runs it
+    passes_through: bool = False  # it would pass every item through unchanged: the runtime never ran it
 
     def as_dict(self) -> dict[str, float | int | bool]:
         return {
@@ -36,7 +36,7 @@ class StageSnapshot:
             "queue_depth": self.queue_depth,
             "p50_ms": self.p50_ms,
             "p99_ms": self.p99_ms,
-            "wired_around": self.wired_around,
+            "passes_through": self.passes_through,
         }
 
 
@@ -60,7 +60,7 @@ class StageMetrics:
         self.durations: deque[float] = deque(maxlen=WINDOW)
         self.queue_depth = queue_depth
 
-    def snapshot(self, *, wired_around: bool = False) -> StageSnapshot:
+    def snapshot(self, *, passes_through: bool = False) -> StageSnapshot:
         durations = sorted(self.durations)
         return StageSnapshot(
             stage=self.stage,
@@ -71,5 +71,5 @@ class StageMetrics:
             queue_depth=self.queue_depth(),
             p50_ms=percentile(durations, 0.50) * 1e3,
             p99_ms=percentile(durations, 0.99) * 1e3,
-            wired_around=wired_around,
+            passes_through=passes_through,
         )

@@ -239,7 +239,7 @@ class Pipeline:
 
     def metrics(self) -> dict[str, StageSnapshot]:
         return {
-            name: node.metrics.snapshot(wired_around=self._bypassed(name))
+            name: node.metrics.snapshot(passes_through=self._passes_through(name))
             for name, node in self._nodes.items()
         }
 
@@ -278,7 +278,7 @@ class Pipeline:
     def _start_workers(self, workers: TaskGroup) -> None:
         for name in self.graph.order:
             node = self._nodes[name]
-            if self._bypassed(name):
+            if self._passes_through(name):
                 continue  # its producers send to its consumers directly
             for _ in range(node.spec.workers):
                 outs = {
@@ -293,14 +293,15 @@ class Pipeline:
                 node.inbox_send.close()
             node.inbox.close()
 
-    def _bypassed(self, name: str) -> bool:
+    def _passes_through(self, name: str) -> bool:
+        """Whether the runtime wires ``name`` around; the entry always runs (submitters send to it)."""
         return name != self.graph.entry and self._nodes[name].spec.stage.passes_through
 
     def _receivers(self, name: str, port: str) -> list[str]:
         """The stages that receive what ``name`` emits on ``port``, past stages that pass through."""
         receivers = []
         for target in self.graph.targets(name, port):
-            if self._bypassed(target):
+            if self._passes_through(target):
                 receivers.extend(self._receivers(target, DEFAULT_PORT))
             else:
                 receivers.append(target)

@@ -1,11 +1,11 @@
 """The KV data model and the stages of the save path (see DESIGN.md, "stages/").
 
 Knows no vLLM and no Mooncake: the engine is described by :mod:`.model`, the store
-by the :class:`ObjectStore` protocol.
+by the :class:`SavingStore` and :class:`LoadingStore` protocols.
 """
 
 from .backoff import Backoff
-from .chunks import Chunk, chunks_to_save, full_chunks, tail_chunks
+from .chunks import Chunk, chunk_hash_at, chunks_to_save, full_chunks, tail_chunks
 from .collect import FullChunksStage, TailStage, chunk_records
 from .default_pipeline import DEFAULT_SAVE_PIPELINE, default_save_graph
 from .filter import FilterStage
@@ -13,7 +13,7 @@ from .flags import ConfigError, StrictFlag, parse_flag
 from .gather import GatherParams, GatherStage
 from .group_ids import GroupIdsParams, GroupIdsStage
 from .keys import GROUP_ID_SCOPE, group_id, key_model_name, object_key
-from .load import LoadObserver, LoadParams, LoadRequest, LoadStage, LoadTarget, ReadableStore, load_targets
+from .load import LoadObserver, LoadParams, LoadRequest, LoadStage, LoadTarget, load_targets
 from .load_pipeline import (
     DEFAULT_LOAD_PIPELINE,
     DEFAULT_LOOKUP_PIPELINE,
@@ -47,16 +47,18 @@ from .model import (
     StoreObject,
     spans,
 )
-from .outcomes import ObjectObserver, ObjectStatus, Outcomes
+from .object_status import ObjectObserver, ObjectReporter, ObjectStatus
 from .project import ProjectStage
 from .projection import ProjectionError, project_groups, storable_groups
-from .put import PutParams, PutStage, split_into_calls
+from .put import MAX_BUFFERS_PER_CALL, PutParams, PutStage, split_into_calls
 from .registry import KV_STAGES
 from .staging import StagingError, StagingPool, StagingSlot, copy_into_slots
-from .store import Code, ObjectStore, describe
+from .store import EXISTS, Code, LoadingStore, SavingStore, describe
 from .throttle import SlowStoreThrottle, ThrottleParams
 
 __all__ = [
+    "MAX_BUFFERS_PER_CALL",
+    "EXISTS",
     "DEFAULT_LOAD_PIPELINE",
     "DEFAULT_LOOKUP_PIPELINE",
     "LoadObserver",
@@ -69,7 +71,7 @@ __all__ = [
     "LookupResult",
     "LookupResultsStage",
     "LookupStage",
-    "ReadableStore",
+    "LoadingStore",
     "default_load_graph",
     "default_lookup_graph",
     "load_targets",
@@ -98,8 +100,8 @@ __all__ = [
     "KeyNamespace",
     "ObjectObserver",
     "ObjectStatus",
-    "ObjectStore",
-    "Outcomes",
+    "SavingStore",
+    "ObjectReporter",
     "ProjectStage",
     "ProjectedRequest",
     "ProjectionError",
@@ -121,6 +123,7 @@ __all__ = [
     "ThrottleParams",
     "chunk_records",
     "describe",
+    "chunk_hash_at",
     "chunks_to_save",
     "full_chunks",
     "copy_into_slots",

@@ -1,10 +1,12 @@
-"""Which chunks of a request are due for saving: the token arithmetic of the save path.
+"""What a chunk is, the hash that names it, and which chunks of a request are due for saving.
 
 A chunk is one block of one storable group (``block_size`` tokens). The engine
 hashes tokens at a finer grain (``hash_block_size``, a divisor of every block
 size), and hashes chain, so a chunk is named by the hash of its LAST hash block:
 that hash identifies the whole prefix up to the chunk's end. vLLM names chunks the
 same way, which keeps the two connectors' objects interchangeable.
+(:func:`chunk_hash_at` is that rule; saves, lookups, loads and KV events all name
+chunks with it.)
 
 A recurrent group (mamba) is different: its block holds the state after a number
 of tokens, not those tokens' keys and values, and the engine keeps a state only
@@ -34,6 +36,16 @@ def is_recurrent(group: StoreGroup) -> bool:
     return group.spec.kind is GroupKind.MAMBA
 
 
+def chunk_hash_at(block_hashes: Sequence[bytes], tokens_end: int, hash_block_size: int) -> bytes:
+    """The hash that names the chunk (whole block, tail or state) that ends at token ``tokens_end``.
+
+    Hashes chain, so the hash of the last hash block before ``tokens_end`` names
+    the whole prefix up to it. ``tokens_end`` must be a positive multiple of
+    ``hash_block_size`` within the hashes given (IndexError past them).
+    """
+    return block_hashes[tokens_end // hash_block_size - 1]
+
+
 class Chunk(NamedTuple):
     """One block of one storable group to save, and the hash that names it.
 
@@ -46,6 +58,16 @@ class Chunk(NamedTuple):
     chunk_hash: bytes
     block_id: int
     tokens_end: int
+
+    @property
+    def index(self) -> int:
+        """The block of its group the chunk lies in: its tokens are within ``[index*bs, (index+1)*bs)``."""
+        return (self.tokens_end - 1) // self.group.spec.block_size
+
+    @property
+    def tokens_start(self) -> int:
+        """The first token of the chunk's block (a tail starts there too)."""
+        return self.index * self.group.spec.block_size
 
 
 def full_chunk_range(request: SaveRequest, group: StoreGroup, hash_block_size: int) -> range:
@@ -76,12 +98,12 @@ def full_chunk_range(request: SaveRequest, group: StoreGroup, hash_block_size: i
 def full_chunks(request: SaveRequest, group: StoreGroup, hash_block_size: int) -> tuple[Chunk, ...]:
     """The complete chunks of ``group`` not saved yet (:func:`full_chunk_range`), in token order."""
     block_size = group.spec.block_size
-    hashes_per_chunk = block_size // hash_block_size
     block_ids = request.block_ids[group.engine_group]
     hashes = request.block_hashes
     return tuple(
-        Chunk(group, hashes[(index + 1) * hashes_per_chunk - 1], block_ids[index], (index + 1) * block_size)
+        Chunk(group, chunk_hash_at(hashes, end, hash_block_size), block_ids[index], end)
         for index in full_chunk_range(request, group, hash_block_size)
+        for end in ((index + 1) * block_size,)
     )
 
 
@@ -116,7 +138,7 @@ def tail_chunks(request: SaveRequest, group: StoreGroup, hash_block_size: int) -
     return (
         Chunk(
             group=group,
-            chunk_hash=request.block_hashes[hashed_blocks - 1],
+            chunk_hash=chunk_hash_at(request.block_hashes, end, hash_block_size),
             block_id=block_ids[block_index],
             tokens_end=end,
         ),

@@ -14,9 +14,10 @@ from typing import Any
 from kvpipe.pipeline import Graph, build_graph
 
 from .model import KVCache
-from .outcomes import ObjectObserver
+from .object_status import ObjectObserver
+from .put import MAX_BUFFERS_PER_CALL
 from .registry import KV_STAGES
-from .store import ObjectStore
+from .store import SavingStore
 from .throttle import DEFAULT_THROTTLE, ThrottleParams
 
 DEFAULT_SAVE_PIPELINE: dict[str, Any] = {
@@ -51,7 +52,7 @@ DEFAULT_SAVE_PIPELINE: dict[str, Any] = {
             "threads": 2,
             "batch": {"max_items": 256, "max_wait_ms": 1},
             "params": {
-                "max_buffers_per_call": 2048,
+                "max_buffers_per_call": MAX_BUFFERS_PER_CALL,
                 "throttle": {"slow_s": 0.25, "recovered_s": 0.05, "probe_every_s": 0.5},
             },
         },
@@ -61,10 +62,10 @@ DEFAULT_SAVE_PIPELINE: dict[str, Any] = {
 
 def default_save_graph(
     kv: KVCache,
-    store: ObjectStore,
+    store: SavingStore,
     *,
     enable_group_semantics: bool | str = False,
-    max_buffers_per_call: int = 2048,
+    max_buffers_per_call: int = MAX_BUFFERS_PER_CALL,
     gather: str = "auto",
     throttle: ThrottleParams | None = DEFAULT_THROTTLE,
     observer: ObjectObserver | None = None,

@@ -17,10 +17,9 @@ from kvpipe.pipeline.stage import BatchEntry, BatchStage
 
 from .batch_calls import StoreCallError, call_per_key
 from .model import Records
-from .outcomes import ObjectObserver, Outcomes
-from .store import ObjectStore, describe
+from .object_status import ObjectObserver, ObjectReporter
+from .store import EXISTS, SavingStore, describe
 
-EXISTS = 1
 ABSENT = 0
 
 
@@ -30,12 +29,12 @@ class FilterStage(BatchStage):
     input_type: ClassVar[Any] = Records
     output_types: ClassVar[dict[str, Any]] = {"out": Records}
 
-    def __init__(self, store: ObjectStore, observer: ObjectObserver | None = None) -> None:
+    def __init__(self, store: SavingStore, observer: ObjectObserver | None = None) -> None:
         self._store = store
-        self._outcomes = Outcomes(observer)
+        self._reporter = ObjectReporter(observer)
 
     async def process_batch(self, batch: Sequence[BatchEntry[Records]]) -> None:
-        batch = self._outcomes.fail_expired(batch, "exist")
+        batch = self._reporter.fail_expired(batch, "exist")
         # Requests sharing a prefix share keys: each key is asked once.
         keys = list(dict.fromkeys(record.key for entry in batch for record in entry.item))
         answers: dict[str, int] = {}
@@ -53,14 +52,14 @@ class FilterStage(BatchStage):
             existing = []
             for record in entry.item:
                 if call_error is not None:
-                    self._outcomes.failed(emit, record, f"exist {record.key}: {call_error}")
+                    self._reporter.failed(emit, record, f"exist {record.key}: {call_error}")
                 elif (answer := answers[record.key]) == EXISTS:
                     existing.append(record)
                 elif answer == ABSENT:
                     missing.append(record)
                 else:
-                    self._outcomes.failed(emit, record, f"exist {record.key}: {describe(answer)}")
-            self._outcomes.all_existing(emit, existing)
+                    self._reporter.failed(emit, record, f"exist {record.key}: {describe(answer)}")
+            self._reporter.all_existing(emit, existing)
             if missing:
                 await emit(tuple(missing))
             elif len(existing) == len(entry.item):

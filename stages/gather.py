@@ -41,7 +41,7 @@ from kvpipe.pipeline.stage import BatchEntry, BatchStage
 
 from .model import KVCache, Records, StoreObject
 from .staging import StagingPool, StagingSlot, copy_into_slots
-from .store import ObjectStore
+from .store import SavingStore
 
 log = structlog.get_logger(__name__)
 
@@ -72,7 +72,7 @@ class GatherStage(BatchStage):
     input_type: ClassVar[Any] = Records
     output_types: ClassVar[dict[str, Any]] = {"out": Records}
 
-    def __init__(self, params: GatherParams, kv: KVCache, store: ObjectStore) -> None:
+    def __init__(self, params: GatherParams, kv: KVCache, store: SavingStore) -> None:
         self._mode = "never" if params.mode == "auto" and store.local_transfers else params.mode
         self._below_bytes = params.below_bytes
         slot_bytes = largest_object(kv)

@@ -21,7 +21,7 @@ from .flags import StrictFlag
 from .keys import group_id
 from .model import KeyNamespace, KVCache, Records
 from .projection import storable_groups
-from .store import ObjectStore
+from .store import SavingStore
 
 log = structlog.get_logger(__name__)
 
@@ -38,7 +38,7 @@ class GroupIdsStage(Stage):
     input_type: ClassVar[Any] = Records
     output_types: ClassVar[dict[str, Any]] = {"out": Records}
 
-    def __init__(self, params: GroupIdsParams, kv: KVCache, store: ObjectStore) -> None:
+    def __init__(self, params: GroupIdsParams, kv: KVCache, store: SavingStore) -> None:
         storable_groups(kv)  # refuse at build time shards that disagree on model or prefix
         self._namespace: KeyNamespace | None = None
         if not params.enable_group_semantics:

@@ -25,13 +25,13 @@ from pydantic import BaseModel, ConfigDict, Field
 from kvpipe.pipeline.stage import BatchEntry, BatchStage, Emit
 
 from .batch_calls import StoreCallError, call_per_key
-from .chunks import is_recurrent
+from .chunks import chunk_hash_at, is_recurrent
 from .keys import object_key
 from .model import KVCache, Shard, StoreGroup, StoreObject, spans
-from .outcomes import DEADLINE_PASSED
+from .object_status import DEADLINE_PASSED
 from .projection import storable_groups
-from .put import split_into_calls
-from .store import describe
+from .put import MAX_BUFFERS_PER_CALL, split_into_calls
+from .store import LoadingStore, describe
 
 
 @dataclass(frozen=True, slots=True)
@@ -61,20 +61,10 @@ class LoadRequest:
 class LoadParams(BaseModel):
     model_config = ConfigDict(extra="forbid")
 
-    max_buffers_per_call: int = Field(2048, gt=0)
+    max_buffers_per_call: int = Field(MAX_BUFFERS_PER_CALL, gt=0)
 
 
 @runtime_checkable
-class ReadableStore(Protocol):
-    """The one store call the load stage makes."""
-
-    def batch_get_into_multi_buffers(
-        self, keys: Sequence[str], ptrs: Sequence[Sequence[int]], sizes: Sequence[Sequence[int]]
-    ) -> list[int]:
-        """Read each object into its buffers. Per key: bytes read or negative."""
-        ...
-
-
 class LoadObserver(Protocol):
     """Told once per load request which of its blocks failed to load (often none).
 
@@ -152,7 +142,7 @@ def load_chunks(
         if is_recurrent(group):
             ends = ends[-1:]  # one state: the one at the end of the range
         for index, tokens_end in ends:
-            chunk_hash = request.block_hashes[tokens_end // hash_block_size - 1]
+            chunk_hash = chunk_hash_at(request.block_hashes, tokens_end, hash_block_size)
             chunks.append(
                 (tokens_end, group.store_group, LoadChunk(group, index, chunk_hash, block_ids[index]))
             )
@@ -234,7 +224,7 @@ class LoadStage(BatchStage):
     input_type: ClassVar[Any] = LoadRequest
 
     def __init__(
-        self, params: LoadParams, kv: KVCache, store: ReadableStore, observer: LoadObserver | None = None
+        self, params: LoadParams, kv: KVCache, store: LoadingStore, observer: LoadObserver | None = None
     ) -> None:
         self._groups = storable_groups(kv)
         self._shards = kv.shards

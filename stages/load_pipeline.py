@@ -18,11 +18,12 @@ from typing import Any
 
 from kvpipe.pipeline import Graph, build_graph
 
-from .load import LoadObserver, ReadableStore
+from .load import LoadObserver
 from .lookup import LookupObserver
 from .model import KVCache
+from .put import MAX_BUFFERS_PER_CALL
 from .registry import KV_STAGES
-from .store import ObjectStore
+from .store import LoadingStore
 
 DEFAULT_LOOKUP_PIPELINE: dict[str, Any] = {
     "stages": [
@@ -37,14 +38,14 @@ DEFAULT_LOAD_PIPELINE: dict[str, Any] = {
             "name": "load",
             "type": "load",
             "batch": {"max_items": 64, "max_wait_ms": 0},
-            "params": {"max_buffers_per_call": 2048},
+            "params": {"max_buffers_per_call": MAX_BUFFERS_PER_CALL},
         },
     ]
 }
 
 
 def default_lookup_graph(
-    kv: KVCache, store: ObjectStore, lookup_observer: LookupObserver | None = None
+    kv: KVCache, store: LoadingStore, lookup_observer: LookupObserver | None = None
 ) -> Graph:
     """The default lookup graph over ``kv`` and ``store``; ``lookup_observer`` sees every result."""
     return build_graph(
@@ -56,10 +57,10 @@ def default_lookup_graph(
 
 def default_load_graph(
     kv: KVCache,
-    store: ReadableStore,
+    store: LoadingStore,
     load_observer: LoadObserver | None = None,
     *,
-    max_buffers_per_call: int = 2048,
+    max_buffers_per_call: int = MAX_BUFFERS_PER_CALL,
 ) -> Graph:
     """The default load graph; ``load_observer`` is told each request's failed block ids."""
     document = copy.deepcopy(DEFAULT_LOAD_PIPELINE)

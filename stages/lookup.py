@@ -33,13 +33,11 @@ from typing import Any, ClassVar, Protocol
 from kvpipe.pipeline.stage import BatchEntry, BatchStage, Emit, Stage
 
 from .batch_calls import StoreCallError, call_per_key
-from .chunks import is_recurrent
+from .chunks import chunk_hash_at, is_recurrent
 from .keys import object_key
 from .model import KVCache, Shard, StoreGroup
 from .projection import storable_groups
-from .store import ObjectStore
-
-EXISTS = 1
+from .store import EXISTS, LoadingStore
 
 
 @dataclass(frozen=True, slots=True)
@@ -125,7 +123,7 @@ def _ends(
             if end <= request.num_computed_tokens:
                 keys[end] = None  # the engine has it already
                 continue
-            chunk_hash = request.block_hashes[end // hash_block_size - 1]
+            chunk_hash = chunk_hash_at(request.block_hashes, end, hash_block_size)
             keys[end] = tuple(object_key(shard.namespace, group.store_group, chunk_hash) for shard in shards)
         per_group.append((group, keys))
     return per_group
@@ -210,7 +208,7 @@ class LookupStage(BatchStage):
     input_type: ClassVar[Any] = LookupRequest
     output_types: ClassVar[dict[str, Any]] = {"out": LookupResult}
 
-    def __init__(self, kv: KVCache, store: ObjectStore) -> None:
+    def __init__(self, kv: KVCache, store: LoadingStore) -> None:
         self._groups = storable_groups(kv)
         self._unit = prefix_unit(self._groups)
         self._alignment = kv.hit_alignment

@@ -21,9 +21,13 @@ from kvpipe.pipeline.stage import BatchEntry, BatchStage, Emit
 from .backoff import Backoff
 from .batch_calls import StoreCallError, call_per_key
 from .model import Records, StoreObject
-from .outcomes import DEADLINE_PASSED, ObjectObserver, Outcomes
-from .store import Code, ObjectStore, describe
+from .object_status import DEADLINE_PASSED, ObjectObserver, ObjectReporter
+from .store import Code, SavingStore, describe
 from .throttle import DEFAULT_THROTTLE, SlowStoreThrottle, ThrottleParams
+
+#: The buffer budget of one store call (puts and gets alike): the transport refuses a
+#: call with more than about 2048 buffers to one peer, and may keep failing after.
+MAX_BUFFERS_PER_CALL = 2048
 
 ROLLED_BACK = "removed again: another object of its chunk was refused"
 
@@ -31,7 +35,7 @@ ROLLED_BACK = "removed again: another object of its chunk was refused"
 class PutParams(BaseModel):
     model_config = ConfigDict(extra="forbid")
 
-    max_buffers_per_call: int = Field(2048, gt=0)
+    max_buffers_per_call: int = Field(MAX_BUFFERS_PER_CALL, gt=0)
     backoff_initial_s: float = Field(0.01, ge=0)
     backoff_max_s: float = Field(0.2, ge=0)
     throttle: ThrottleParams | None = DEFAULT_THROTTLE  # None: never skip a put
@@ -90,9 +94,9 @@ class PutStage(BatchStage):
     ports: ClassVar[tuple[str, ...]] = ()
     input_type: ClassVar[Any] = Records
 
-    def __init__(self, params: PutParams, store: ObjectStore, observer: ObjectObserver | None = None) -> None:
+    def __init__(self, params: PutParams, store: SavingStore, observer: ObjectObserver | None = None) -> None:
         self._store = store
-        self._outcomes = Outcomes(observer)
+        self._reporter = ObjectReporter(observer)
         self._max_buffers = params.max_buffers_per_call
         self._backoff = Backoff(params.backoff_initial_s, params.backoff_max_s)
         self.throttle = None if params.throttle is None else SlowStoreThrottle(params.throttle)
@@ -111,7 +115,7 @@ class PutStage(BatchStage):
         for entry in batch:
             for record in entry.item:
                 if len(record.transfer_buffers) > self._max_buffers:
-                    self._outcomes.failed(
+                    self._reporter.failed(
                         entry.emit,
                         record,
                         f"put {record.key}: {len(record.transfer_buffers)} buffers exceed "
@@ -134,7 +138,7 @@ class PutStage(BatchStage):
             except StoreCallError as error:
                 for record in call:
                     for emit, held in holders[record.key]:
-                        self._outcomes.failed(emit, held, f"put {held.key}: {error}")
+                        self._reporter.failed(emit, held, f"put {held.key}: {error}")
                 continue
             rolled_back = await self._remove_torn_chunks(call, codes)
             stored: dict[int, tuple[Emit, list[StoreObject]]] = {}  # per job, counted at once
@@ -142,7 +146,7 @@ class PutStage(BatchStage):
                 (emit, held), *sharers = holders[record.key]
                 if record.key in rolled_back:
                     for emit, held in holders[record.key]:
-                        self._outcomes.failed(emit, held, f"put {held.key}: {ROLLED_BACK}")
+                        self._reporter.failed(emit, held, f"put {held.key}: {ROLLED_BACK}")
                     continue
                 if code == Code.OK:
                     stored.setdefault(id(emit), (emit, []))[1].append(held)
@@ -151,7 +155,7 @@ class PutStage(BatchStage):
                 for emit, held in sharers:  # their object is there now, stored for the first
                     self._settle(emit, held, Code.ALREADY_EXISTS if code == Code.OK else code)
             for emit, records in stored.values():
-                self._outcomes.all_stored(emit, records)
+                self._reporter.all_stored(emit, records)
 
     def _fail_expired(
         self, call: list[StoreObject], holders: dict[str, list[tuple[Emit, StoreObject]]]
@@ -161,7 +165,7 @@ class PutStage(BatchStage):
         for record in call:
             if all(emit.expired for emit, _ in holders[record.key]):
                 for emit, held in holders[record.key]:
-                    self._outcomes.failed(emit, held, f"put {held.key}: {DEADLINE_PASSED}")
+                    self._reporter.failed(emit, held, f"put {held.key}: {DEADLINE_PASSED}")
             else:
                 live.append(record)
         return live
@@ -173,7 +177,7 @@ class PutStage(BatchStage):
             for emit, held in holders[record.key]:
                 by_job.setdefault(id(emit), (emit, []))[1].append(held)
         for emit, records in by_job.values():
-            self._outcomes.all_throttled(emit, records)
+            self._reporter.all_throttled(emit, records)
 
     async def _put(self, call: Sequence[StoreObject]) -> list[int]:
         """One store call for ``call``'s records, after any back-off; per-record codes."""
@@ -227,10 +231,10 @@ class PutStage(BatchStage):
     def _settle(self, emit: Emit, record: StoreObject, code: int) -> None:
         """Report what became of one record, in its own job."""
         if code == Code.OK:
-            self._outcomes.stored(emit, record)
+            self._reporter.stored(emit, record)
         elif code == Code.ALREADY_EXISTS:  # someone stored it first: the object is there
-            self._outcomes.existing(emit, record)
+            self._reporter.existing(emit, record)
         else:
             if code == Code.NO_SPACE:
                 emit.count("backpressure")
-            self._outcomes.failed(emit, record, f"put {record.key}: {describe(code)}")
+            self._reporter.failed(emit, record, f"put {record.key}: {describe(code)}")

@@ -1,7 +1,7 @@
 """The KV save and load stages by type name, for pipelines built from YAML.
 
 Factories take their objects from the build's resources: ``kv`` (the engine's
-:class:`KVCache`), ``store`` (an :class:`ObjectStore`) and, optionally,
+:class:`KVCache`), ``store`` (a :class:`SavingStore`) and, optionally,
 ``observer`` (an :class:`ObjectObserver` told the outcome of every object). A resource of the wrong
 kind is a build error naming it, not an AttributeError at the first request.
 
@@ -22,12 +22,12 @@ from .collect import FullChunksStage, TailStage
 from .filter import FilterStage
 from .gather import GatherParams, GatherStage
 from .group_ids import GroupIdsParams, GroupIdsStage
-from .load import LoadParams, LoadStage, ReadableStore
+from .load import LoadParams, LoadStage
 from .lookup import LookupResultsStage, LookupStage
 from .model import KVCache
 from .project import ProjectStage
 from .put import PutParams, PutStage
-from .store import ObjectStore
+from .store import LoadingStore, SavingStore
 
 KV_STAGES = StageRegistry()
 
@@ -43,8 +43,12 @@ def _kv(resources: Resources) -> KVCache:
     return _resource(resources, "kv", KVCache)
 
 
-def _store(resources: Resources) -> ObjectStore:
-    return _resource(resources, "store", ObjectStore)
+def _store(resources: Resources) -> SavingStore:
+    return _resource(resources, "store", SavingStore)
+
+
+def _loading_store(resources: Resources) -> LoadingStore:
+    return _resource(resources, "store", LoadingStore)
 
 
 @KV_STAGES.register("project")
@@ -84,7 +88,7 @@ def _build_put(params: PutParams, resources: Resources) -> PutStage:
 
 @KV_STAGES.register("lookup")
 def _build_lookup(params: NoParams, resources: Resources) -> LookupStage:
-    return LookupStage(_kv(resources), _store(resources))
+    return LookupStage(_kv(resources), _loading_store(resources))
 
 
 @KV_STAGES.register("lookup_results")
@@ -94,5 +98,4 @@ def _build_lookup_results(params: NoParams, resources: Resources) -> LookupResul
 
 @KV_STAGES.register("load", LoadParams)
 def _build_load(params: LoadParams, resources: Resources) -> LoadStage:
-    store = _resource(resources, "store", ReadableStore)
-    return LoadStage(params, _kv(resources), store, resources.get("load_observer"))
+    return LoadStage(params, _kv(resources), _loading_store(resources), resources.get("load_observer"))

@@ -29,7 +29,7 @@ from collections.abc import Sequence
 import anyio
 
 from .model import BlockBuffers, BlockLayout, StoreObject
-from .store import ObjectStore, describe
+from .store import SavingStore, describe
 
 with warnings.catch_warnings():  # this CPU torch build warns at import that numpy is absent
     warnings.filterwarnings("ignore", message="Failed to initialize NumPy")
@@ -70,7 +70,7 @@ class StagingPool:
     copy write straight into its slots (one pass over the bytes, not two).
     """
 
-    def __init__(self, store: ObjectStore, slots: int, slot_bytes: int) -> None:
+    def __init__(self, store: SavingStore, slots: int, slot_bytes: int) -> None:
         if slots <= 0 or slot_bytes <= 0:
             raise ValueError(f"staging needs slots > 0 and slot_bytes > 0, got {slots} x {slot_bytes}")
         self.slots = slots

@@ -1,8 +1,14 @@
-"""The object-store calls the KV stages make, and what their result codes mean.
+"""The object-store calls the KV stages make, one protocol per role, and what their codes mean.
 
-The stages speak to a store through this structural protocol only; backends live in
-``kvpipe.connector`` (an in-process model and the real Mooncake client) and satisfy
-it without importing anything from here but the codes. The calls are Mooncake
+- :class:`SavingStore`: what the save stages need (existence checks, multi-buffer
+  puts, removal of a torn chunk's objects, staging registration, capabilities);
+- :class:`LoadingStore`: what lookups and loads need (existence checks, reads into
+  the engine's buffers).
+
+The stages speak to a store through these structural protocols only; the backend
+contract, ``kvpipe.connector.store.protocol.Store``, is their union plus what only a
+backend offers. Backends (an in-process model and the real Mooncake client) satisfy
+them without importing anything from here but the codes. The calls are Mooncake
 Store's batch API because that is the store we serve, and batch calls are what
 keeps a KV save to a handful of round trips.
 
@@ -32,6 +38,10 @@ class Code(IntEnum):
     RPC_TIMEOUT = -901  # master stalled
 
 
+#: ``batch_is_exist``'s answer for a stored object (0 is absent; a negative code, unknown).
+EXISTS = 1
+
+
 def describe(code: int) -> str:
     """``-200`` -> ``"-200 (NO_SPACE)"``; unknown codes are shown as numbers."""
     try:
@@ -41,8 +51,8 @@ def describe(code: int) -> str:
 
 
 @runtime_checkable
-class ObjectStore(Protocol):
-    """The subset of the store the save path needs."""
+class SavingStore(Protocol):
+    """The store calls the save stages make."""
 
     @property
     def supports_group_ids(self) -> bool:
@@ -87,4 +97,19 @@ class ObjectStore(Protocol):
 
     def unregister_buffer(self, addr: int) -> int:
         """Forget a registration made at ``addr``. 0, or -600 if there is none."""
+        ...
+
+
+@runtime_checkable
+class LoadingStore(Protocol):
+    """The store calls lookups and loads make."""
+
+    def batch_is_exist(self, keys: Sequence[str]) -> list[int]:
+        """Per key: 1 stored, 0 absent, negative on error (a read: it leases what it finds)."""
+        ...
+
+    def batch_get_into_multi_buffers(
+        self, keys: Sequence[str], ptrs: Sequence[Sequence[int]], sizes: Sequence[Sequence[int]]
+    ) -> list[int]:
+        """Read each object into its buffers. Per key: bytes read or negative."""
         ...

@@ -5,7 +5,7 @@ from collections.abc import Iterator
 import pytest
 import structlog
 
-from kvpipe.connector.cluster import LocalCluster
+from kvpipe.connector.store.mooncake.cluster import LocalCluster
 
 
 @pytest.fixture(autouse=True)

@@ -1,5 +1,8 @@
 """The layering the README promises: pipeline/ knows nothing above it; stages/ knows no vLLM, Mooncake or connector/.
 
+Inside connector/ the rooms import downwards too: the store knows no vLLM connector,
+command line or bench, and the vLLM connector knows no command line or bench.
+
 Every import of every module is read from its source (``ast``), inside functions
 and ``TYPE_CHECKING`` blocks too: a lazy import breaks the layering as much as a
 top-level one.
@@ -13,15 +16,20 @@ from pathlib import Path
 import pytest
 
 ROOT = Path(__file__).parents[1]
-#: per package folder, the module prefixes none of its files may import
+#: per folder, the module prefixes none of its files (at any depth) may import
 FORBIDDEN = {
     "pipeline": ("kvpipe.stages", "kvpipe.connector", "vllm", "mooncake", "torch"),
     "stages": ("kvpipe.connector", "vllm", "mooncake"),
+    "connector/store": ("kvpipe.connector.vllm", "kvpipe.connector.cli", "kvpipe.connector.bench", "vllm"),
+    "connector/vllm": ("kvpipe.connector.cli", "kvpipe.connector.bench"),
 }
 
 
 def imported_modules(source: str, package: str) -> list[str]:
-    """The absolute names of the modules ``source`` (a module of ``kvpipe.<package>``) imports."""
+    """The absolute names of the modules ``source`` imports; ``package`` is its own package's folder.
+
+    (``"connector/store/mooncake"`` for ``kvpipe.connector.store.mooncake.client``.)
+    """
     names: list[str] = []
     for node in ast.walk(ast.parse(source)):
         if isinstance(node, ast.Import):
@@ -30,25 +38,28 @@ def imported_modules(source: str, package: str) -> list[str]:
             if node.level == 0:
                 names.append(node.module or "")
             else:  # relative: from the package (level 1) or above it
-                base = ["kvpipe", package][: max(0, 3 - node.level)]
+                own = ["kvpipe", *package.split("/")]
+                base = own[: max(0, len(own) + 1 - node.level)]
                 names.append(".".join([*base, *([node.module] if node.module else [])]))
     return names
 
 
-def violations(source: str, package: str) -> list[str]:
+def violations(source: str, package: str, layer: str | None = None) -> list[str]:
+    """The imports of ``source`` (a module in folder ``package``) that ``layer``'s rule forbids."""
+    forbidden = FORBIDDEN[layer or package]
     return [
         name
         for name in imported_modules(source, package)
-        if any(name == prefix or name.startswith(prefix + ".") for prefix in FORBIDDEN[package])
+        if any(name == prefix or name.startswith(prefix + ".") for prefix in forbidden)
     ]
 
 
-@pytest.mark.parametrize("package", list(FORBIDDEN))
-def test_no_module_imports_above_its_layer(package: str) -> None:
+@pytest.mark.parametrize("layer", list(FORBIDDEN))
+def test_no_module_imports_above_its_layer(layer: str) -> None:
     found = {
         str(path.relative_to(ROOT)): bad
-        for path in sorted((ROOT / package).rglob("*.py"))
-        if (bad := violations(path.read_text(), package))
+        for path in sorted((ROOT / layer).rglob("*.py"))
+        if (bad := violations(path.read_text(), str(path.parent.relative_to(ROOT)), layer))
     }
     assert found == {}
 
@@ -63,8 +74,10 @@ def test_no_module_imports_above_its_layer(package: str) -> None:
             "stages",
             "from typing import TYPE_CHECKING\nif TYPE_CHECKING:\n    from vllm.config import VllmConfig",
         ),
-        ("stages", "from ..connector import stores"),
+        ("stages", "from ..connector.store import configs"),
         ("stages", "import mooncake.store"),
+        ("connector/store", "from ..vllm.settings import ConnectorSettings"),
+        ("connector/vllm", "from ..bench.launch import make_llm"),
     ],
 )
 def test_the_check_finds_an_import_across_the_layers(package: str, source: str) -> None:
@@ -76,3 +89,10 @@ def test_the_check_lets_stages_use_the_pipeline_and_its_own_modules() -> None:
         violations("from kvpipe.pipeline import Stage\nfrom .model import KVCache\nimport torch", "stages")
         == []
     )
+
+
+def test_the_check_resolves_relative_imports_from_a_nested_package() -> None:
+    assert violations("from ...vllm import settings", "connector/store/mooncake", "connector/store") == [
+        "kvpipe.connector.vllm"
+    ]
+    assert violations("from ..protocol import Store", "connector/store/mooncake", "connector/store") == []

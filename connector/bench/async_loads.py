@@ -26,8 +26,9 @@ from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import Any
 
-from ..master import LocalMaster
-from ..vllm import launch
+from kvpipe.connector.store.mooncake.master import LocalMaster
+
+from . import launch
 from .result import BenchOptions, Target, WorkloadResult
 from .vllm_prefix import BIGGER
 
@@ -74,16 +75,10 @@ def _engine(master: LocalMaster, load_async: bool) -> Iterator[Any]:
         launch.close_llm(llm)
 
 
-def _live(role: str) -> Any:
-    """The live engine's connector object of ``role`` ("worker" or "scheduler")."""
-    from ..vllm import KVPipeConnector
-
-    (side,) = [
-        getattr(c, role)
-        for c in KVPipeConnector.instances
-        if getattr(c, role) is not None and c.store is not None
-    ]
-    return side
+def _sides(llm: Any) -> tuple[Any, Any]:
+    """The engine's scheduler side and worker side (its kvpipe connectors' role objects)."""
+    scheduler, worker = launch.connectors(llm)
+    return scheduler.scheduler, worker.worker
 
 
 def _steps(
@@ -113,7 +108,7 @@ def _steps(
                 rid = f"load-{index}"
                 engine.add_request(rid, {"prompt_token_ids": prompt}, first)
                 waiting[rid] = time.perf_counter()
-        scheduler, worker = _live("scheduler"), _live("worker")
+        scheduler, worker = _sides(llm)
         loads_before = worker.stats["loads"]
         started = time.perf_counter()
         outputs = engine.step()
@@ -134,12 +129,12 @@ def _round(master: LocalMaster, load_async: bool, seed: int) -> Round:
     loaders, running = _prompts(seed)
     with _engine(master, load_async) as llm:
         launch.generate(llm, loaders, 1)  # store the family's prefix (and their own chunks)
-        assert _live("worker").drain(30.0)
+        assert _sides(llm)[1].drain(30.0)
         _, baseline, _ = _steps(llm, running, None)  # the same decode, no loader
         assert llm.reset_prefix_cache()
-        loads_before = _live("worker").stats["loads"]
+        loads_before = _sides(llm)[1].stats["loads"]
         during, _, ttft = _steps(llm, running, loaders)
-        loads = _live("worker").stats["loads"] - loads_before
+        loads = _sides(llm)[1].stats["loads"] - loads_before
     return Round(during, baseline, ttft, loads)
 
 

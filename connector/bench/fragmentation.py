@@ -31,16 +31,24 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from kvpipe.connector.master import LocalMaster, MasterEndpoints
-from kvpipe.connector.mooncake import MIN_SEGMENT_BYTES, MooncakeStore
-from kvpipe.connector.run import workload
-from kvpipe.connector.run.check import EXIST_BATCH, ChunkCounts
-from kvpipe.connector.run.config import RunConfig
-from kvpipe.connector.run.job import build_cache
-from kvpipe.connector.run.job import run as run_job
-from kvpipe.connector.run.synthetic import SyntheticCache
-from kvpipe.connector.stores import MooncakeStoreConfig
-from kvpipe.stages import GroupKind, LoadRequest, StoreObject, load_targets, prefix_unit, storable_groups
+from kvpipe.connector.cli.run import workload
+from kvpipe.connector.cli.run.check import EXIST_BATCH, ChunkCounts
+from kvpipe.connector.cli.run.config import RunConfig
+from kvpipe.connector.cli.run.job import build_cache
+from kvpipe.connector.cli.run.job import run as run_job
+from kvpipe.connector.cli.run.synthetic import SyntheticCache
+from kvpipe.connector.store.configs import MooncakeStoreConfig
+from kvpipe.connector.store.mooncake import MIN_SEGMENT_BYTES, MooncakeStore
+from kvpipe.connector.store.mooncake.master import LocalMaster, MasterEndpoints
+from kvpipe.stages import (
+    EXISTS,
+    GroupKind,
+    LoadRequest,
+    StoreObject,
+    load_targets,
+    prefix_unit,
+    storable_groups,
+)
 
 from .plot import line_plot
 from .result import BenchOptions, Target, WorkloadResult
@@ -292,7 +300,7 @@ def _tally(store: MooncakeStore, records: Sequence[StoreObject]) -> Tally:
     present: dict[str, bool] = {}
     for start in range(0, len(records), EXIST_BATCH):
         keys = [record.key for record in records[start : start + EXIST_BATCH]]
-        present.update(zip(keys, (answer == 1 for answer in store.batch_is_exist(keys)), strict=True))
+        present.update(zip(keys, (answer == EXISTS for answer in store.batch_is_exist(keys)), strict=True))
     by_chunk: dict[bytes, list[StoreObject]] = {}
     for record in records:
         by_chunk.setdefault(record.chunk_hash, []).append(record)

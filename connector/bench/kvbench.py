@@ -17,10 +17,11 @@ from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass
 
-from kvpipe.connector.mooncake import MooncakeSettings, MooncakeStore
-from kvpipe.connector.store import Store
+from kvpipe.connector.store.mooncake import MooncakeSettings, MooncakeStore
+from kvpipe.connector.store.protocol import Store
 from kvpipe.pipeline import SyncPipeline
 from kvpipe.stages import (
+    EXISTS,
     BlockLayout,
     GroupKind,
     GroupSpec,
@@ -154,7 +155,7 @@ def put_records(store: Store, records: Sequence[StoreObject]) -> None:
     """The raw logic for one batch: ask which exist, put the rest from their buffers."""
     keys = [record.key for record in records]
     missing = [
-        record for record, exists in zip(records, store.batch_is_exist(keys), strict=True) if exists != 1
+        record for record, exists in zip(records, store.batch_is_exist(keys), strict=True) if exists != EXISTS
     ]
     if missing:
         codes = store.batch_put_from_multi_buffers(
@@ -171,7 +172,7 @@ def put_contiguous(store: Store, keys: Sequence[str], addresses: Sequence[int], 
     missing = [
         (key, address)
         for key, address, exists in zip(keys, addresses, store.batch_is_exist(keys), strict=True)
-        if exists != 1
+        if exists != EXISTS
     ]
     if missing:
         codes = store.batch_put_from(

@@ -14,7 +14,7 @@ import sys
 from collections.abc import Iterator
 from contextlib import contextmanager
 
-from kvpipe.connector.mooncake import MooncakeSettings, MooncakeStore
+from kvpipe.connector.store.mooncake import MooncakeSettings, MooncakeStore
 
 READY = "READY"
 

@@ -58,7 +58,7 @@ def run_suite(
 
 def _run_apart(name: str, options: BenchOptions) -> WorkloadResult:
     """Workload ``name`` in a child ``kvpipe bench`` process; its one JSON line is the result."""
-    command = [sys.executable, "-m", "kvpipe.connector.cli", "bench", name, "--json"]
+    command = [sys.executable, "-m", "kvpipe.connector.cli.main", "bench", name, "--json"]
     command += ["--repeats", str(options.repeats), "--out", str(options.out_dir)]
     if options.quick:
         command.append("--quick")

@@ -16,8 +16,8 @@ from __future__ import annotations
 
 import warnings
 
-from kvpipe.connector.master import LocalMaster
-from kvpipe.connector.mooncake import MooncakeSettings, MooncakeStore
+from kvpipe.connector.store.mooncake import MooncakeSettings, MooncakeStore
+from kvpipe.connector.store.mooncake.master import LocalMaster
 
 from .kvbench import BenchCache, MiB, PipelineContender, clear, put_contiguous, put_records
 from .peer import remote_segment

@@ -10,7 +10,7 @@ benchmark keep several engines up and take turns between them.
 ``kv_cache_memory_bytes`` and ``engine_args``: more ``LLM`` keyword arguments), prints ``RESULT {"ready": ...}``, then answers each
 command read from stdin with one ``RESULT {json}`` line:
 
-- ``{"generate": [[ids...], ...], "max_tokens": N}`` -> :class:`~kvpipe.connector.vllm.launch.PassResult`
+- ``{"generate": [[ids...], ...], "max_tokens": N}`` -> :class:`~kvpipe.connector.bench.launch.PassResult`
 - ``{"reset": true}`` -> ``{"reset": bool}`` (vLLM's prefix cache; the connector's store stays)
 - ``{"sleep": S}`` -> ``{"slept": S}``
 
@@ -139,7 +139,7 @@ class EngineProcess:
 
 
 def _answer(llm: Any, command: Mapping[str, Any]) -> dict[str, Any]:
-    from kvpipe.connector.vllm.launch import generate
+    from .launch import generate
 
     if "generate" in command:
         return generate(llm, command["generate"], int(command.get("max_tokens", 8))).as_dict()
@@ -160,7 +160,7 @@ def _reset_prefix_cache(llm: Any) -> bool:
     blocks are not freed yet"). A request shorter than a block stores and caches
     nothing and gives the engine that step.
     """
-    from kvpipe.connector.vllm.launch import generate
+    from .launch import generate
 
     for _ in range(RESET_ATTEMPTS):
         if llm.reset_prefix_cache():
@@ -171,7 +171,7 @@ def _reset_prefix_cache(llm: Any) -> bool:
 
 
 def _serve(spec: Mapping[str, Any]) -> None:
-    from kvpipe.connector.vllm.launch import close_llm, make_llm
+    from .launch import close_llm, make_llm
 
     started = time.perf_counter()
     llm = make_llm(

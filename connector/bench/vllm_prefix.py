@@ -45,9 +45,10 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from ..master import LocalMaster, MasterEndpoints
-from ..mooncake import MooncakeStore
-from ..vllm.launch import (
+from kvpipe.connector.store.mooncake import MooncakeStore
+from kvpipe.connector.store.mooncake.master import LocalMaster, MasterEndpoints
+
+from .launch import (
     TINY_LLAMA,
     kvpipe_transfer,
     model_dir,

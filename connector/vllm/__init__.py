@@ -26,7 +26,7 @@ The modules, one job each:
   (one load per shared prefix, a stale hit recomputes once) and save planning.
 - :mod:`.worker`: the engine's KV memory, the save and load pipelines, what finished.
 - :mod:`.kv_layout`: engine KV tensors -> block layouts, for every layout vLLM has.
-- :mod:`.staging`: host slots that hold whole objects (saves; loads of device caches).
+- :mod:`.staging_area`: host slots that hold whole objects (saves; loads of device caches).
 - :mod:`.engine_cache`: what both roles derive from vLLM's config, and the store they open.
 - :mod:`.settings`, :mod:`.messages`: ``kv_connector_extra_config``; what crosses processes.
 
@@ -38,8 +38,8 @@ default ``kv_load_failure_policy="fail"`` a failed load fails its request;
 into a miss.
 
 Importing this package does not import vLLM (~6 s): the connector classes load on
-first use, so :mod:`.launch` serves processes that only build configs and spawn
-engines (the bench's parent) at no such cost.
+first use, so a process that only builds configs and spawns engines (the bench's
+parent, :mod:`kvpipe.connector.bench.launch`) pays no such cost.
 """
 
 from __future__ import annotations

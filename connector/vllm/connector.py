@@ -9,7 +9,6 @@ role's object: :class:`~.scheduler.SchedulerSide` or :class:`~.worker.WorkerSide
 from __future__ import annotations
 
 import time
-import weakref
 from collections import Counter
 from collections.abc import Iterable
 from typing import TYPE_CHECKING, Any
@@ -30,10 +29,10 @@ from vllm.distributed.kv_transfer.kv_connector.v1.metrics import (
     PromMetricT,
 )
 
+from kvpipe.connector.store.metered import OperationLog
+from kvpipe.connector.store.protocol import Store
 from kvpipe.stages.flags import ConfigError
 
-from ..metered import OperationLog
-from ..store import Store
 from .engine_cache import EngineCache, open_store
 from .events import ChunkAnnouncer
 from .messages import GAUGES, OPS, KVPipeKVEvents, KVPipeMetadata, KVPipeStats
@@ -59,9 +58,6 @@ GAUGES_EVERY_S = 1.0
 
 class KVPipeConnector(KVConnectorBase_V1, SupportsHMA):
     """A best-effort prefix cache in Mooncake Store, fed through kvpipe's pipelines."""
-
-    #: Live instances, for tests that look inside an in-process engine.
-    instances: weakref.WeakSet[KVPipeConnector] = weakref.WeakSet()
 
     def __init__(
         self, vllm_config: VllmConfig, role: KVConnectorRole, kv_cache_config: KVCacheConfig | None = None
@@ -110,7 +106,6 @@ class KVPipeConnector(KVConnectorBase_V1, SupportsHMA):
         self._gauges: dict[str, float] = {}
         self._gauges_read_at = -GAUGES_EVERY_S
         self._shut = False
-        KVPipeConnector.instances.add(self)
         log.info(
             "kvpipe connector ready",
             role="scheduler" if self.is_scheduler else "worker",

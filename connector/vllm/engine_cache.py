@@ -12,6 +12,11 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
+from kvpipe.connector.store.configs import MemoryStoreConfig, MooncakeStoreConfig, connect, guarded
+from kvpipe.connector.store.memory import MemoryStore
+from kvpipe.connector.store.metered import OperationLog
+from kvpipe.connector.store.mooncake import MooncakeSettings
+from kvpipe.connector.store.protocol import Store
 from kvpipe.stages import (
     BlockLayout,
     GroupKind,
@@ -25,11 +30,6 @@ from kvpipe.stages import (
 )
 from kvpipe.stages.flags import ConfigError
 
-from ..memory import MemoryStore
-from ..metered import OperationLog
-from ..mooncake import MooncakeSettings
-from ..store import Store
-from ..stores import MemoryStoreConfig, MooncakeStoreConfig, connect, guarded
 from .settings import ConnectorSettings
 
 if TYPE_CHECKING:

@@ -41,7 +41,7 @@ from typing import TYPE_CHECKING
 from vllm.distributed.kv_events import MEDIUM_CPU, BlockRemoved, BlockStored, KVCacheEvent
 from vllm.v1.core.kv_cache_utils import ExternalBlockHash, maybe_convert_block_hash
 
-from kvpipe.stages import LoadRequest, ObjectStatus, SaveRequest, StoreObject, chunks_to_save
+from kvpipe.stages import LoadRequest, ObjectStatus, SaveRequest, StoreObject, chunk_hash_at, chunks_to_save
 from kvpipe.stages.chunks import Chunk
 from kvpipe.stages.load import load_chunks
 from kvpipe.stages.model import StoreGroup
@@ -147,8 +147,8 @@ class ChunkAnnouncer:
                 pending = self._pending[chunk.chunk_hash] = _Pending([])
             elif any(e.group_idx == chunk.group.engine_group for e in pending.events):
                 continue  # another request's save of the same chunk: expected already
-            start = (chunk.tokens_end - 1) // chunk.group.spec.block_size * chunk.group.spec.block_size
-            parent = save.block_hashes[start // hbs - 1] if start else None
+            start = chunk.tokens_start
+            parent = chunk_hash_at(save.block_hashes, start, hbs) if start else None
             tokens = list(request.all_token_ids[start : chunk.tokens_end])
             event = BlockStored(
                 block_hashes=[maybe_convert_block_hash(chunk.chunk_hash)],

@@ -5,7 +5,7 @@ with ``vllm serve``), where :mod:`.prom` turns it into Prometheus series. Its
 ``data`` is plain JSON-able values, in three kinds that aggregate differently:
 
 - counters, ``name -> int``: growth since the role's last report; summed;
-- ``"ops"``: the store calls' records (:data:`~kvpipe.connector.metered.OperationRecord`
+- ``"ops"``: the store calls' records (:data:`~kvpipe.connector.store.metered.OperationRecord`
   as lists); concatenated;
 - ``"gauges"``: ``source -> {name: value}``, the latest reading of each role
   (``"scheduler"``, ``"worker:<tp>:<pp>"``); merged, a later reading replacing an

@@ -5,7 +5,7 @@ it every engine step's stats. Every series is named ``kvpipe:...`` (vLLM's own
 are ``vllm:...``, so none can clash) and carries vLLM's labels (``model_name``,
 ``engine``). The series, and where each comes from:
 
-Store calls (:mod:`kvpipe.connector.metered`), labels ``operation`` (``exist``,
+Store calls (:mod:`kvpipe.connector.store.metered`), labels ``operation`` (``exist``,
 ``put``, ``get``, ``remove``) and ``status`` (``ok``, ``error``):
 ``kvpipe:store_operation_seconds`` (histogram), ``kvpipe:store_operation_keys_total``,
 ``kvpipe:store_operation_bytes_total``, ``kvpipe:store_operation_failed_keys_total``;

@@ -32,12 +32,12 @@ from typing import TYPE_CHECKING, Any
 
 import structlog
 
+from kvpipe.connector.store.breaker import breaker_of
+from kvpipe.connector.store.protocol import Store
 from kvpipe.stages import LoadRequest, LookupRequest, SaveRequest, longest_stored_prefix, lookup_keys
 from kvpipe.stages.keys import deployment_key_pattern, key_chunk_hex
-from kvpipe.stages.lookup import EXISTS
+from kvpipe.stages.store import EXISTS
 
-from ..breaker import breaker_of
-from ..store import Store
 from .engine_cache import EngineCache
 from .events import ChunkAnnouncer
 from .messages import BREAKER_STATE, KVPipeKVEvents, KVPipeMetadata

@@ -8,12 +8,11 @@ from typing import Any
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
+from kvpipe.connector.store.configs import StoreConfig, without_store_tag
 from kvpipe.pipeline import BuildError
 from kvpipe.pipeline.config import describe_validation_error, load_yaml, one_line
-from kvpipe.stages import StrictFlag
+from kvpipe.stages import MAX_BUFFERS_PER_CALL, StrictFlag
 from kvpipe.stages.flags import ConfigError
-
-from ..stores import StoreConfig, without_store_tag
 
 
 class ConnectorSettings(BaseModel):
@@ -25,7 +24,7 @@ class ConnectorSettings(BaseModel):
     enable_group_semantics: StrictFlag = False
     cache_prefix: str = ""
     queue_capacity: int = Field(1024, gt=0)
-    max_buffers_per_call: int = Field(2048, gt=0)
+    max_buffers_per_call: int = Field(MAX_BUFFERS_PER_CALL, gt=0)
     staging_blocks: int = Field(256, gt=0)
     # Past these, a job starts no new store call (see Job): a late load is a miss to
     # recompute, and a stuck save gives its staging slots back.

@@ -5,7 +5,7 @@ tensors into block layouts (:mod:`.kv_layout`) and registers their memory; per
 step it runs the loads the scheduler planned and stages the saves:
 
 - **saves**: at the end of a step (``wait_for_save``) the blocks to save are
-  copied into staging slots (:mod:`.staging`), one buffer per object, and a
+  copied into staging slots (:mod:`.staging_area`), one buffer per object, and a
   :class:`~kvpipe.stages.SaveRequest` over the slots goes to the save pipeline
   (``when_full="drop"``). The step never waits on the store and vLLM may reuse
   the blocks at once; a save that finds no free slot is dropped and counted.
@@ -31,6 +31,8 @@ from typing import TYPE_CHECKING
 import structlog
 import torch
 
+from kvpipe.connector.store.breaker import breaker_of
+from kvpipe.connector.store.protocol import Store
 from kvpipe.pipeline import Job, SyncPipeline
 from kvpipe.stages import (
     BlockLayout,
@@ -45,8 +47,6 @@ from kvpipe.stages import (
 )
 from kvpipe.stages.load import load_chunks, touched_block_ids
 
-from ..breaker import breaker_of
-from ..store import Store
 from .engine_cache import EngineCache
 from .events import ChunkReporter
 from .kv_layout import GroupLayout, group_layout, storages_of
@@ -59,7 +59,7 @@ from .messages import (
     per_stage,
 )
 from .settings import ConnectorSettings
-from .staging import StagingArea
+from .staging_area import StagingArea
 
 if TYPE_CHECKING:
     from kvpipe.stages import Chunk
@@ -230,9 +230,7 @@ class WorkerSide:
         chunks = chunks_to_save(save, self.cache.store_groups, self.cache.hash_block_size)
         # (engine group, chunk index, engine block): the block its last token falls in
         # (a tail's block is partly filled)
-        plan = [
-            (c.group.engine_group, (c.tokens_end - 1) // c.group.spec.block_size, c.block_id) for c in chunks
-        ]
+        plan = [(c.group.engine_group, c.index, c.block_id) for c in chunks]
         if not plan:
             return None
         if len(plan) > self._staging.free:

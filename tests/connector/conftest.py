@@ -27,9 +27,9 @@ from dataclasses import dataclass, field, replace
 
 import pytest
 
-from kvpipe.connector.memory import MemoryStore
-from kvpipe.connector.mooncake import MooncakeSettings, MooncakeStore
-from kvpipe.connector.store import Store
+from kvpipe.connector.store.memory import MemoryStore
+from kvpipe.connector.store.mooncake import MooncakeSettings, MooncakeStore
+from kvpipe.connector.store.protocol import Store
 
 
 @dataclass(frozen=True)

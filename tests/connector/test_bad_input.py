@@ -1,7 +1,7 @@
 """Bad input: one line naming the field and the value, exit code 2, no traceback, nothing written.
 
 Every row is one mistake a user can make, given to the real command line
-(``kvpipe.connector.cli.main``) in a fresh working folder that holds ``run.yaml``
+(``kvpipe.connector.cli.main.main``) in a fresh working folder that holds ``run.yaml``
 and an empty folder ``a-folder``; ``FREE_PORT`` in a row stands for a port nothing
 listens on. The rows for ``kv_connector_extra_config`` go through the vLLM
 connector's settings parser, without starting vLLM.
@@ -13,8 +13,8 @@ from pathlib import Path
 
 import pytest
 
-from kvpipe.connector.cli import main
-from kvpipe.connector.master import free_port
+from kvpipe.connector.cli.main import main
+from kvpipe.connector.store.mooncake.master import free_port
 from kvpipe.connector.vllm.settings import settings_from
 from kvpipe.stages import ConfigError
 

@@ -5,9 +5,9 @@ import time
 import anyio
 import pytest
 
-from kvpipe.connector.breaker import BreakerSettings, BreakerState, CircuitBreaker, GuardedStore
-from kvpipe.connector.memory import Faults, MemoryStore
-from kvpipe.connector.stores import MemoryStoreConfig, MooncakeStoreConfig, open_store
+from kvpipe.connector.store.breaker import BreakerSettings, BreakerState, CircuitBreaker, GuardedStore
+from kvpipe.connector.store.configs import MemoryStoreConfig, MooncakeStoreConfig, open_store
+from kvpipe.connector.store.memory import Faults, MemoryStore
 from kvpipe.pipeline import Pipeline
 from kvpipe.stages import default_save_graph
 

@@ -9,9 +9,9 @@ from pathlib import Path
 import pytest
 import yaml
 
-from kvpipe.connector.cli import main
-from kvpipe.connector.run.engine import EngineTotals
-from kvpipe.connector.run.report import ProgressLine
+from kvpipe.connector.cli.main import main
+from kvpipe.connector.cli.run.engine import EngineTotals
+from kvpipe.connector.cli.run.report import ProgressLine
 
 from .test_run_job import SMALL
 
@@ -117,7 +117,7 @@ def test_the_console_script_prints_no_traceback_on_bad_input(small_config):
         [
             sys.executable,
             "-m",
-            "kvpipe.connector.cli",
+            "kvpipe.connector.cli.main",
             "run",
             str(small_config),
             "--set",

@@ -35,7 +35,7 @@ class Command:
 
     def __init__(self, *args: str) -> None:
         self.process = subprocess.Popen(
-            [sys.executable, "-m", "kvpipe.connector.cli", *args],
+            [sys.executable, "-m", "kvpipe.connector.cli.main", *args],
             stdout=subprocess.DEVNULL,
             stderr=subprocess.PIPE,
             text=True,

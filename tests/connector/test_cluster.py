@@ -13,10 +13,10 @@ from pathlib import Path
 import psutil
 import pytest
 
-from kvpipe.connector.cluster import LocalCluster
-from kvpipe.connector.master import MasterError, free_port
-from kvpipe.connector.master_address import MasterAddress
-from kvpipe.connector.mooncake import MooncakeSettings, MooncakeStore
+from kvpipe.connector.store.mooncake import MooncakeSettings, MooncakeStore
+from kvpipe.connector.store.mooncake.cluster import LocalCluster
+from kvpipe.connector.store.mooncake.master import MasterError, free_port
+from kvpipe.connector.store.mooncake.master_address import MasterAddress
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -111,7 +111,7 @@ def test_a_process_joins_one_etcd_cluster_only(
     cluster: LocalCluster, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     """Mooncake's client keeps one etcd connection per process: a second one is a one-line error."""
-    from kvpipe.connector import mooncake
+    from kvpipe.connector.store.mooncake import client as mooncake
 
     monkeypatch.setattr(mooncake, "_JOINED_ETCD", [(("127.0.0.1", 1),)])
     with pytest.raises(MasterError) as caught:

@@ -18,11 +18,11 @@ from dataclasses import dataclass, field
 
 import pytest
 
-from kvpipe.connector.breaker import BreakerSettings
-from kvpipe.connector.cluster import LocalCluster, StoreNodeProcess
-from kvpipe.connector.mooncake import MooncakeSettings, MooncakeStore
-from kvpipe.connector.store import Store
-from kvpipe.connector.stores import guarded
+from kvpipe.connector.store.breaker import BreakerSettings
+from kvpipe.connector.store.configs import guarded
+from kvpipe.connector.store.mooncake import MooncakeSettings, MooncakeStore
+from kvpipe.connector.store.mooncake.cluster import LocalCluster, StoreNodeProcess
+from kvpipe.connector.store.protocol import Store
 from kvpipe.stages.store import Code
 
 pytestmark = pytest.mark.mooncake
@@ -278,7 +278,7 @@ def test_a_master_restarted_from_its_snapshot_keeps_the_objects_read_before_it(t
     objects read within ``default_kv_lease_ttl`` before the restart come back; objects only
     put, or put after the last snapshot, do not (printed, as Mooncake's behaviour).
     """
-    from kvpipe.connector.master import LocalMaster
+    from kvpipe.connector.store.mooncake.master import LocalMaster
 
     latest = tmp_path / "mooncake_master_snapshot" / "mooncake_cluster" / "latest.txt"
 

@@ -36,9 +36,9 @@ import pytest
 import structlog
 
 from kvpipe.connector.bench.peer import remote_segment
-from kvpipe.connector.breaker import BreakerSettings, CircuitBreaker, GuardedStore
-from kvpipe.connector.master import LocalMaster, MasterEndpoints
-from kvpipe.connector.mooncake import MooncakeSettings, MooncakeStore
+from kvpipe.connector.store.breaker import BreakerSettings, CircuitBreaker, GuardedStore
+from kvpipe.connector.store.mooncake import MooncakeSettings, MooncakeStore
+from kvpipe.connector.store.mooncake.master import LocalMaster, MasterEndpoints
 from kvpipe.pipeline import SyncPipeline
 from kvpipe.pipeline.jobs import Job, Outcome
 from kvpipe.stages import default_save_graph

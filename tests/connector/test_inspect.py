@@ -20,13 +20,13 @@ from pathlib import Path
 import pytest
 import yaml
 
-from kvpipe.connector.cli import main
-from kvpipe.connector.cluster import LocalCluster
-from kvpipe.connector.inspect import AdminClient, InspectError, build_report, check_master, find_admin
-from kvpipe.connector.master import LocalMaster, MasterEndpoints, free_port, is_listening
-from kvpipe.connector.master_address import MasterAddress
-from kvpipe.connector.mooncake import MooncakeSettings, MooncakeStore
-from kvpipe.connector.vllm.launch import segment_holder
+from kvpipe.connector.bench.launch import segment_holder
+from kvpipe.connector.cli.inspect import AdminClient, InspectError, build_report, check_master, find_admin
+from kvpipe.connector.cli.main import main
+from kvpipe.connector.store.mooncake import MooncakeSettings, MooncakeStore
+from kvpipe.connector.store.mooncake.cluster import LocalCluster
+from kvpipe.connector.store.mooncake.master import LocalMaster, MasterEndpoints, free_port, is_listening
+from kvpipe.connector.store.mooncake.master_address import MasterAddress
 from kvpipe.stages import KeyNamespace, group_id, object_key
 from kvpipe.stages.keys import parse_object_key
 
@@ -373,7 +373,7 @@ def test_the_console_script_fails_in_seconds_with_one_line_and_no_traceback(live
         args = ["--model", "alpha", *admin, flag, nowhere]
         started = time.monotonic()
         done = subprocess.run(
-            [sys.executable, "-m", "kvpipe.connector.cli", "inspect", *args],
+            [sys.executable, "-m", "kvpipe.connector.cli.main", "inspect", *args],
             capture_output=True,
             text=True,
             timeout=60,
@@ -438,7 +438,7 @@ def test_inspect_with_the_run_config_counts_the_main_jobs_chunks_and_the_absent_
         dump = tmp_path / "objects.jsonl"
         with segment_holder(master.endpoints, "64MB"):
             done = subprocess.run(
-                [sys.executable, "-m", "kvpipe.connector.cli", "run", str(config), "--json"]
+                [sys.executable, "-m", "kvpipe.connector.cli.main", "run", str(config), "--json"]
                 + ["--dump-objects", str(dump)],
                 cwd=ROOT,
                 capture_output=True,

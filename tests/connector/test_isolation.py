@@ -10,8 +10,8 @@ from pathlib import Path
 import psutil
 import pytest
 
-from kvpipe.connector.master import LOOPBACK, LocalMaster
-from kvpipe.connector.store import Store
+from kvpipe.connector.store.mooncake.master import LOOPBACK, LocalMaster
+from kvpipe.connector.store.protocol import Store
 from kvpipe.pipeline import Outcome, Pipeline
 from kvpipe.stages import (
     KVCache,

@@ -12,7 +12,7 @@ import time
 
 import pytest
 
-from kvpipe.connector.memory import Faults, MemoryReplicateConfig, MemoryStore, StoreStats
+from kvpipe.connector.store.memory import Faults, MemoryReplicateConfig, MemoryStore, StoreStats
 from kvpipe.stages.store import Code
 
 from .conftest import Kv

@@ -7,10 +7,10 @@ from collections.abc import Iterator
 
 import pytest
 
-from kvpipe.connector.breaker import BreakerSettings
-from kvpipe.connector.memory import Faults, MemoryStore
-from kvpipe.connector.metered import MeteredStore, OperationLog
-from kvpipe.connector.stores import guarded
+from kvpipe.connector.store.breaker import BreakerSettings
+from kvpipe.connector.store.configs import guarded
+from kvpipe.connector.store.memory import Faults, MemoryStore
+from kvpipe.connector.store.metered import MeteredStore, OperationLog
 from kvpipe.stages.store import Code
 
 

@@ -24,15 +24,15 @@ from typing import Any
 import pytest
 from pydantic import ValidationError
 
-from kvpipe.connector import master as master_module
-from kvpipe.connector.master import LocalMaster, MasterError, free_port, is_listening
-from kvpipe.connector.mooncake import (
+from kvpipe.connector.store.mooncake import (
     MooncakeConfigError,
     MooncakeError,
     MooncakeSettings,
     MooncakeStore,
     parse_size,
 )
+from kvpipe.connector.store.mooncake import master as master_module
+from kvpipe.connector.store.mooncake.master import LocalMaster, MasterError, free_port, is_listening
 from kvpipe.stages.store import Code
 
 MiB = 1 << 20
@@ -267,7 +267,7 @@ def test_the_environment_must_name_the_file() -> None:
 
 
 def test_importing_the_backend_does_not_load_mooncake() -> None:
-    code = "import sys, kvpipe.connector.mooncake; assert 'mooncake' not in sys.modules"
+    code = "import sys, kvpipe.connector.store.mooncake.client; assert 'mooncake' not in sys.modules"
     subprocess.run([sys.executable, "-c", code], check=True)
 
 

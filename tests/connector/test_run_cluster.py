@@ -11,9 +11,9 @@ from pathlib import Path
 import psutil
 import pytest
 
-from kvpipe.connector.cluster import LocalCluster
-from kvpipe.connector.master import P2P_HANDSHAKE
-from kvpipe.connector.mooncake import MooncakeSettings, MooncakeStore
+from kvpipe.connector.store.mooncake import MooncakeSettings, MooncakeStore
+from kvpipe.connector.store.mooncake.cluster import LocalCluster
+from kvpipe.connector.store.mooncake.master import P2P_HANDSHAKE
 
 pytestmark = pytest.mark.mooncake
 
@@ -22,7 +22,7 @@ CONFIG = ROOT / "configs" / "cluster.yaml"
 
 
 def _run(*sets: str, dump: Path | None = None) -> dict:
-    args = [sys.executable, "-m", "kvpipe.connector.cli", "run", str(CONFIG), "--json"]
+    args = [sys.executable, "-m", "kvpipe.connector.cli.main", "run", str(CONFIG), "--json"]
     args += [f"--set={assignment}" for assignment in ("workload.requests=24", *sets)]
     if dump is not None:
         args += ["--dump-objects", str(dump)]

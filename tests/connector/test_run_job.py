@@ -4,10 +4,10 @@ import re
 
 import pytest
 
-from kvpipe.connector.memory import Faults, MemoryStore
-from kvpipe.connector.run.baselines import ALONE_PREFIX, SUFFIX
-from kvpipe.connector.run.config import RunConfig
-from kvpipe.connector.run.job import run
+from kvpipe.connector.cli.run.baselines import ALONE_PREFIX, SUFFIX
+from kvpipe.connector.cli.run.config import RunConfig
+from kvpipe.connector.cli.run.job import run
+from kvpipe.connector.store.memory import Faults, MemoryStore
 
 SMALL = {
     "model": {"layers": 2, "kv_heads": 2, "head_size": 32, "num_blocks": 512},

@@ -4,9 +4,9 @@ import json
 import time
 from pathlib import Path
 
-from kvpipe.connector.cli import main
-from kvpipe.connector.master import LocalMaster, free_port
-from kvpipe.connector.mooncake import MooncakeSettings, MooncakeStore
+from kvpipe.connector.cli.main import main
+from kvpipe.connector.store.mooncake import MooncakeSettings, MooncakeStore
+from kvpipe.connector.store.mooncake.master import LocalMaster, free_port
 
 CONFIG = str(Path(__file__).parents[2] / "configs" / "mooncake.yaml")
 SMALL = [

@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import pytest
 
-from kvpipe.connector.memory import LegacyReplicateConfig, MemoryReplicateConfig
-from kvpipe.connector.store import replicate_config_supports_group_ids
+from kvpipe.connector.store.memory import LegacyReplicateConfig, MemoryReplicateConfig
+from kvpipe.connector.store.protocol import replicate_config_supports_group_ids
 
 
 class PerInstance:

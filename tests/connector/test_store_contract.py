@@ -16,7 +16,7 @@ from collections.abc import Callable, Sequence
 
 import pytest
 
-from kvpipe.connector.store import Store, replicate_config_supports_group_ids
+from kvpipe.connector.store.protocol import Store, replicate_config_supports_group_ids
 from kvpipe.stages.store import Code
 
 from .conftest import Kv, StoreParams

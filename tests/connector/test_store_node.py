@@ -13,9 +13,9 @@ from pathlib import Path
 import psutil
 import pytest
 
-from kvpipe.connector.mooncake import MooncakeSettings, MooncakeStore
-from kvpipe.connector.segment_liveness import SegmentLiveness
-from kvpipe.connector.store_node import NodeReady
+from kvpipe.connector.store.mooncake import MooncakeSettings, MooncakeStore
+from kvpipe.connector.store.mooncake.segment_liveness import SegmentLiveness
+from kvpipe.connector.store.mooncake.store_node import NodeReady
 
 ROOT = Path(__file__).resolve().parents[2]
 READY = NodeReady("127.0.0.1:12000", 64 << 20, "10.0.0.1:50051", "P2PHANDSHAKE", "tcp")
@@ -23,7 +23,7 @@ READY = NodeReady("127.0.0.1:12000", 64 << 20, "10.0.0.1:50051", "P2PHANDSHAKE",
 
 def _kvpipe(*args: str) -> subprocess.CompletedProcess[str]:
     return subprocess.run(
-        [sys.executable, "-m", "kvpipe.connector.cli", *args],
+        [sys.executable, "-m", "kvpipe.connector.cli.main", *args],
         cwd=ROOT,
         capture_output=True,
         text=True,
@@ -63,7 +63,7 @@ def test_the_printed_vllm_json_is_a_config_vllms_connector_and_kvpipe_both_accep
 
 
 def test_the_printed_store_block_mounts_no_segment() -> None:
-    from kvpipe.connector.stores import MooncakeStoreConfig
+    from kvpipe.connector.store.configs import MooncakeStoreConfig
 
     config = MooncakeStoreConfig.model_validate(READY.kvpipe_store())
     assert config.settings().global_segment_size == 0 and config.master == "10.0.0.1:50051"
@@ -118,7 +118,7 @@ def test_a_store_node_serves_engines_reports_its_use_and_stops_on_sigterm() -> N
         [
             sys.executable,
             "-m",
-            "kvpipe.connector.cli",
+            "kvpipe.connector.cli.main",
             "store",
             "--segment",
             "32MB",
@@ -174,7 +174,7 @@ def test_a_node_whose_close_outlasts_its_deadline_still_stops_the_master_it_spaw
 ) -> None:
     import threading
 
-    from kvpipe.connector.store_node import serve
+    from kvpipe.connector.store.mooncake.store_node import serve
 
     real_close = MooncakeStore.close
     slow: list[MooncakeStore] = []

@@ -319,7 +319,7 @@ async def test_metrics_mark_the_stages_wired_around():
     async with Pipeline(chain(AddOne(), _PassThrough(), Collect())) as pipeline:
         await pipeline.submit(1)
 
-    assert {name: s.wired_around for name, s in pipeline.metrics().items()} == {
+    assert {name: s.passes_through for name, s in pipeline.metrics().items()} == {
         "s0": False,
         "s1": True,
         "s2": False,

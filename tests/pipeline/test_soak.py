@@ -26,7 +26,7 @@ import threading
 import time
 from collections import Counter
 
-from kvpipe.connector.memory import MemoryStore
+from kvpipe.connector.store.memory import MemoryStore
 from kvpipe.pipeline import Job, Outcome, SyncPipeline
 from kvpipe.stages import SaveRequest, default_save_graph
 

@@ -1,6 +1,6 @@
 """Past its job's deadline a record is never sent: the store-calling stages fail it at once."""
 
-from kvpipe.connector.memory import MemoryStore
+from kvpipe.connector.store.memory import MemoryStore
 from kvpipe.pipeline.testing import batch_of
 from kvpipe.stages import FilterStage, LoadParams, LoadRequest, LoadStage, PutParams, PutStage
 

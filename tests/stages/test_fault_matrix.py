@@ -45,7 +45,7 @@ import structlog
 from hypothesis import HealthCheck, given, seed, settings
 from hypothesis import strategies as st
 
-from kvpipe.connector.memory import Faults, MemoryStore
+from kvpipe.connector.store.memory import Faults, MemoryStore
 from kvpipe.pipeline import Job, Outcome, Pipeline, SyncPipeline
 from kvpipe.stages import (
     LoadRequest,

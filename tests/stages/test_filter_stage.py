@@ -2,7 +2,7 @@
 
 import pytest
 
-from kvpipe.connector.memory import Faults, MemoryStore
+from kvpipe.connector.store.memory import Faults, MemoryStore
 from kvpipe.pipeline import Outcome, Pipeline
 from kvpipe.pipeline.testing import batch_of
 from kvpipe.stages import FilterStage, default_save_graph

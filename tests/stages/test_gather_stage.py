@@ -7,7 +7,7 @@ import anyio
 import pytest
 from pydantic import ValidationError
 
-from kvpipe.connector.memory import Faults, MemoryStore
+from kvpipe.connector.store.memory import Faults, MemoryStore
 from kvpipe.pipeline import Pipeline, build_graph
 from kvpipe.pipeline.testing import RecordingEmit, batch_of
 from kvpipe.stages import (

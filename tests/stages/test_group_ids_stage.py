@@ -4,8 +4,8 @@ import pytest
 from pydantic import ValidationError
 from structlog.testing import capture_logs
 
-from kvpipe.connector.memory import LegacyReplicateConfig, MemoryReplicateConfig, MemoryStore
-from kvpipe.connector.store import replicate_config_supports_group_ids
+from kvpipe.connector.store.memory import LegacyReplicateConfig, MemoryReplicateConfig, MemoryStore
+from kvpipe.connector.store.protocol import replicate_config_supports_group_ids
 from kvpipe.pipeline.testing import RecordingEmit
 from kvpipe.stages import GroupIdsParams, GroupIdsStage, StoreObject, group_id
 

@@ -9,7 +9,7 @@ there.
 import pytest
 from pydantic import ValidationError
 
-from kvpipe.connector.memory import Faults, MemoryStore
+from kvpipe.connector.store.memory import Faults, MemoryStore
 from kvpipe.pipeline import BuildError, Outcome, Pipeline
 from kvpipe.pipeline.registry import Resources
 from kvpipe.pipeline.testing import batch_of
@@ -319,7 +319,7 @@ def test_the_load_stage_needs_a_store_that_can_read_into_buffers():
     stage_type = KV_STAGES["load"]
     resources = Resources({"kv": make_kv().kv, "store": object()})
 
-    with pytest.raises(BuildError, match="resource 'store' must be a ReadableStore"):
+    with pytest.raises(BuildError, match="resource 'store' must be a LoadingStore"):
         stage_type.build(LoadParams(), resources)
 
 

@@ -7,7 +7,7 @@ up; objects are taken away with ``store.remove`` to make holes.
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from kvpipe.connector.memory import MemoryStore
+from kvpipe.connector.store.memory import MemoryStore
 from kvpipe.pipeline import Outcome, Pipeline
 from kvpipe.pipeline.testing import batch_of
 from kvpipe.stages import (

@@ -5,7 +5,7 @@ import time
 import pytest
 from pydantic import ValidationError
 
-from kvpipe.connector.memory import Faults, MemoryStore
+from kvpipe.connector.store.memory import Faults, MemoryStore
 from kvpipe.pipeline.testing import RecordingEmit, batch_of
 from kvpipe.stages import (
     FullChunksStage,

@@ -3,7 +3,7 @@
 import pytest
 from pydantic import ValidationError
 
-from kvpipe.connector.memory import MemoryStore
+from kvpipe.connector.store.memory import MemoryStore
 from kvpipe.pipeline.errors import BuildError
 from kvpipe.pipeline.registry import Resources
 from kvpipe.stages import (

@@ -5,7 +5,7 @@ from pathlib import Path
 import pytest
 import yaml
 
-from kvpipe.connector.memory import MemoryStore
+from kvpipe.connector.store.memory import MemoryStore
 from kvpipe.pipeline import BuildError, Outcome, Pipeline, graph_from_yaml
 from kvpipe.stages import DEFAULT_SAVE_PIPELINE, KV_STAGES, ObjectStatus, default_save_graph
 

@@ -7,7 +7,7 @@ drops an element of one list but not of the other.
 
 from dataclasses import replace
 
-from kvpipe.connector.memory import MemoryStore
+from kvpipe.connector.store.memory import MemoryStore
 from kvpipe.stages import GroupKind, GroupSpec, object_key, storable_groups
 
 from .kv_fixtures import RING, bytes_of, empty_bytes, make_kv, make_request

@@ -16,9 +16,9 @@ from typing import Any
 
 import pytest
 
-from kvpipe.connector.master import LocalMaster
-from kvpipe.connector.mooncake import MooncakeStore
-from kvpipe.connector.vllm import launch
+from kvpipe.connector.bench import launch
+from kvpipe.connector.store.mooncake import MooncakeStore
+from kvpipe.connector.store.mooncake.master import LocalMaster
 
 from . import engine
 

@@ -1,7 +1,7 @@
 """The tiny model under vLLM as the tests run it: their prompts, and an engine in this process or another.
 
 The engine set-up itself (model folder, connector configs, one timed pass) is
-:mod:`kvpipe.connector.vllm.launch`, shared with the demo and the bench; an engine
+:mod:`kvpipe.connector.bench.launch`, shared with the demo and the bench; an engine
 in another process is the bench's :class:`~kvpipe.connector.bench.vllm_engine.EngineProcess`.
 """
 
@@ -11,8 +11,8 @@ import random
 from collections.abc import Mapping, Sequence
 from typing import Any
 
+from kvpipe.connector.bench import launch
 from kvpipe.connector.bench.vllm_engine import EngineProcess
-from kvpipe.connector.vllm import launch
 
 MODEL_DIR = launch.model_dir("tiny-llama", launch.TINY_LLAMA)
 PROMPT_TOKENS = 600
@@ -39,6 +39,20 @@ def generate(llm: Any, batch: list[list[int]]) -> dict[str, Any]:
 def gen(seed: int) -> dict[str, Any]:
     """The engine-process command for one pass over ``prompts(seed)``."""
     return {"generate": prompts(seed), "max_tokens": MAX_TOKENS}
+
+
+def scheduler(llm: Any) -> Any:
+    """The scheduler side (:class:`~kvpipe.connector.vllm.scheduler.SchedulerSide`) of ``llm``."""
+    side = launch.connectors(llm)[0].scheduler
+    assert side is not None
+    return side
+
+
+def worker(llm: Any) -> Any:
+    """The worker side (:class:`~kvpipe.connector.vllm.worker.WorkerSide`) of ``llm``."""
+    side = launch.connectors(llm)[1].worker
+    assert side is not None and side.started
+    return side
 
 
 def run_engine_process(

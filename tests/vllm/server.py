@@ -34,7 +34,7 @@ from prometheus_client.metrics_core import Metric
 from prometheus_client.parser import text_string_to_metric_families
 from prometheus_client.samples import Sample
 
-from kvpipe.connector.master import LOOPBACK, free_port
+from kvpipe.connector.store.mooncake.master import LOOPBACK, free_port
 
 from . import engine
 

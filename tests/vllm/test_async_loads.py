@@ -15,11 +15,11 @@ from typing import Any
 
 import pytest
 
-from kvpipe.connector.mooncake import MooncakeStore
-from kvpipe.connector.vllm.launch import close_llm, kvpipe_transfer
+from kvpipe.connector.bench.launch import close_llm, kvpipe_transfer
+from kvpipe.connector.store.mooncake import MooncakeStore
 
 from . import engine
-from .test_connector import scheduler, stored_by, worker
+from .test_connector import stored_by
 
 SHARED = 4 * engine.BLOCK  # the prefix every prompt of a family shares: four whole chunks
 GENERATION_BOUND_S = 120  # a pass that loops (lookup, load, fail, ...) never ends: this ends the test
@@ -62,12 +62,12 @@ def test_loads_are_asynchronous_by_default(llm: Any) -> None:
     batch = engine.prompts(21)
     first, _ = stored_by(llm, batch)
     assert llm.reset_prefix_cache()
-    asked = scheduler().stats["lookup_hit_tokens"]
+    asked = engine.scheduler(llm).stats["lookup_hit_tokens"]
     second = engine.generate(llm, batch)
     assert second["cached"] == [engine.FULL_HIT] * 2
     assert second["tokens"] == first["tokens"]
-    assert scheduler().stats["lookup_hit_tokens"] - asked == 2 * engine.FULL_HIT
-    assert worker().settings.load_async
+    assert engine.scheduler(llm).stats["lookup_hit_tokens"] - asked == 2 * engine.FULL_HIT
+    assert engine.worker(llm).settings.load_async
 
 
 def test_requests_sharing_a_prefix_load_it_once(llm: Any) -> None:
@@ -75,12 +75,12 @@ def test_requests_sharing_a_prefix_load_it_once(llm: Any) -> None:
     batch = family(22, 4)
     first, _ = stored_by(llm, batch)
     assert llm.reset_prefix_cache()
-    loads, deferred = worker().stats["loads"], scheduler().stats["lookups_deferred"]
-    spared = scheduler().stats["loads_spared"]
+    loads, deferred = engine.worker(llm).stats["loads"], engine.scheduler(llm).stats["lookups_deferred"]
+    spared = engine.scheduler(llm).stats["loads_spared"]
     second = engine.generate(llm, batch)
-    assert worker().stats["loads"] - loads == 1
-    assert scheduler().stats["lookups_deferred"] - deferred >= 3
-    assert scheduler().stats["loads_spared"] - spared == 3  # what kvpipe:loads_spared_total shows
+    assert engine.worker(llm).stats["loads"] - loads == 1
+    assert engine.scheduler(llm).stats["lookups_deferred"] - deferred >= 3
+    assert engine.scheduler(llm).stats["loads_spared"] - spared == 3  # what kvpipe:loads_spared_total shows
     assert all(cached >= SHARED for cached in second["cached"])
     assert second["connector_hits"] == SHARED  # loaded once; the rest are local hits on it
     assert second["tokens"] == first["tokens"]
@@ -94,7 +94,7 @@ def test_a_stale_hit_recomputes_once_and_never_loops(
     first, records = stored_by(llm, batch)
     keys = sorted({r.key for r in records})
     assert keys
-    side = scheduler()
+    side = engine.scheduler(llm)
     allocated = side.update_state_after_alloc
 
     def then_evict(request: Any, blocks: Any, num_external_tokens: int) -> None:
@@ -105,10 +105,10 @@ def test_a_stale_hit_recomputes_once_and_never_loops(
 
     monkeypatch.setattr(side, "update_state_after_alloc", then_evict)
     assert llm.reset_prefix_cache()
-    before = Counter(side.stats), Counter(worker().stats)
+    before = Counter(side.stats), Counter(engine.worker(llm).stats)
     with bounded(GENERATION_BOUND_S):
         again = engine.generate(llm, batch)
-    scheduled, worked = Counter(side.stats) - before[0], Counter(worker().stats) - before[1]
+    scheduled, worked = Counter(side.stats) - before[0], Counter(engine.worker(llm).stats) - before[1]
     assert again["tokens"] == first["tokens"]
     assert again["cached"] == [0, 0]
     assert worked["loads"] == 2  # one per request, never a second

@@ -10,14 +10,12 @@ prefixes stored before hit and load. Figures are printed (``pytest -s``).
 from __future__ import annotations
 
 import time
-from typing import Any
 
 import pytest
 
-from kvpipe.connector.cluster import LocalCluster
-from kvpipe.connector.master import P2P_HANDSHAKE
-from kvpipe.connector.vllm import KVPipeConnector
-from kvpipe.connector.vllm.launch import close_llm, kvpipe_transfer
+from kvpipe.connector.bench.launch import close_llm, kvpipe_transfer
+from kvpipe.connector.store.mooncake.cluster import LocalCluster
+from kvpipe.connector.store.mooncake.master import P2P_HANDSHAKE
 
 from . import engine
 
@@ -25,12 +23,6 @@ pytestmark = pytest.mark.mooncake
 
 STORED_SEED = 3  # stored before the failover, loaded after it
 GAP_SEEDS = (4, 5)  # first seen during the gap: generated, their saves fail fast
-
-
-def _worker() -> Any:
-    workers = [c.worker for c in KVPipeConnector.instances if c.worker is not None and c.worker.started]
-    assert len(workers) == 1, workers
-    return workers[0]
 
 
 def test_vllm_generates_through_a_leader_failover_and_then_hits_what_it_stored(
@@ -50,10 +42,14 @@ def test_vllm_generates_through_a_leader_failover_and_then_hits_what_it_stored(
     assert old is not None and old.endpoints is not None
     try:
         batch = engine.prompts(STORED_SEED)
-        before = len(_worker().observed)
+        before = len(engine.worker(llm).observed)
         first = engine.generate(llm, batch)
-        assert _worker().drain(10.0)
-        keys = {record.key for record, status in list(_worker().observed)[before:] if status.value == "put"}
+        assert engine.worker(llm).drain(10.0)
+        keys = {
+            record.key
+            for record, status in list(engine.worker(llm).observed)[before:]
+            if status.value == "put"
+        }
         assert first["tokens"] == reference[STORED_SEED] and keys
         deadline = time.monotonic() + 10  # the leader's group commit: a few ms
         while not keys <= cluster.durable_puts() and time.monotonic() < deadline:

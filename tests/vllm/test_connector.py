@@ -11,8 +11,8 @@ from typing import Any
 
 import pytest
 
-from kvpipe.connector.mooncake import MooncakeStore
-from kvpipe.connector.vllm.launch import close_llm, kvpipe_transfer
+from kvpipe.connector.bench.launch import close_llm, kvpipe_transfer
+from kvpipe.connector.store.mooncake import MooncakeStore
 
 from . import engine
 
@@ -29,30 +29,14 @@ def llm(store_section: dict[str, Any], reference: dict[int, list[list[int]]]) ->
     close_llm(instance)
 
 
-def worker() -> Any:
-    from kvpipe.connector.vllm import KVPipeConnector
-
-    workers = [c.worker for c in KVPipeConnector.instances if c.worker is not None and c.worker.started]
-    assert len(workers) == 1, workers
-    return workers[0]
-
-
-def scheduler() -> Any:
-    from kvpipe.connector.vllm import KVPipeConnector
-
-    schedulers = [
-        c.scheduler for c in KVPipeConnector.instances if c.scheduler is not None and c.store is not None
-    ]
-    assert len(schedulers) == 1, schedulers
-    return schedulers[0]
-
-
 def stored_by(llm: Any, batch: list[list[int]]) -> tuple[dict[str, Any], list[Any]]:
     """One pass over ``batch``, its saves drained: the pass and the records it put, first put first."""
-    before = len(worker().observed)
+    before = len(engine.worker(llm).observed)
     result = engine.generate(llm, batch)
-    assert worker().drain(10.0)
-    records = [record for record, status in list(worker().observed)[before:] if status.value == "put"]
+    assert engine.worker(llm).drain(10.0)
+    records = [
+        record for record, status in list(engine.worker(llm).observed)[before:] if status.value == "put"
+    ]
     return result, records
 
 
@@ -76,15 +60,15 @@ def test_second_pass_loads_the_stored_prefix(llm: Any, reference: dict[int, list
     first, records = stored_by(llm, batch)
     assert first["cached"] == [0, 0]
     assert len({r.key for r in records}) == PER_BATCH
-    loaded_before = worker().stats["chunks_loaded"]
+    loaded_before = engine.worker(llm).stats["chunks_loaded"]
     assert llm.reset_prefix_cache()
     second, again = stored_by(llm, batch)
     assert again == []  # what was loaded is not offered again
     print("pass 1", first["seconds"], "s; pass 2", second["seconds"], "s, cached", second["cached"])
     assert second["cached"] == [engine.FULL_HIT, engine.FULL_HIT]
     assert first["tokens"] == second["tokens"] == reference[1]
-    assert worker().stats["chunks_loaded"] - loaded_before == PER_BATCH
-    assert worker().stats["saves_dropped_no_staging"] == 0
+    assert engine.worker(llm).stats["chunks_loaded"] - loaded_before == PER_BATCH
+    assert engine.worker(llm).stats["saves_dropped_no_staging"] == 0
 
 
 def test_loaded_kv_is_really_used(llm: Any, holder: MooncakeStore) -> None:
@@ -122,19 +106,19 @@ def test_a_failed_load_is_recomputed(
     _, records = stored_by(llm, batch)
     keys = list(dict.fromkeys(r.key for r in records))
     overwrite(holder, keys, torch.zeros(records[0].size // 2, dtype=torch.uint8))
-    failed_before = worker().stats["chunks_load_failed"]
+    failed_before = engine.worker(llm).stats["chunks_load_failed"]
     assert llm.reset_prefix_cache()
     again = engine.generate(llm, batch)
-    assert worker().stats["chunks_load_failed"] - failed_before == PER_BATCH
+    assert engine.worker(llm).stats["chunks_load_failed"] - failed_before == PER_BATCH
     assert again["tokens"] == reference[7]
 
 
 def test_the_lookups_of_one_scheduling_step_are_one_store_call(llm: Any) -> None:
     """Four new requests admitted in one step: one ``batch_is_exist``, not one per request."""
-    calls = scheduler().stats["lookup_calls"]
+    calls = engine.scheduler(llm).stats["lookup_calls"]
     engine.generate(llm, engine.prompts(8, count=4))
-    assert scheduler().stats["lookup_calls"] - calls == 1
-    assert worker().drain(10.0)
+    assert engine.scheduler(llm).stats["lookup_calls"] - calls == 1
+    assert engine.worker(llm).drain(10.0)
 
 
 def test_each_saved_object_is_one_buffer(llm: Any) -> None:
@@ -150,8 +134,8 @@ def test_decode_chunks_are_not_saved_by_default(llm: Any) -> None:
     import random
 
     prompt = [random.Random(9).randrange(1024) for _ in range(engine.BLOCK + 1)]
-    before = len(worker().observed)
+    before = len(engine.worker(llm).observed)
     engine.launch.generate(llm, [prompt], 2 * engine.BLOCK)
-    assert worker().drain(10.0)
-    records = [r for r, status in list(worker().observed)[before:] if status.value == "put"]
+    assert engine.worker(llm).drain(10.0)
+    records = [r for r, status in list(engine.worker(llm).observed)[before:] if status.value == "put"]
     assert len(records) == 1

@@ -7,7 +7,7 @@ from typing import Any
 import pytest
 import torch
 
-from kvpipe.connector.vllm import launch
+from kvpipe.connector.bench import launch
 from kvpipe.stages.flags import ConfigError
 
 from . import engine

@@ -15,10 +15,10 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-from kvpipe.connector.memory import MemoryStore
+from kvpipe.connector.store.memory import MemoryStore
 from kvpipe.connector.vllm.kv_layout import group_layout
 from kvpipe.connector.vllm.settings import settings_from
-from kvpipe.connector.vllm.staging import StagingArea
+from kvpipe.connector.vllm.staging_area import StagingArea
 from kvpipe.connector.vllm.worker import WorkerSide
 from kvpipe.stages import LoadRequest, SaveRequest
 

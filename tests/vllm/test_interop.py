@@ -5,8 +5,8 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
-from kvpipe.connector.master import LocalMaster
-from kvpipe.connector.vllm.launch import close_llm, kvpipe_transfer, mooncake_transfer, vllm_mooncake_env
+from kvpipe.connector.bench.launch import close_llm, kvpipe_transfer, mooncake_transfer, vllm_mooncake_env
+from kvpipe.connector.store.mooncake.master import LocalMaster
 
 from . import engine
 from .conftest import stored_keys, wait_for_keys

@@ -16,9 +16,9 @@ import pytest
 from vllm.distributed.kv_events import MEDIUM_CPU, BlockRemoved, BlockStored
 from vllm.v1.core.kv_cache_utils import maybe_convert_block_hash
 
-from kvpipe.connector.mooncake import MooncakeStore
+from kvpipe.connector.bench.launch import close_llm, kvpipe_transfer
+from kvpipe.connector.store.mooncake import MooncakeStore
 from kvpipe.connector.vllm.events import ChunkAnnouncer, ChunkReporter
-from kvpipe.connector.vllm.launch import close_llm, kvpipe_transfer
 from kvpipe.stages import (
     GroupKind,
     GroupSpec,
@@ -150,8 +150,6 @@ def published(
     """An engine with KV events on stores prompts 52; two chunks go; after a reset it looks them up again."""
     from vllm.config import KVEventsConfig
 
-    from kvpipe.connector.vllm import KVPipeConnector
-
     folder = Path(tmp_path_factory.mktemp("events"))
     events_config = KVEventsConfig(
         enable_kv_cache_events=True,
@@ -168,7 +166,7 @@ def published(
 
     publisher = llm.llm_engine.engine_core.engine_core.scheduler.kv_event_publisher
     try:
-        [worker] = [c.worker for c in KVPipeConnector.instances if c.worker is not None and c.worker.started]
+        worker = engine.worker(llm)
         prompts = engine.prompts(52)
         engine.generate(llm, prompts)
         assert worker.drain(10.0)

@@ -39,10 +39,10 @@ from typing import Any
 
 import pytest
 
-from kvpipe.connector.breaker import BreakerSettings, BreakerState
-from kvpipe.connector.master import LocalMaster
-from kvpipe.connector.mooncake import MooncakeStore
-from kvpipe.connector.vllm import launch
+from kvpipe.connector.bench import launch
+from kvpipe.connector.store.breaker import BreakerSettings, BreakerState
+from kvpipe.connector.store.mooncake import MooncakeStore
+from kvpipe.connector.store.mooncake.master import LocalMaster
 
 from . import engine
 
@@ -93,23 +93,6 @@ def llm(
     instance = engine.make_llm(transfer)
     yield instance
     launch.close_llm(instance)
-
-
-def connectors(master: LocalMaster) -> tuple[Any, Any]:
-    """This module's scheduler-side and worker-side connectors (other modules' may still be alive)."""
-    from kvpipe.connector.vllm import KVPipeConnector
-
-    assert master.endpoints is not None
-    address = master.endpoints.master_address
-    mine = [
-        c
-        for c in KVPipeConnector.instances
-        if c.store is not None and getattr(c.settings.store, "master", None) == address
-    ]
-    schedulers = [c for c in mine if c.is_scheduler]
-    workers = [c for c in mine if not c.is_scheduler]
-    assert len(schedulers) == 1 and len(workers) == 1, mine
-    return schedulers[0], workers[0]
 
 
 @dataclass
@@ -219,7 +202,7 @@ class Counting:
 def outage(llm: Any, outage_master: LocalMaster, reference: dict[int, list[list[int]]]) -> Outage:
     """The scenario, once: normal passes, passes with the master stopped, then its return."""
     assert outage_master.endpoints is not None
-    scheduler, worker = connectors(outage_master)
+    scheduler, worker = engine.launch.connectors(llm)
     breakers = {"scheduler": scheduler.store.breaker, "worker": worker.store.breaker}
     assert all(b.settings == BREAKER for b in breakers.values())  # on by default, with the defaults
     rpc_s = worker.store.inner.inner.rpc_timeout_s  # breaker, meter, the Mooncake client

@@ -26,7 +26,7 @@ from typing import Any
 
 import pytest
 
-from kvpipe.connector.vllm import launch
+from kvpipe.connector.bench import launch
 
 from .test_connector import scheduler, stored_by, worker
 

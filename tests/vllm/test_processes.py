@@ -7,7 +7,7 @@ from typing import Any
 
 import pytest
 
-from kvpipe.connector.vllm.launch import close_llm, kvpipe_transfer
+from kvpipe.connector.bench.launch import close_llm, kvpipe_transfer
 
 from . import engine
 

@@ -8,7 +8,7 @@ from typing import Any
 import pytest
 from prometheus_client import REGISTRY, Counter, Gauge, Histogram
 
-from kvpipe.connector.vllm.launch import close_llm, kvpipe_transfer
+from kvpipe.connector.bench.launch import close_llm, kvpipe_transfer
 from kvpipe.connector.vllm.messages import GAUGES, OPS, KVPipeStats
 from kvpipe.connector.vllm.prom import KVPipePromMetrics
 
@@ -120,11 +120,9 @@ def test_stats_aggregate_counters_records_and_readings_each_their_way() -> None:
 @pytest.fixture(scope="module")
 def engine_run(store_section: dict[str, Any]) -> dict[str, Any]:
     """A real engine stores prompts 51 and hits them after a prefix-cache reset; its counters and series."""
-    from kvpipe.connector.vllm import KVPipeConnector
-
     llm = engine.make_llm(kvpipe_transfer({"store": store_section}))
     try:
-        live = [c for c in KVPipeConnector.instances if c.store is not None]
+        live = engine.launch.connectors(llm)
         first = engine.generate(llm, engine.prompts(51))
         assert all(c.drain() for c in live if c.worker is not None)
         llm.reset_prefix_cache()

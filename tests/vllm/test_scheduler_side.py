@@ -13,7 +13,7 @@ from typing import Any
 
 import pytest
 
-from kvpipe.connector.memory import MemoryStore
+from kvpipe.connector.store.memory import MemoryStore
 from kvpipe.connector.vllm.scheduler import FAILED_CHUNK_TTL_S, SchedulerSide
 from kvpipe.connector.vllm.settings import settings_from
 from kvpipe.stages import GroupKind, GroupSpec, object_key

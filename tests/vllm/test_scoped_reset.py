@@ -11,9 +11,8 @@ from typing import Any
 
 import pytest
 
-from kvpipe.connector.master import LocalMaster
-from kvpipe.connector.vllm import KVPipeConnector
-from kvpipe.connector.vllm.launch import close_llm, kvpipe_transfer
+from kvpipe.connector.bench.launch import close_llm, kvpipe_transfer
+from kvpipe.connector.store.mooncake.master import LocalMaster
 
 from . import engine
 from .conftest import stored_keys
@@ -32,21 +31,16 @@ def reset_run(store_section: dict[str, Any], master: LocalMaster) -> dict[str, A
     def deployment(prefix: str) -> Any:
         return engine.make_llm(kvpipe_transfer({"store": store_section, "cache_prefix": prefix}))
 
-    def drained() -> None:
-        assert all(
-            c.drain() for c in KVPipeConnector.instances if c.worker is not None and c.store is not None
-        )
-
     first = deployment("scoped-a")
     try:
         engine.generate(first, engine.prompts(53))
-        drained()
+        assert engine.worker(first).drain()
     finally:
         close_llm(first)
     second = deployment("scoped-b")
     try:
         engine.generate(second, engine.prompts(53))
-        drained()
+        assert engine.worker(second).drain()
         before = {prefix: len(keys_of(master, prefix)) for prefix in ("scoped-a", "scoped-b")}
         reset = second.reset_prefix_cache(reset_connector=True)
         after = {prefix: len(keys_of(master, prefix)) for prefix in ("scoped-a", "scoped-b")}

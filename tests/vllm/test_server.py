@@ -20,9 +20,9 @@ import msgspec
 import pytest
 from vllm.distributed.kv_events import BlockRemoved, BlockStored
 
-from kvpipe.connector.master import LocalMaster
-from kvpipe.connector.mooncake import MooncakeStore
-from kvpipe.connector.vllm import launch
+from kvpipe.connector.bench import launch
+from kvpipe.connector.store.mooncake import MooncakeStore
+from kvpipe.connector.store.mooncake.master import LocalMaster
 from kvpipe.stages.keys import key_chunk_hex
 
 from . import engine

@@ -5,7 +5,7 @@ from __future__ import annotations
 import torch
 
 from kvpipe.connector.vllm.kv_layout import group_layout
-from kvpipe.connector.vllm.staging import StagingArea
+from kvpipe.connector.vllm.staging_area import StagingArea
 
 NUM_BLOCKS = 6
 

@@ -12,7 +12,7 @@ import time
 import pytest
 import torch
 
-from kvpipe.connector.memory import MemoryStore
+from kvpipe.connector.store.memory import MemoryStore
 from kvpipe.connector.vllm.messages import KVPipeMetadata
 from kvpipe.connector.vllm.settings import settings_from
 from kvpipe.connector.vllm.worker import WorkerSide

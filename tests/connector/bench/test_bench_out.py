@@ -7,7 +7,7 @@ from pathlib import Path
 import pytest
 
 from kvpipe.connector.bench import BenchOptions
-from kvpipe.connector.cli import main
+from kvpipe.connector.cli.main import main
 
 
 def test_by_default_records_go_to_the_users_cache(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:

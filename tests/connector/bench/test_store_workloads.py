@@ -12,8 +12,8 @@ import pytest
 
 from kvpipe.connector.bench import BenchOptions, workload_runner
 from kvpipe.connector.bench.kvbench import BenchCache, BenchError, PipelineContender
-from kvpipe.connector.cli import main
-from kvpipe.connector.memory import Faults, MemoryStore
+from kvpipe.connector.cli.main import main
+from kvpipe.connector.store.memory import Faults, MemoryStore
 
 pytestmark = pytest.mark.mooncake
 

@@ -4,8 +4,8 @@ import ctypes
 
 import pytest
 
-from kvpipe.connector.run.engine import BlockPool
-from kvpipe.connector.run.synthetic import SyntheticCache, SyntheticGroup
+from kvpipe.connector.cli.run.engine import BlockPool
+from kvpipe.connector.cli.run.synthetic import SyntheticCache, SyntheticGroup
 from kvpipe.stages import GroupKind, GroupSpec
 
 FULL = SyntheticGroup(GroupSpec(GroupKind.FULL_ATTENTION, 16), layers=3)

@@ -14,8 +14,8 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
-from kvpipe.connector.store import Store
-from kvpipe.connector.stores import open_store
+from kvpipe.connector.store.configs import open_store
+from kvpipe.connector.store.protocol import Store
 from kvpipe.pipeline import Graph, SyncPipeline, build_graph
 from kvpipe.stages import (
     KV_STAGES,

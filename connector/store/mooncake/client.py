@@ -1,4 +1,4 @@
-"""The real store: Mooncake's ``MooncakeDistributedStore``, behind kvpipe's :class:`~.store.Store`.
+"""The real store: Mooncake's ``MooncakeDistributedStore`` as a kvpipe :class:`~kvpipe.connector.store.Store`.
 
 The client's own API already is the Store protocol, so :class:`MooncakeStore`
 adds only what the raw client lacks and production needs:
@@ -37,32 +37,18 @@ one error that says what to install.
 
 from __future__ import annotations
 
-import json
 import logging
 import os
-import re
 import threading
 import time
 import weakref
-from collections.abc import Callable, Iterator, Mapping, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
-from pathlib import Path
-from typing import Annotated, Any, Literal, Self
-from urllib.parse import urlsplit
+from typing import Any, Self
 
-from pydantic import (
-    BaseModel,
-    BeforeValidator,
-    ConfigDict,
-    Field,
-    ValidationError,
-    ValidationInfo,
-    field_validator,
-)
-from pydantic_core import PydanticCustomError
+from kvpipe.stages.store import EXISTS, Code, describe
 
-from kvpipe.stages.store import Code, describe
-
+from ..protocol import replicate_config_supports_group_ids
 from .cluster import LocalCluster
 from .master import (
     P2P_HANDSHAKE,
@@ -73,342 +59,20 @@ from .master import (
 )
 from .master_address import MasterAddress
 from .segment_liveness import SegmentLiveness
-from .store import replicate_config_supports_group_ids
+from .settings import MooncakeSettings, http_endpoint, mib_text
 
-__all__ = [
-    "MIN_SEGMENT_BYTES",
-    "MasterError",
-    "MooncakeConfigError",
-    "MooncakeError",
-    "MooncakeSettings",
-    "MooncakeStore",
-    "parse_size",
-]
+__all__ = ["MooncakeError", "MooncakeStore"]
 
 log = logging.getLogger(__name__)
 
-MiB = 1 << 20
-MIN_SEGMENT_BYTES = 16 * MiB  # the client's floor: setup() returns -600 below it
-CONFIG_PATH_ENV = "MOONCAKE_CONFIG_PATH"
 RPC_TIMEOUT_ENV = "MC_RPC_TIMEOUT_MS"
 #: set by whoever started the process: then it is theirs, and settings leave it alone
 _RPC_TIMEOUT_FROM_USER = RPC_TIMEOUT_ENV in os.environ
-LOCAL_HOSTNAME_ENV = "MOONCAKE_REQUESTER_LOCAL_HOSTNAME"
 INSTALL_HINT = "pip install 'kvpipe[mooncake]' (mooncake-transfer-engine-non-cuda==0.3.13.post1)"
 
 
 class MooncakeError(RuntimeError):
     """The Mooncake client cannot be loaded or set up."""
-
-
-class MooncakeConfigError(ValueError):
-    """A vLLM Mooncake JSON file cannot be used; the message names the file and field."""
-
-
-# -- sizes ---------------------------------------------------------------------------------
-
-_SIZE = re.compile(r"^([\d.]+)\s*(gib|mib|kib|gb|mb|kb|b)?$")
-_UNITS = {"gb": 1 << 30, "mb": 1 << 20, "kb": 1 << 10, "b": 1, "gib": 1 << 30, "mib": 1 << 20, "kib": 1 << 10}
-
-
-def parse_size(value: object) -> int:
-    """Bytes from an int or a string such as ``"256MB"``, as vLLM's ``_parse_size`` reads it.
-
-    Units are binary whatever their spelling (``"1MB"`` is 2**20, as in vLLM),
-    case-insensitive, with optional spaces; ``KiB``/``MiB``/``GiB`` are accepted
-    too. A fractional result is truncated to whole bytes, again as in vLLM.
-    """
-    if isinstance(value, bool):
-        raise PydanticCustomError("size", "must be a size in bytes or a string such as '256MB', not a bool")
-    if isinstance(value, int):
-        return value
-    if isinstance(value, float):
-        return int(value)
-    if not isinstance(value, str):
-        raise PydanticCustomError("size", "must be a size in bytes or a string such as '256MB'")
-    match = _SIZE.match(value.strip().lower())
-    if match is None:
-        raise PydanticCustomError(
-            "size", "must be a size such as 268435456, '256MB' or '1GB' (units B, KB, MB, GB)"
-        )
-    try:
-        number = float(match.group(1))
-    except ValueError:
-        raise PydanticCustomError("size", "has no valid number before its unit") from None
-    return int(number * _UNITS[match.group(2) or "b"])
-
-
-def _segment_size(value: object) -> int:
-    """A before-validator: :func:`parse_size`, then the client's floor, quoting what was written."""
-    size = parse_size(value)
-    if 0 < size < MIN_SEGMENT_BYTES or size < 0:
-        raise PydanticCustomError(
-            "segment_size",
-            "must be 0 (mount no segment) or at least 16 MiB: the Mooncake client refuses a smaller "
-            "segment (setup() returns -600), got {value} ({size} bytes)",
-            {"value": repr(value), "size": size},
-        )
-    return size
-
-
-def _buffer_size(value: object) -> int:
-    size = parse_size(value)
-    if size < 0:
-        raise PydanticCustomError("buffer_size", "must be >= 0 bytes, got {value}", {"value": repr(value)})
-    return size
-
-
-SegmentSize = Annotated[int, BeforeValidator(_segment_size)]
-BufferSize = Annotated[int, BeforeValidator(_buffer_size)]
-
-
-def _mib(n: int) -> str:
-    return f"{n / MiB:g} MiB"
-
-
-def _http_endpoint(metadata_server: str) -> tuple[str, int] | None:
-    """The host and port of an HTTP metadata server, or None for other kinds."""
-    parts = urlsplit(metadata_server)
-    if parts.scheme not in ("http", "https"):
-        return None
-    return parts.hostname or "", parts.port or (443 if parts.scheme == "https" else 80)
-
-
-# -- settings ------------------------------------------------------------------------------
-
-
-class ClusterSpawn(BaseModel):
-    """A local cluster for ``master: spawn``: etcd, ``masters`` HA masters, ``store_nodes`` nodes."""
-
-    model_config = ConfigDict(extra="forbid", frozen=True)
-
-    masters: int = Field(2, ge=1, le=5)
-    store_nodes: int = Field(1, ge=0, le=16)
-    node_segment: SegmentSize = 256 * MiB
-
-    @field_validator("node_segment")
-    @classmethod
-    def _lends_memory(cls, value: int) -> int:
-        if value == 0:
-            raise PydanticCustomError("node_segment", "must be at least 16 MiB: a store node lends memory")
-        return value
-
-
-class MooncakeSettings(BaseModel):
-    """Where the store is and how the client joins it.
-
-    ``master`` is ``"spawn"`` (a local master on free loopback ports, stopped
-    with the store; its knobs are ``lease_ttl_ms``, ``eviction_high_watermark``,
-    ``eviction_ratio`` and ``client_ttl_s``) or the ``host:port`` of a running
-    master, which then needs ``metadata_server`` too. ``cluster`` (with ``spawn`` only)
-    spawns a local HA cluster instead (:class:`ClusterSpawn`); its store nodes hold
-    the objects, so this client may mount no segment. Sizes are bytes or
-    strings such as ``"256MB"`` (binary units, as vLLM reads them).
-
-    Objects live in the segments clients mount (``global_segment_size``), and
-    a closing client takes its segment's objects with it. A segment of 0
-    mounts none: this client then stores into the segments of longer-lived
-    clients (a ``kvpipe store`` node, :mod:`.store_node`), so its objects outlive
-    it, which is vLLM's ``standalone-store`` mode.
-
-    ``replicas`` is Mooncake's replica count for every put (``ReplicateConfig.replica_num``):
-    with 2 or more, each object lives in that many segments (of different store
-    nodes where there are enough), so losing one node loses no object. The
-    master places what it can: fewer segments than ``replicas`` store fewer
-    copies, not an error. ``verify_replicas`` makes lookups count no object whose
-    every replica is on a store node that is gone (:mod:`.segment_liveness`).
-    """
-
-    model_config = ConfigDict(extra="forbid", frozen=True)
-
-    master: Literal["spawn"] | str = "spawn"
-    metadata_server: str | None = Field(default=None, validate_default=True)
-    cluster: ClusterSpawn | None = None
-    protocol: str = "tcp"
-    device_name: str = ""
-    global_segment_size: SegmentSize = 256 * MiB
-    local_buffer_size: BufferSize = 64 * MiB
-    local_hostname: str = "127.0.0.1"
-    tenant_id: str = "default"
-    connect_timeout_s: float = Field(5.0, gt=0)
-    rpc_timeout_ms: int = Field(2000, gt=0)
-    lease_ttl_ms: int | None = Field(None, ge=0)
-    eviction_high_watermark: float | None = Field(None, gt=0, le=1)
-    eviction_ratio: float | None = Field(None, ge=0, le=1)
-    client_ttl_s: int | None = Field(None, gt=0)
-    replicas: int = Field(1, ge=1, le=16)
-    verify_replicas: bool = True
-
-    @field_validator("master")
-    @classmethod
-    def _master_address(cls, value: str) -> str:
-        if value == "spawn":
-            return value
-        try:
-            return MasterAddress.parse(value).text
-        except ValueError as exc:
-            raise PydanticCustomError("master_address", str(exc)) from None
-
-    @field_validator("metadata_server")
-    @classmethod
-    def _metadata_server(cls, value: str | None, info: ValidationInfo) -> str | None:
-        master = info.data.get("master")
-        if value is None:
-            if master is not None and master != "spawn":
-                raise PydanticCustomError(
-                    "missing_metadata_server",
-                    "is required with an existing master: 'http://host:port/metadata' or 'P2PHANDSHAKE'",
-                )
-            return None
-        value = value.strip()
-        if value == P2P_HANDSHAKE:
-            return value
-        parts = urlsplit(value)
-        if parts.scheme not in ("http", "https", "etcd", "redis") or not parts.hostname:
-            raise PydanticCustomError(
-                "metadata_server", "must be 'P2PHANDSHAKE' or a URL such as 'http://host:port/metadata'"
-            )
-        try:
-            parts.port  # noqa: B018 - raises on a bad port
-        except ValueError:
-            raise PydanticCustomError("metadata_server", "has an invalid port") from None
-        return value
-
-    @field_validator("protocol", "local_hostname", "tenant_id")
-    @classmethod
-    def _word(cls, value: str) -> str:
-        if not value.strip() or any(c.isspace() for c in value.strip()):
-            raise PydanticCustomError("word", "must be a non-empty word without spaces")
-        return value.strip()
-
-    @field_validator("global_segment_size")
-    @classmethod
-    def _segment_somewhere(cls, value: int, info: ValidationInfo) -> int:
-        cluster = info.data.get("cluster")
-        if value == 0 and info.data.get("master") == "spawn" and (cluster is None or not cluster.store_nodes):
-            raise PydanticCustomError(
-                "no_segment",
-                "is 0 (mount no segment), but a spawned master has no other client to hold objects: "
-                "give it at least 16 MiB, spawn a cluster with store nodes (cluster: {store_nodes: 1}), "
-                "or use an existing master",
-            )
-        return value
-
-    @field_validator("cluster", "lease_ttl_ms", "eviction_high_watermark", "eviction_ratio", "client_ttl_s")
-    @classmethod
-    def _spawn_only(cls, value: object, info: ValidationInfo) -> object:
-        master = info.data.get("master")
-        if value is not None and master is not None and master != "spawn":
-            raise PydanticCustomError(
-                "spawn_only",
-                "configures a spawned master only (master: spawn); set it on the master at {master}",
-                {"master": master},
-            )
-        return value
-
-    @classmethod
-    def from_vllm_file(
-        cls, path: str | os.PathLike[str], *, env: Mapping[str, str] | None = None, **overrides: Any
-    ) -> Self:
-        """Settings from vLLM's Mooncake JSON file, the one ``MOONCAKE_CONFIG_PATH`` names.
-
-        Fields and defaults are vLLM's (``protocol`` "rdma", sizes 4 GiB when
-        missing), so one file means the same store to both. ``metadata_server``
-        and ``master_server_address`` are required: vLLM would pass them empty
-        to ``setup()`` and fail there. ``mode`` is "embedded" (this client
-        mounts a segment) or "standalone-store" (``global_segment_size`` 0:
-        objects live in a store service's segments), checked as vLLM checks
-        it. ``enable_offload`` is accepted and changes nothing here: vLLM
-        passes it to no Mooncake call either (it sizes vLLM's own staging
-        buffers). Unknown fields are errors. The local host name comes from
-        ``MOONCAKE_REQUESTER_LOCAL_HOSTNAME`` when set (vLLM falls back to the
-        machine's IP, kvpipe to 127.0.0.1: set it for a multi-node store).
-        ``overrides`` are settings fields (e.g. ``connect_timeout_s``).
-        Raises :class:`MooncakeConfigError` naming the file and the field.
-        """
-        env = os.environ if env is None else env
-        where = str(path)
-        try:
-            document = json.loads(Path(path).read_text())
-        except OSError as exc:
-            raise MooncakeConfigError(
-                f"{where}: cannot read the Mooncake config: {exc.strerror or exc}"
-            ) from None
-        except json.JSONDecodeError as exc:
-            raise MooncakeConfigError(f"{where}: not valid JSON: {exc}") from None
-        if not isinstance(document, dict):
-            raise MooncakeConfigError(f"{where}: must hold a JSON object, got {type(document).__name__}")
-        problems = [f"{where}: {name}: is required" for name in _VLLM_REQUIRED if name not in document]
-        for name, value in document.items():
-            if name not in (*_VLLM_FIELDS, *_VLLM_ONLY):
-                known = ", ".join([*_VLLM_FIELDS, *_VLLM_ONLY])
-                problems.append(f"{where}: {name}: is not a known field (known: {known}), got {value!r}")
-            elif name in _VLLM_ONLY and value not in _VLLM_ONLY[name]:
-                allowed = " or ".join(repr(v) for v in _VLLM_ONLY[name])
-                problems.append(f"{where}: {name}: must be {allowed}, got {value!r}")
-        if problems:
-            raise MooncakeConfigError("\n".join(problems))
-        fields = {_VLLM_FIELDS[name]: value for name, value in document.items() if name in _VLLM_FIELDS}
-        for name, default in _VLLM_DEFAULTS.items():
-            fields.setdefault(_VLLM_FIELDS[name], default)
-        if hostname := env.get(LOCAL_HOSTNAME_ENV):
-            fields["local_hostname"] = hostname
-        fields.update(overrides)
-        try:
-            settings = cls.model_validate(fields)
-        except ValidationError as exc:
-            names = {field: name for name, field in _VLLM_FIELDS.items()}
-            names["local_hostname"] = f"local_hostname (${LOCAL_HOSTNAME_ENV})"
-            lines = []
-            for problem in exc.errors():
-                field = str(problem["loc"][0]) if problem["loc"] else ""
-                line = f"{where}: {names.get(field, field)}: {problem['msg']}"
-                lines.append(line if ", got " in line else f"{line}, got {problem['input']!r}")
-            raise MooncakeConfigError("\n".join(lines)) from None
-        mode = document.get("mode", "embedded")
-        if (mode == "standalone-store") != (settings.global_segment_size == 0):
-            raise MooncakeConfigError(
-                f"{where}: mode: {mode!r} needs global_segment_size "
-                f"{'0' if mode == 'standalone-store' else '> 0'} (as in vLLM), "
-                f"got {document.get('global_segment_size', _VLLM_DEFAULTS['global_segment_size'])!r}"
-            )
-        return settings
-
-    @classmethod
-    def from_vllm_env(cls, env: Mapping[str, str] | None = None, **overrides: Any) -> Self:
-        """:meth:`from_vllm_file` on the file ``MOONCAKE_CONFIG_PATH`` names."""
-        env = os.environ if env is None else env
-        path = env.get(CONFIG_PATH_ENV)
-        if not path:
-            raise MooncakeConfigError(f"${CONFIG_PATH_ENV} is not set: it names vLLM's Mooncake JSON config")
-        return cls.from_vllm_file(path, env=env, **overrides)
-
-
-# vLLM JSON field -> settings field, the ones vLLM reads that kvpipe can honour as they are.
-_VLLM_FIELDS = {
-    "metadata_server": "metadata_server",
-    "master_server_address": "master",
-    "protocol": "protocol",
-    "device_name": "device_name",
-    "global_segment_size": "global_segment_size",
-    "local_buffer_size": "local_buffer_size",
-    "tenant_id": "tenant_id",
-}
-_VLLM_REQUIRED = ("metadata_server", "master_server_address")
-_VLLM_DEFAULTS: dict[str, Any] = {
-    "protocol": "rdma",
-    "device_name": "",
-    "global_segment_size": 4 << 30,
-    "local_buffer_size": 4 << 30,
-}
-# Fields vLLM reads that set no client parameter: the values kvpipe accepts.
-_VLLM_ONLY: dict[str, tuple[object, ...]] = {
-    "mode": ("embedded", "standalone-store"),
-    "enable_offload": (False, True),
-}
-
-
-# -- the store -----------------------------------------------------------------------------
 
 
 def _import_mooncake() -> tuple[type, type]:
@@ -430,7 +94,7 @@ _SETUP_HINTS = {
 
 
 class MooncakeStore:
-    """A set-up Mooncake client as a :class:`~.store.Store`; open with :meth:`open`.
+    """A set-up Mooncake client as a :class:`~kvpipe.connector.store.protocol.Store`; open with :meth:`open`.
 
     Thread-safe the way the native client is (calls may overlap), plus a closed
     state: after :meth:`close` every call returns -900 and the native client is
@@ -523,7 +187,7 @@ class MooncakeStore:
                 raise MooncakeError(
                     f"Mooncake setup() failed with {describe(code)} for master {master_address}, "
                     f"metadata {metadata_server}, protocol {settings.protocol!r}, "
-                    f"segment {_mib(settings.global_segment_size)}: {hint}"
+                    f"segment {mib_text(settings.global_segment_size)}: {hint}"
                 )
             if etcd is not None:
                 _JOINED_ETCD.append(etcd)
@@ -576,7 +240,7 @@ class MooncakeStore:
         state = "closed" if self._closed else "open"
         return (
             f"MooncakeStore(master={self.master_address}{spawned}, metadata={self.metadata_server}, "
-            f"segment={_mib(self.settings.global_segment_size)}, {state})"
+            f"segment={mib_text(self.settings.global_segment_size)}, {state})"
         )
 
     # -- for reports ------------------------------------------------------------------------
@@ -635,10 +299,11 @@ class MooncakeStore:
         answers = self._master_call(len(keys), lambda c: c.batch_is_exist(list(keys)))
         if not self.settings.verify_replicas or 1 not in answers:
             return answers
-        present = [key for key, answer in zip(keys, answers, strict=True) if answer == 1]
+        present = [key for key, answer in zip(keys, answers, strict=True) if answer == EXISTS]
         lost = self._on_lost_nodes(present)
         return [
-            0 if answer == 1 and key in lost else answer for key, answer in zip(keys, answers, strict=True)
+            0 if answer == EXISTS and key in lost else answer
+            for key, answer in zip(keys, answers, strict=True)
         ]
 
     def _on_lost_nodes(self, keys: list[str]) -> set[str]:
@@ -857,7 +522,7 @@ def _check_reachable(master_address: str, metadata_server: str, timeout_s: float
                     f"mooncake cluster at {master_address} is not reachable: {what} (waited {timeout_s:g} s)"
                 )
             time.sleep(0.05)
-    if (http := _http_endpoint(metadata_server)) is not None:
+    if (http := http_endpoint(metadata_server)) is not None:
         wait_until_listening(*http, timeout_s=timeout_s, what="mooncake metadata server")
 
 

@@ -24,8 +24,8 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
 
-from ..master import MasterEndpoints
-from ..mooncake import MooncakeSettings, MooncakeStore
+from kvpipe.connector.store.mooncake import MooncakeSettings, MooncakeStore
+from kvpipe.connector.store.mooncake.master import MasterEndpoints
 
 #: The tiny 2-layer Llama: 64 KiB per 128-token block per layer, compute negligible.
 #: (The CPU attention needs a head size in {32, 64, 80, ...}: hidden 128 / 4 heads = 32.)
@@ -262,6 +262,17 @@ def _hit_counters(llm: Any) -> dict[str, int]:
         if metric.name in counters:
             counters[metric.name] += int(getattr(metric, "value", 0))
     return counters
+
+
+def connectors(llm: Any) -> tuple[Any, Any]:
+    """An in-process engine's :class:`~kvpipe.connector.vllm.KVPipeConnector` pair: ``(scheduler, worker)``.
+
+    The scheduler's is its engine core's; the worker's is vLLM's KV transfer agent,
+    of which vLLM keeps one per process (an in-process engine's worker runs here).
+    """
+    from vllm.distributed.kv_transfer import get_kv_transfer_group
+
+    return llm.llm_engine.engine_core.engine_core.scheduler.connector, get_kv_transfer_group()
 
 
 def close_llm(llm: Any) -> None:

@@ -26,9 +26,9 @@ from pydantic import BaseModel, ConfigDict, Field
 
 from kvpipe.stages.store import Code
 
-from .store import ForwardingStore, Operation, Sizes, Store, StoreCall
+from .protocol import ForwardingStore, Operation, Sizes, Store, StoreCall
 
-log = structlog.get_logger("kvpipe.connector.breaker")
+log = structlog.get_logger("kvpipe.connector.store.breaker")
 
 MASTER_TROUBLE = frozenset((Code.RPC_FAILED, Code.RPC_TIMEOUT))
 

@@ -71,8 +71,10 @@ def summary_table(report: dict[str, Any]) -> str:
         f"{'stage':<10} {'in':>8} {'out':>8} {'dropped':>8} {'errors':>7} {'p50 ms':>8} {'p99 ms':>8}",
     ]
     for name, stage in report["stages"].items():
-        if stage["wired_around"]:
-            lines.append(f"{name:<10} (wired around: it would pass every item through unchanged)")
+        if stage["passes_through"]:
+            lines.append(
+                f"{name:<10} (passes through: it would forward every item unchanged, so it never ran)"
+            )
             continue
         lines.append(
             f"{name:<10} {stage['in']:>8,} {stage['out']:>8,} {stage['dropped']:>8,} {stage['errors']:>7,} "

@@ -44,7 +44,7 @@ names are stable):
   shards or, with a run config, not among the run's objects).
 - ``store_groups``: objects and bytes per store group (``group:{g}`` in the key).
 - ``group_ids``: whether the installed Mooncake client takes ``group_ids``
-  (:func:`~.store.replicate_config_supports_group_ids`) and, with a run config,
+  (:func:`~kvpipe.connector.store.protocol.replicate_config_supports_group_ids`) and, with a run config,
   whether that run asks for them. Which stored objects carry a group id is NOT
   observable: neither the admin HTTP nor the client exposes an object's group,
   so no per-object coverage is reported (``per_object`` is always ``None``).
@@ -71,12 +71,12 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Literal, NamedTuple
 
+from kvpipe.connector.store.mooncake.master import is_listening
+from kvpipe.connector.store.mooncake.master_address import MasterAddress, split_host_port
 from kvpipe.stages import KeyNamespace, StoreObject, key_model_name, object_key
 from kvpipe.stages.keys import parse_object_key
 from kvpipe.stages.store import Code
 
-from .master import is_listening
-from .master_address import MasterAddress, split_host_port
 from .run.check import ChunkCounts, count_chunks
 
 if TYPE_CHECKING:
@@ -368,7 +368,7 @@ def client_supports_group_ids() -> bool | None:
         from mooncake.store import ReplicateConfig
     except ImportError:
         return None
-    from .store import replicate_config_supports_group_ids
+    from kvpipe.connector.store.protocol import replicate_config_supports_group_ids
 
     return replicate_config_supports_group_ids(ReplicateConfig, ReplicateConfig())
 
@@ -807,7 +807,7 @@ def render_table(report: InspectReport) -> str:
 
 def write_png(report: InspectReport, path: Path) -> Path:
     """Two panels: chunks complete / partial / absent, and each node's bytes of complete and partial chunks."""
-    from .bench.plot import new_figure, save_figure
+    from kvpipe.connector.bench.plot import new_figure, save_figure
 
     c = report.chunks
     figure, (chunks_axes, nodes_axes) = new_figure(2, (10.0, 4.0))

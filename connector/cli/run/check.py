@@ -18,8 +18,8 @@ import warnings
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 
-from kvpipe.connector.store import Store
-from kvpipe.stages import ObjectStatus, StoreObject
+from kvpipe.connector.store.protocol import Store
+from kvpipe.stages import EXISTS, ObjectStatus, StoreObject
 
 from .synthetic import SyntheticCache
 
@@ -84,7 +84,7 @@ def count_chunks(store: Store, records: Iterable[StoreObject]) -> ChunkCounts:
     present: dict[str, bool] = {}
     for start in range(0, len(keys), EXIST_BATCH):
         batch = keys[start : start + EXIST_BATCH]
-        present.update(zip(batch, (answer == 1 for answer in store.batch_is_exist(batch)), strict=True))
+        present.update(zip(batch, (answer == EXISTS for answer in store.batch_is_exist(batch)), strict=True))
     complete = partial = absent = 0
     for chunk_keys in by_chunk.values():
         found = sum(present[key] for key in chunk_keys)

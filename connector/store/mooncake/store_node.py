@@ -15,8 +15,8 @@ Mooncake JSON), reports its segment's use every ``report_every_s`` (read off the
 master's Prometheus endpoint, when one is known), and unmounts when ``stop`` is
 set (the command sets it on SIGTERM and SIGINT).
 
-Raises what :meth:`~.mooncake.MooncakeStore.open` raises: :class:`~.master.MasterError`
-or :class:`~.mooncake.MooncakeError`, one line each.
+Raises what :meth:`~.client.MooncakeStore.open` raises: :class:`~.master.MasterError`
+or :class:`~.client.MooncakeError`, one line each.
 """
 
 from __future__ import annotations
@@ -27,9 +27,10 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
+from .client import MooncakeStore
 from .master import LOOPBACK
 from .master_address import split_host_port
-from .mooncake import MooncakeSettings, MooncakeStore
+from .settings import MooncakeSettings
 
 #: the smallest buffer the client accepts for a node that never puts (its own transfers only)
 NODE_BUFFER_BYTES = 16 << 20

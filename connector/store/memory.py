@@ -40,7 +40,7 @@ from typing import Literal, get_args
 
 from kvpipe.stages.store import Code
 
-from .store import replicate_config_supports_group_ids
+from .protocol import replicate_config_supports_group_ids
 
 __all__ = [
     "Faults",
@@ -227,7 +227,7 @@ class MemoryStore:
         self._evicted_bytes = 0
         self._closed = False
 
-    # -- the ObjectStore calls -------------------------------------------------------------
+    # -- the SavingStore calls -------------------------------------------------------------
 
     @property
     def supports_group_ids(self) -> bool:

@@ -21,11 +21,11 @@ import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, replace
 
-from kvpipe.connector.store import Store
+from kvpipe.connector.store.protocol import Store
 from kvpipe.pipeline import Graph, SyncPipeline
 from kvpipe.stages import KVCache, ObjectStatus, SaveRequest, StoreObject
 from kvpipe.stages.keys import deployment_key_pattern
-from kvpipe.stages.outcomes import ObjectObserver
+from kvpipe.stages.object_status import ObjectObserver
 
 #: objects per call: a batch of the size the save stages send
 BATCH = 64

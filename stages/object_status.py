@@ -24,6 +24,8 @@ DEADLINE_PASSED = "the job's deadline passed; not sent"
 
 
 class ObjectStatus(StrEnum):
+    """What became of one store object (a job's own end is :class:`kvpipe.pipeline.Outcome`)."""
+
     PUT = "put"
     EXISTING = "existing"
     FAILED = "failed"
@@ -36,8 +38,8 @@ class ObjectObserver(Protocol):
     def __call__(self, record: StoreObject, status: ObjectStatus) -> None: ...
 
 
-class Outcomes:
-    """Reports record outcomes for one stage: job counts, success or failure, observer."""
+class ObjectReporter:
+    """Reports each record's :class:`ObjectStatus` for one stage: to its job's counts, as success or failure, and to the observer."""
 
     def __init__(self, observer: ObjectObserver | None = None) -> None:
         self._observer = observer

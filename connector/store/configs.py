@@ -16,8 +16,9 @@ from pydantic import BaseModel, BeforeValidator, ConfigDict, Field, model_valida
 from .breaker import BreakerSettings, CircuitBreaker, GuardedStore
 from .memory import MemoryStore
 from .metered import MeteredStore, OperationLog
-from .mooncake import MooncakeSettings, MooncakeStore, parse_size
-from .store import Store
+from .mooncake.client import MooncakeStore
+from .mooncake.settings import MooncakeSettings, parse_size
+from .protocol import Store
 
 #: A size in bytes: an int or a string such as "256MB" (binary units, as vLLM reads them).
 Size = Annotated[int, BeforeValidator(parse_size), Field(gt=0)]

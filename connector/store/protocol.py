@@ -57,7 +57,7 @@ from __future__ import annotations
 from collections.abc import Callable, Sequence
 from typing import Any, Literal, Protocol, runtime_checkable
 
-from kvpipe.stages.store import ObjectStore
+from kvpipe.stages.store import LoadingStore, SavingStore
 
 __all__ = [
     "ForwardingStore",
@@ -76,17 +76,8 @@ StoreCall = Callable[[], list[int]]
 
 
 @runtime_checkable
-class Store(ObjectStore, Protocol):
-    """The Mooncake Store batch API subset kvpipe uses: save, load and housekeeping."""
-
-    def batch_get_into_multi_buffers(
-        self,
-        keys: Sequence[str],
-        ptrs: Sequence[Sequence[int]],
-        sizes: Sequence[Sequence[int]],
-    ) -> list[int]:
-        """Read each object into its buffers. Per key: bytes read or negative."""
-        ...
+class Store(SavingStore, LoadingStore, Protocol):
+    """What a backend implements: the save and load roles, plus single-buffer calls and housekeeping."""
 
     def batch_put_from(
         self, keys: Sequence[str], ptrs: Sequence[int], sizes: Sequence[int], config: Any
@@ -100,10 +91,6 @@ class Store(ObjectStore, Protocol):
 
     def get_size(self, key: str) -> int:
         """The object's size in bytes, or -704 if it is missing. Leases the object."""
-        ...
-
-    def remove(self, key: str) -> int:
-        """0 if removed, -704 if missing, -706 if leased (a reader may be copying it)."""
         ...
 
     def remove_all(self) -> int:

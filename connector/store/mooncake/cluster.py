@@ -64,7 +64,7 @@ class StoreNodeProcess:
         self, master_address: str, *, segment: str, metrics: list[str], startup_timeout_s: float = 30.0
     ) -> None:
         command = [
-            sys.executable, "-m", "kvpipe.connector.cli", "store",
+            sys.executable, "-m", "kvpipe.connector.cli.main", "store",
             "--master", master_address, "--metadata-server", P2P_HANDSHAKE,
             "--segment", segment, "--json", "--report-every", "1",
             *(f"--master-metrics={endpoint}" for endpoint in metrics),

@@ -13,9 +13,9 @@ from typing import Annotated, Any, Literal
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationInfo, field_validator, model_validator
 
-from kvpipe.connector.stores import MemoryStoreConfig, StoreConfig
+from kvpipe.connector.store.configs import MemoryStoreConfig, StoreConfig
 from kvpipe.pipeline import WhenFull
-from kvpipe.stages import GroupKind, GroupSpec, StrictFlag, project_groups
+from kvpipe.stages import MAX_BUFFERS_PER_CALL, GroupKind, GroupSpec, StrictFlag, project_groups
 from kvpipe.stages.projection import MAMBA_ALIGN_MODE, savable_mode
 
 #: A positive whole number as written: ``true`` or ``"8"`` is an error, not 1 or 8.
@@ -110,7 +110,7 @@ class WorkloadConfig(_Section):
 class SaveConfig(_Section):
     enable_group_semantics: StrictFlag = False
     cache_prefix: str = ""
-    max_buffers_per_call: Count = 2048
+    max_buffers_per_call: Count = MAX_BUFFERS_PER_CALL
     queue_capacity: Count = 1024
     when_full: WhenFull = WhenFull.WAIT
 

@@ -28,17 +28,17 @@ import structlog
 import yaml
 from pydantic import ValidationError
 
+from kvpipe.connector.store.configs import MooncakeStoreConfig, without_store_tag
+from kvpipe.connector.store.mooncake import MooncakeConfigError, MooncakeError, MooncakeSettings
+from kvpipe.connector.store.mooncake.master import MasterError, sigterm_unwinds
+from kvpipe.connector.store.mooncake.master_address import MasterAddress, split_host_port
 from kvpipe.pipeline import BuildError
 from kvpipe.pipeline.config import describe_validation_error, load_yaml, one_line
 from kvpipe.stages import key_model_name
 
-from .master import MasterError, sigterm_unwinds
-from .master_address import MasterAddress, split_host_port
-from .mooncake import MooncakeConfigError, MooncakeError, MooncakeSettings
 from .run.config import RunConfig, apply_override
 from .run.job import RunResult, run
 from .run.report import ProgressLine, summary_table
-from .stores import MooncakeStoreConfig, without_store_tag
 
 USAGE_ERROR = 2
 
@@ -208,9 +208,9 @@ def _run_command(args: argparse.Namespace) -> int:
 
 
 def _bench_command(args: argparse.Namespace) -> int:
-    from .bench import WORKLOADS, BenchOptions
-    from .bench.result import default_out_dir
-    from .bench.suite import run_suite, unknown_workloads, write_markdown
+    from kvpipe.connector.bench import WORKLOADS, BenchOptions
+    from kvpipe.connector.bench.result import default_out_dir
+    from kvpipe.connector.bench.suite import run_suite, unknown_workloads, write_markdown
 
     if unknown := unknown_workloads(args.workloads):
         raise UsageError(f"workload: unknown {unknown[0]!r}; choose from {', '.join(WORKLOADS)}")
@@ -234,7 +234,7 @@ def _bench_command(args: argparse.Namespace) -> int:
 
 
 def _store_command(args: argparse.Namespace) -> int:
-    from .store_node import NodeReady, SegmentUse, serve
+    from kvpipe.connector.store.mooncake.store_node import NodeReady, SegmentUse, serve
 
     if args.report_every <= 0:
         raise UsageError(f"--report-every: must be > 0 seconds, got {args.report_every:g}")

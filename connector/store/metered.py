@@ -2,7 +2,7 @@
 
 An operator asks "how long do puts take, how many keys fail, how many bytes
 move" per operation, not per stage: :class:`MeteredStore` answers it where
-every call passes (the :class:`~.store.ForwardingStore` hook), so no stage has
+every call passes (the :class:`~.protocol.ForwardingStore` hook), so no stage has
 to time its own calls and none can forget to. A call's record is a plain tuple
 (cheap to keep and to ship to vLLM's logger process with the connector stats):
 ``(operation, status, seconds, keys, bytes, failed_keys)``.
@@ -24,7 +24,7 @@ import threading
 import time
 from collections.abc import Callable
 
-from .store import ForwardingStore, Operation, Sizes, Store, StoreCall
+from .protocol import ForwardingStore, Operation, Sizes, Store, StoreCall
 
 __all__ = ["MeteredStore", "OperationLog", "OperationRecord"]
 
@@ -60,7 +60,7 @@ class OperationLog:
 
 
 class MeteredStore(ForwardingStore):
-    """A :class:`~.store.Store` that records every master call into an :class:`OperationLog`."""
+    """A :class:`~.protocol.Store` that records every master call into an :class:`OperationLog`."""
 
     def __init__(
         self, store: Store, log: OperationLog, clock: Callable[[], float] = time.perf_counter

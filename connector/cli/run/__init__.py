@@ -1,0 +1,9 @@
+"""``kvpipe run``, the main job: a synthetic workload through the save pipeline, checked.
+
+- :mod:`.config`: the run's YAML (model, workload, store, save settings), every section defaulted.
+- :mod:`.synthetic`, :mod:`.workload`: the synthetic KV cache and the chat-like requests.
+- :mod:`.engine`: the engine stand-in that runs requests in steps and submits their saves.
+- :mod:`.job`: the steps end to end; :mod:`.check`: the store read back after the run.
+- :mod:`.baselines`: the pipeline alone and raw puts on the run's own objects (``--baselines``).
+- :mod:`.report`: the progress line and the summary table.
+"""
