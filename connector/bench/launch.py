@@ -18,7 +18,6 @@ import json
 import os
 import tempfile
 import time
-import urllib.request
 from collections.abc import Mapping, Sequence
 from dataclasses import asdict, dataclass
 from pathlib import Path
@@ -183,10 +182,10 @@ def segment_holder(endpoints: MasterEndpoints, global_segment_size: int | str = 
 
 
 def stored_keys(endpoints: MasterEndpoints) -> list[str]:
-    """Every key the master holds (its admin port's ``/get_all_keys``)."""
-    url = f"http://{endpoints.host}:{endpoints.metrics_port}/get_all_keys"
-    with urllib.request.urlopen(url, timeout=5) as response:  # noqa: S310 - a loopback master
-        return [line for line in response.read().decode().splitlines() if line.strip()]
+    """Every key the master holds (its admin HTTP, as ``kvpipe inspect`` reads it)."""
+    from kvpipe.connector.cli.inspect import AdminClient
+
+    return AdminClient(endpoints.host, endpoints.metrics_port).keys()
 
 
 def make_llm(

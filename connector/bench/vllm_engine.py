@@ -92,10 +92,6 @@ class EngineProcess:
             raise EngineProcessError(f"engine process: {answer['error']}")
         return answer
 
-    @property
-    def pid(self) -> int:
-        return self._process.pid
-
     def cpu_seconds(self) -> float:
         """CPU time the engine process has used so far (user + system, all its threads)."""
         import psutil

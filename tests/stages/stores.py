@@ -12,6 +12,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
+from kvpipe.connector.store.protocol import ForwardingStore
 from kvpipe.stages import Buffer, StoreObject
 
 
@@ -24,29 +25,18 @@ class PutCall:
     config: Any
 
 
-class RecordingStore:
+class RecordingStore(ForwardingStore):
     """Forwards every call to ``inner`` and records the exist and put calls."""
 
     def __init__(self, inner: Any) -> None:
-        self.inner = inner
+        super().__init__(inner)
         self.exist_calls: list[list[str]] = []
         self.exist_answers: list[list[int]] = []
         self.put_calls: list[PutCall] = []
 
-    @property
-    def supports_group_ids(self) -> bool:
-        return self.inner.supports_group_ids
-
-    @property
-    def local_transfers(self) -> bool:
-        return self.inner.local_transfers
-
-    def new_replicate_config(self) -> Any:
-        return self.inner.new_replicate_config()
-
     def batch_is_exist(self, keys: Sequence[str]) -> list[int]:
         self.exist_calls.append(list(keys))
-        answers = self.inner.batch_is_exist(keys)
+        answers = super().batch_is_exist(keys)
         self.exist_answers.append(list(answers))
         return answers
 
@@ -57,9 +47,9 @@ class RecordingStore:
         self.put_calls.append(
             PutCall(list(keys), [list(p) for p in ptrs], [list(s) for s in sizes], group_ids, config)
         )
-        return self.inner.batch_put_from_multi_buffers(keys, ptrs, sizes, config)
+        return super().batch_put_from_multi_buffers(keys, ptrs, sizes, config)
 
-    def __getattr__(self, name: str) -> Any:
+    def __getattr__(self, name: str) -> Any:  # what the store under it has beyond the protocol
         return getattr(self.inner, name)
 
     @property

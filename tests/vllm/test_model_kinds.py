@@ -28,7 +28,8 @@ import pytest
 
 from kvpipe.connector.bench import launch
 
-from .test_connector import scheduler, stored_by, worker
+from . import engine
+from .test_connector import stored_by
 
 PROMPT_TOKENS = 1400
 MAX_TOKENS = 8
@@ -84,7 +85,7 @@ class Engine:
     @property
     def full_hit(self) -> int:
         """The longest hit of a prompt: whole grains (partial hits' alignment, or the stored groups' lcm)."""
-        cache = scheduler().cache
+        cache = engine.scheduler(self.llm).cache
         grain = cache.hit_alignment or math.lcm(*(g.spec.block_size for g in cache.store_groups))
         return (PROMPT_TOKENS - 1) // grain * grain
 
@@ -117,8 +118,8 @@ def vllm_connector(kind: Kind, mooncake_json: Path, commands: list[dict[str, Any
 
 
 def test_the_engine_has_the_kv_cache_groups_of_its_kind(kvpipe: Engine) -> None:
-    assert len(scheduler().cache.groups) == kvpipe.kind.groups
-    assert len(worker().cache.store_groups) == kvpipe.kind.groups  # all of them are stored
+    assert len(engine.scheduler(kvpipe.llm).cache.groups) == kvpipe.kind.groups
+    assert len(engine.worker(kvpipe.llm).cache.store_groups) == kvpipe.kind.groups  # all of them are stored
 
 
 def test_a_reset_engine_loads_every_stored_chunk_with_identical_outputs(kvpipe: Engine) -> None:
@@ -127,11 +128,11 @@ def test_a_reset_engine_loads_every_stored_chunk_with_identical_outputs(kvpipe: 
     assert first["cached"] == [0, 0]
     assert len({r.key for r in records}) == 2 * kvpipe.kind.objects_per_prompt
     assert kvpipe.llm.reset_prefix_cache()
-    loaded = worker().stats["chunks_loaded"]
+    loaded = engine.worker(kvpipe.llm).stats["chunks_loaded"]
     second = kvpipe.generate(batch)
     assert second["cached"] == [kvpipe.full_hit] * 2
     assert second["connector_hits"] == 2 * kvpipe.full_hit
-    assert worker().stats["chunks_loaded"] - loaded == 2 * kvpipe.kind.loads_per_prompt
+    assert engine.worker(kvpipe.llm).stats["chunks_loaded"] - loaded == 2 * kvpipe.kind.loads_per_prompt
     assert second["tokens"] == first["tokens"]
 
 
