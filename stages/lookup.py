@@ -1,4 +1,4 @@
-"""The ``lookup`` stage: how much of a request's prefix can the store give back?
+"""Lookups: how much of a request's prefix can the store give back?
 
 The engine asks this once per waiting request, before it allocates blocks. The
 answer is a prefix length in tokens, and a prefix is only worth something if
@@ -18,9 +18,11 @@ of ``L`` tokens needs every other group's chunks up to ``L`` and, of each
 recurrent group, the one state at ``L``; the hit is the longest such ``L``, as in
 vLLM's own prefix cache and its connector.
 
-The arithmetic is pure (:func:`lookup_keys`, :func:`longest_stored_prefix`) and
-shared by the stage and its tests; the stage adds one ``batch_is_exist`` per
-batch, across requests.
+The rule is pure: :func:`lookup_keys` says which objects decide a hit, and
+:func:`longest_stored_prefix` reads the hit off the store's answers for them. The
+caller makes the store call (the vLLM connector's scheduler side: one
+``batch_is_exist`` per scheduling step, across requests), so a lookup costs no
+pipeline hop on the engine's critical path.
 """
 
 from __future__ import annotations
@@ -28,16 +30,10 @@ from __future__ import annotations
 import math
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
-from typing import Any, ClassVar, Protocol
 
-from kvpipe.pipeline.stage import BatchEntry, BatchStage, Emit, Stage
-
-from .batch_calls import StoreCallError, call_per_key
 from .chunks import chunk_hash_at, is_recurrent
 from .keys import object_key
-from .model import KVCache, Shard, StoreGroup
-from .projection import storable_groups
-from .store import EXISTS, LoadingStore
+from .model import Shard, StoreGroup
 
 
 @dataclass(frozen=True, slots=True)
@@ -65,20 +61,6 @@ class LookupRequest:
                 f"LookupRequest {self.request_id!r}: num_computed_tokens must be >= 0, "
                 f"got {self.num_computed_tokens}"
             )
-
-
-@dataclass(frozen=True, slots=True)
-class LookupResult:
-    """The stored prefix of a request, counted from token 0.
-
-    ``hit_tokens`` is a whole number of prefix units (``chunks`` of them) and is
-    always below the request's ``num_tokens``: the engine must compute at least
-    the last token itself. Callers subtract what they already have locally.
-    """
-
-    request_id: str
-    hit_tokens: int
-    chunks: int
 
 
 def prefix_unit(groups: Sequence[StoreGroup]) -> int:
@@ -193,81 +175,3 @@ def longest_stored_prefix(
         if hit <= request.num_computed_tokens or holds(hit):
             return hit
     return 0
-
-
-class LookupStage(BatchStage):
-    """LookupRequest -> LookupResult on ``out``, one ``batch_is_exist`` per batch.
-
-    A store error is "don't know", and for a lookup "don't know" is a miss: the
-    chunk ends the hit, the request still gets an answer, and the job counts the
-    keys under ``exist_errors``. Loading a chunk we are unsure of would cost a
-    failed load; missing it costs only recomputation. Each job also counts its
-    answer (``hit_tokens``, ``hit_chunks``), so a caller awaiting the job has it.
-    """
-
-    input_type: ClassVar[Any] = LookupRequest
-    output_types: ClassVar[dict[str, Any]] = {"out": LookupResult}
-
-    def __init__(self, kv: KVCache, store: LoadingStore) -> None:
-        self._groups = storable_groups(kv)
-        self._unit = prefix_unit(self._groups)
-        self._alignment = kv.hit_alignment
-        self._shards = kv.shards
-        self._hash_block_size = kv.hash_block_size
-        self._store = store
-
-    async def process_batch(self, batch: Sequence[BatchEntry[LookupRequest]]) -> None:
-        wanted = [
-            lookup_keys(self._groups, self._shards, self._hash_block_size, entry.item, self._alignment)
-            for entry in batch
-        ]
-        # Requests sharing a prefix share keys: each key is asked once.
-        keys = list(dict.fromkeys(key for entry_keys in wanted for key in entry_keys))
-        answers: dict[str, int] = {}
-        if keys:
-            try:
-                answers = dict(
-                    zip(keys, await call_per_key(self, self._store.batch_is_exist, keys), strict=True)
-                )
-            except StoreCallError:
-                answers = {}  # no usable answer: every key is unknown, so every chunk is a miss
-        for entry, entry_keys in zip(batch, wanted, strict=True):
-            request = entry.item
-            unknown = sum(1 for key in entry_keys if answers.get(key, -1) not in (EXISTS, 0))
-            if unknown:
-                entry.emit.count("exist_errors", unknown)
-            exists = {key: answers.get(key) == EXISTS for key in entry_keys}
-            tokens = longest_stored_prefix(
-                self._groups, self._shards, self._hash_block_size, request, exists, self._alignment
-            )
-            result = LookupResult(request.request_id, tokens, tokens // self._unit)
-            entry.emit.count("hit_tokens", result.hit_tokens)
-            entry.emit.count("hit_chunks", result.chunks)
-            await entry.emit(result)
-
-
-class LookupObserver(Protocol):
-    """Told every lookup's result; must be quick (it runs on the pipeline's loop)."""
-
-    def __call__(self, result: LookupResult) -> None: ...
-
-
-class LookupResultsStage(Stage):
-    """The end of a lookup graph: hands each result to an optional observer.
-
-    A graph needs every port read, and ``lookup`` keeps its ``out`` port so it
-    stays composable (a later stage could, say, prefetch the hit). The answer
-    already rides on the job's counts; the observer is for callers that want
-    the :class:`LookupResult` itself as it arrives.
-    """
-
-    ports: ClassVar[tuple[str, ...]] = ()
-    input_type: ClassVar[Any] = LookupResult
-
-    def __init__(self, observer: LookupObserver | None = None) -> None:
-        self._observer = observer
-
-    async def process(self, item: LookupResult, emit: Emit) -> None:
-        if self._observer is not None:
-            self._observer(item)
-        emit.succeed()

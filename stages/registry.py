@@ -5,10 +5,8 @@ Factories take their objects from the build's resources: ``kv`` (the engine's
 ``observer`` (an :class:`ObjectObserver` told the outcome of every object). A resource of the wrong
 kind is a build error naming it, not an AttributeError at the first request.
 
-The load path's stages take the same ``kv`` and ``store`` (for ``load``, a store
-with ``batch_get_into_multi_buffers``) and, optionally, ``lookup_observer`` (told
-every :class:`LookupResult`) and ``load_observer`` (told each load request's
-failed block ids).
+The load stage takes the same ``kv`` and ``store`` (a :class:`LoadingStore`) and,
+optionally, ``load_observer`` (told each load request's failed block ids).
 """
 
 from __future__ import annotations
@@ -23,7 +21,6 @@ from .filter import FilterStage
 from .gather import GatherParams, GatherStage
 from .group_ids import GroupIdsParams, GroupIdsStage
 from .load import LoadParams, LoadStage
-from .lookup import LookupResultsStage, LookupStage
 from .model import KVCache
 from .project import ProjectStage
 from .put import PutParams, PutStage
@@ -84,16 +81,6 @@ def _build_gather(params: GatherParams, resources: Resources) -> GatherStage:
 @KV_STAGES.register("put", PutParams)
 def _build_put(params: PutParams, resources: Resources) -> PutStage:
     return PutStage(params, _store(resources), resources.get("observer"))
-
-
-@KV_STAGES.register("lookup")
-def _build_lookup(params: NoParams, resources: Resources) -> LookupStage:
-    return LookupStage(_kv(resources), _loading_store(resources))
-
-
-@KV_STAGES.register("lookup_results")
-def _build_lookup_results(params: NoParams, resources: Resources) -> LookupResultsStage:
-    return LookupResultsStage(resources.get("lookup_observer"))
 
 
 @KV_STAGES.register("load", LoadParams)

@@ -93,10 +93,13 @@ def connect(
     ``mount_segment=False`` opens a Mooncake client that lends the store no memory
     (``global_segment_size: 0``), for a process that only asks what exists.
     ``shared=True`` takes the process's client for the same settings if one is open
-    (:meth:`~.mooncake.MooncakeStore.open_shared`). ``log`` records every call that
-    reaches the store (:mod:`.metered`). The caller closes the store.
-    Raises :class:`~.mooncake.MasterError` (one line) when the master cannot be
-    reached or set up.
+    (:meth:`~.mooncake.client.MooncakeStore.open_shared`). ``log`` records every call
+    that reaches the store (:mod:`.metered`). The caller closes the store.
+
+    :raises ~.mooncake.master.MasterError: the master (or metadata server) cannot be
+        started or reached within ``connect_timeout_s`` (one line).
+    :raises ~.mooncake.client.MooncakeError: the Mooncake client cannot be loaded (the
+        extra or ``libibverbs1`` missing) or its ``setup()`` fails (naming the code).
     """
     store: Store
     if isinstance(config, MemoryStoreConfig):
@@ -111,7 +114,10 @@ def connect(
 
 @contextmanager
 def open_store(config: MemoryStoreConfig | MooncakeStoreConfig) -> Iterator[Store]:
-    """The configured store (:func:`connect`), closed (and a spawned master stopped) on exit."""
+    """The configured store (:func:`connect`), closed (and a spawned master stopped) on exit.
+
+    Raises what :func:`connect` raises.
+    """
     store = connect(config)
     try:
         yield store

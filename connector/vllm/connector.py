@@ -62,6 +62,14 @@ class KVPipeConnector(KVConnectorBase_V1, SupportsHMA):
     def __init__(
         self, vllm_config: VllmConfig, role: KVConnectorRole, kv_cache_config: KVCacheConfig | None = None
     ) -> None:
+        """Validate the settings, derive the engine's cache, open this role's store client.
+
+        :raises ConfigError: no ``kv_cache_config`` (vLLM < 0.32), a bad
+            ``kv_connector_extra_config`` field (named, with its value), or
+            ``load_async: false`` with several KV-cache groups.
+        :raises ProjectionError: the model has no storable KV-cache group.
+        :raises MasterError, MooncakeError: the store cannot be opened (one line each).
+        """
         super().__init__(vllm_config=vllm_config, role=role, kv_cache_config=kv_cache_config)
         if kv_cache_config is None:
             raise ConfigError("KVPipeConnector needs vLLM's kv_cache_config (vLLM >= 0.32)")

@@ -38,7 +38,11 @@ class ConnectorSettings(BaseModel):
 
 
 def settings_from(extra: Mapping[str, Any] | None) -> ConnectorSettings:
-    """Validate ``extra`` (defaults from the ``config`` YAML's ``store``/``save`` sections)."""
+    """Validate ``extra`` (defaults from the ``config`` YAML's ``store``/``save`` sections).
+
+    :raises ConfigError: the ``config`` file cannot be read or is no mapping, or a field
+        is wrong; the message names the field (``kv_connector_extra_config.<field>``) and the value.
+    """
     extra = dict(extra or {})
     document: dict[str, Any] = {}
     if extra.get("config"):

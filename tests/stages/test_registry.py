@@ -13,8 +13,6 @@ from kvpipe.stages import (
     GatherStage,
     GroupIdsStage,
     LoadStage,
-    LookupResultsStage,
-    LookupStage,
     ProjectStage,
     PutStage,
     TailStage,
@@ -30,8 +28,6 @@ BUILT = {
     "filter": FilterStage,
     "gather": GatherStage,
     "put": PutStage,
-    "lookup": LookupStage,
-    "lookup_results": LookupResultsStage,
     "load": LoadStage,
 }
 

@@ -75,6 +75,10 @@ def run(
     ``baselines``: after the run, time the pipeline alone and raw puts on the run's
     objects (:mod:`.baselines`; the store needs room for another copy of what the
     run put). Without it their report fields are None.
+
+    :raises ValueError: the model cannot hold the workload (``model.num_blocks`` too
+        small for the longest request), or the store groups cannot be projected.
+    Raises what :func:`~kvpipe.connector.store.configs.connect` raises when it opens the store.
     """
     if store is not None:
         return _run_on(config, store, on_progress, baselines)

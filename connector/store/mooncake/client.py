@@ -137,9 +137,9 @@ class MooncakeStore:
     def open(cls, settings: MooncakeSettings | None = None) -> MooncakeStore:
         """Connect (spawning a master if asked), set the client up, and return the store.
 
-        Raises :class:`MasterError` when the master or metadata server cannot be
-        started or reached within ``connect_timeout_s``, and :class:`MooncakeError`
-        when the client cannot be loaded or ``setup()`` fails (naming its code).
+        :raises MasterError: the master or metadata server cannot be started or
+            reached within ``connect_timeout_s``; a second etcd cluster in this process.
+        :raises MooncakeError: the client cannot be loaded or ``setup()`` fails (naming its code).
         """
         settings = settings or MooncakeSettings()
         client_cls, config_cls = _import_mooncake()
@@ -213,6 +213,8 @@ class MooncakeStore:
         new leader alike (measured: one back 14 s after a leader's kill, the other
         33 s), so a vLLM engine's scheduler and worker share one. ``master: spawn``
         is never shared: each asker gets a master of its own.
+
+        Raises what :meth:`open` raises.
         """
         if settings.master == "spawn":
             return cls.open(settings)

@@ -207,6 +207,10 @@ class LocalMaster:
         A free port can be taken by someone else (an outgoing connection, another
         master) before the master binds it; on free ports that clash is retried
         with new ones.
+
+        :raises MasterError: this master is running already; ``mooncake_master`` is not
+            installed; it exits (the message quotes its log) or does not listen within
+            its start timeout.
         """
         if self._process is not None:
             raise MasterError("this master is already running")

@@ -44,7 +44,7 @@ from kvpipe.pipeline.jobs import Job, Outcome
 from kvpipe.stages import default_save_graph
 from kvpipe.stages.store import Code
 
-from ..stages.kv_fixtures import KVFixture, make_kv, make_request
+from ...stages.kv_fixtures import KVFixture, make_kv, make_request
 
 pytestmark = pytest.mark.mooncake
 

@@ -32,7 +32,7 @@ from kvpipe.stages.keys import parse_object_key
 
 pytestmark = pytest.mark.mooncake
 
-ROOT = Path(__file__).resolve().parents[2]
+ROOT = Path(__file__).resolve().parents[3]
 SIZES = {0: 4096, 1: 1024}  # bytes per object of store group 0 and 1
 HASHES = [bytes([n]) * 8 for n in range(4)]
 

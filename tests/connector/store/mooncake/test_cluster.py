@@ -18,7 +18,7 @@ from kvpipe.connector.store.mooncake.cluster import LocalCluster
 from kvpipe.connector.store.mooncake.master import MasterError, free_port
 from kvpipe.connector.store.mooncake.master_address import MasterAddress
 
-ROOT = Path(__file__).resolve().parents[2]
+ROOT = Path(__file__).resolve().parents[4]
 
 
 # -- addresses (no processes) ----------------------------------------------------------------

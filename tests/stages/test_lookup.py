@@ -1,22 +1,20 @@
-"""``lookup`` counts the prefix whose chunks are stored for every group and shard.
+"""A lookup's hit is the prefix whose chunks are stored for every group and shard.
 
-Requests are saved with the real save stages into a MemoryStore, then looked
-up; objects are taken away with ``store.remove`` to make holes.
+Requests are saved with the real save stages into a MemoryStore, then looked up
+as the scheduler looks them up (:func:`lookup_keys`, the store's answers,
+:func:`longest_stored_prefix`); objects are taken away with ``store.remove`` to
+make holes.
 """
 
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from kvpipe.connector.store.memory import MemoryStore
-from kvpipe.pipeline import Outcome, Pipeline
-from kvpipe.pipeline.testing import batch_of
 from kvpipe.stages import (
+    EXISTS,
     GroupKind,
     GroupSpec,
     LookupRequest,
-    LookupResult,
-    LookupStage,
-    default_lookup_graph,
     longest_stored_prefix,
     lookup_keys,
     object_key,
@@ -25,7 +23,7 @@ from kvpipe.stages import (
 
 from .kv_fixtures import FULL, MAMBA_ALIGN, RING, make_kv, make_request
 from .save_path import run_save_path
-from .stores import RecordingStore, ScriptedStore
+from .stores import ScriptedStore
 
 BIG = GroupSpec(GroupKind.FULL_ATTENTION, block_size=32)
 
@@ -48,20 +46,26 @@ def _key(kv, chunk, *, shard=0, store_group=0):
     return object_key(kv.shards[shard].namespace, store_group, hashes[chunk])
 
 
-async def _lookup(kv, store, *requests):
-    batch = batch_of(requests)
-    await LookupStage(kv, store).process_batch(batch)
-    return [entry.emit for entry in batch]
+def _answers(store, keys):
+    """What the store says of each key: stored, or not (an error code is "don't know": a miss)."""
+    return {key: answer == EXISTS for key, answer in zip(keys, store.batch_is_exist(list(keys)), strict=True)}
+
+
+def _keys(kv, request):
+    return lookup_keys(storable_groups(kv), kv.shards, kv.hash_block_size, request, kv.hit_alignment)
+
+
+def _hit(kv, store, request):
+    """The hit of ``request``: the longest prefix the store's answers for its lookup keys hold."""
+    groups, exists = storable_groups(kv), _answers(store, _keys(kv, request))
+    return longest_stored_prefix(groups, kv.shards, kv.hash_block_size, request, exists, kv.hit_alignment)
 
 
 async def test_the_hit_is_the_stored_prefix_counted_from_token_0():
     kv = make_kv([FULL], shards=2).kv
     store, saved = await _saved(kv, 48)
 
-    (emit,) = await _lookup(kv, store, _asking(saved, num_tokens=100))
-
-    assert emit.emitted["out"] == [LookupResult("req-1", hit_tokens=48, chunks=3)]
-    assert (emit.counts["hit_tokens"], emit.counts["hit_chunks"]) == (48, 3)
+    assert _hit(kv, store, _asking(saved, num_tokens=100)) == 48
 
 
 async def test_a_chunk_missing_for_one_shard_ends_the_hit_there():
@@ -69,9 +73,7 @@ async def test_a_chunk_missing_for_one_shard_ends_the_hit_there():
     store, saved = await _saved(kv, 64)
     assert store.remove(_key(kv, 2, shard=1)) == 0
 
-    (emit,) = await _lookup(kv, store, _asking(saved, num_tokens=100))
-
-    assert emit.emitted["out"][0].hit_tokens == 32
+    assert _hit(kv, store, _asking(saved, num_tokens=100)) == 32
 
 
 async def test_a_chunk_missing_for_one_storable_group_ends_the_hit_there():
@@ -79,9 +81,7 @@ async def test_a_chunk_missing_for_one_storable_group_ends_the_hit_there():
     store, saved = await _saved(kv, 64)
     assert store.remove(_key(kv, 1, shard=0, store_group=1)) == 0  # the second group's chunk 1
 
-    (emit,) = await _lookup(kv, store, _asking(saved, num_tokens=100))
-
-    assert emit.emitted["out"][0].hit_tokens == 16
+    assert _hit(kv, store, _asking(saved, num_tokens=100)) == 16
 
 
 async def _saved_in_steps(kv, *steps):
@@ -99,9 +99,7 @@ async def test_a_hit_ends_where_the_mamba_state_is_stored():
     kv = make_kv([FULL, RING, MAMBA_ALIGN], shards=2).kv
     store, saved = await _saved_in_steps(kv, 32, 64)  # states at 32 and 64; attention chunks 0-3
 
-    (emit,) = await _lookup(kv, store, _asking(saved, num_tokens=100))
-
-    assert emit.emitted["out"][0].hit_tokens == 64
+    assert _hit(kv, store, _asking(saved, num_tokens=100)) == 64
 
 
 async def test_without_the_mamba_state_at_its_end_a_prefix_falls_back_to_an_earlier_state():
@@ -109,18 +107,14 @@ async def test_without_the_mamba_state_at_its_end_a_prefix_falls_back_to_an_earl
     store, saved = await _saved_in_steps(kv, 32, 64)
     assert store.remove(_key(kv, 3, shard=1, store_group=1)) == 0  # one rank's state at 64
 
-    (emit,) = await _lookup(kv, store, _asking(saved, num_tokens=100))
-
-    assert emit.emitted["out"][0].hit_tokens == 32
+    assert _hit(kv, store, _asking(saved, num_tokens=100)) == 32
 
 
 async def test_a_prefix_without_any_mamba_state_is_a_miss():
     kv = make_kv([FULL, RING, MAMBA_ALIGN]).kv
     store, saved = await _saved_in_steps(kv, 40)  # 40 ends inside a block: no state is stored
 
-    (emit,) = await _lookup(kv, store, _asking(saved, num_tokens=100))
-
-    assert emit.emitted["out"][0].hit_tokens == 0
+    assert _hit(kv, store, _asking(saved, num_tokens=100)) == 0
 
 
 async def test_a_chunk_stored_after_a_missing_one_does_not_count():
@@ -128,85 +122,46 @@ async def test_a_chunk_stored_after_a_missing_one_does_not_count():
     store, saved = await _saved(kv, 64)
     assert store.remove(_key(kv, 1)) == 0  # chunks 2 and 3 stay
 
-    (emit,) = await _lookup(kv, store, _asking(saved, num_tokens=100))
-
-    assert emit.emitted["out"][0].hit_tokens == 16
+    assert _hit(kv, store, _asking(saved, num_tokens=100)) == 16
 
 
 async def test_the_ring_buffer_group_is_never_asked_for():
     kv = make_kv([FULL, RING, MAMBA_ALIGN], shards=2).kv
     store, saved = await _saved(kv, 32)
-    recording = RecordingStore(store)
+    request = _asking(saved, num_tokens=100)
 
-    (emit,) = await _lookup(kv, recording, _asking(saved, num_tokens=100))
+    keys = _keys(kv, request)
 
-    (keys,) = recording.exist_calls
     assert {key.split("@group:")[1][0] for key in keys} == {"0", "1"}  # store groups of FULL and MAMBA
     assert len(keys) == 2 * 2 * 2  # chunks x storable groups x shards
-    assert emit.emitted["out"][0].hit_tokens == 32
+    assert _hit(kv, store, request) == 32
 
 
-async def test_an_exist_error_code_is_a_miss_and_is_counted():
+async def test_an_exist_error_code_is_a_miss():
     kv = make_kv([FULL], shards=2).kv
     store, saved = await _saved(kv, 48)
     failing = _key(kv, 1, shard=1)
     scripted = ScriptedStore(exist=lambda key: -900 if key == failing else store.batch_is_exist([key])[0])
 
-    (emit,) = await _lookup(kv, scripted, _asking(saved, num_tokens=100))
-
-    assert emit.emitted["out"][0].hit_tokens == 16
-    assert emit.counts["exist_errors"] == 1
-    assert not emit.failures
-
-
-async def test_a_store_call_that_raises_gives_no_hit_instead_of_failing():
-    kv = make_kv([FULL]).kv
-    store = ScriptedStore()
-
-    def broken(keys):
-        raise RuntimeError("connection reset")
-
-    store.batch_is_exist = broken
-    saved = make_request(kv, 48)
-
-    (emit,) = await _lookup(kv, store, _asking(saved, num_tokens=100))
-
-    assert emit.emitted["out"] == [LookupResult("req-1", 0, 0)]
-    assert emit.counts["exist_errors"] == 3
-    assert not emit.failures
+    assert _hit(kv, scripted, _asking(saved, num_tokens=100)) == 16
 
 
 async def test_the_hit_always_leaves_the_last_token_to_compute():
     kv = make_kv([FULL]).kv
     store, saved = await _saved(kv, 64)
 
-    emits = await _lookup(kv, store, *(_asking(saved, num_tokens=n) for n in (64, 65, 49, 1, 0)))
+    hits = [_hit(kv, store, _asking(saved, num_tokens=n)) for n in (64, 65, 49, 1, 0)]
 
-    assert [emit.emitted["out"][0].hit_tokens for emit in emits] == [48, 64, 48, 0, 0]
+    assert hits == [48, 64, 48, 0, 0]
 
 
 async def test_chunks_the_engine_has_locally_are_not_asked_for_but_count_in_the_hit():
     kv = make_kv([FULL]).kv
     store, saved = await _saved(kv, 64)
-    recording = RecordingStore(store)
+    request = _asking(saved, num_tokens=100, num_computed_tokens=32)
 
-    (emit,) = await _lookup(kv, recording, _asking(saved, num_tokens=100, num_computed_tokens=32))
-
-    assert recording.exist_calls == [[_key(kv, 2), _key(kv, 3)]]
-    assert emit.emitted["out"][0].hit_tokens == 64
-
-
-async def test_one_exist_call_serves_every_request_of_the_batch_and_asks_shared_keys_once():
-    kv = make_kv([FULL]).kv
-    store, saved = await _saved(kv, 48)
-    other = make_request(kv, 32, request_id="other")
-    recording = RecordingStore(store)
-
-    emits = await _lookup(kv, recording, _asking(saved, 100), _asking(saved, 40), _asking(other, 100))
-
-    (keys,) = recording.exist_calls
-    assert len(keys) == len(set(keys)) == 3 + 2
-    assert [emit.emitted["out"][0].hit_tokens for emit in emits] == [48, 32, 0]
+    assert _keys(kv, request) == (_key(kv, 2), _key(kv, 3))
+    assert _hit(kv, store, request) == 64
 
 
 def test_groups_of_different_block_sizes_hit_only_where_both_groups_have_whole_chunks():
@@ -221,19 +176,6 @@ def test_groups_of_different_block_sizes_hit_only_where_both_groups_have_whole_c
     hit = longest_stored_prefix(groups, kv.shards, kv.hash_block_size, request, exists)
 
     assert hit == 32  # both groups reach 48, but 48 would end inside a 32-token chunk
-
-
-async def test_the_default_lookup_graph_answers_on_the_job_and_to_the_observer():
-    kv = make_kv([FULL, RING, MAMBA_ALIGN], shards=2).kv
-    store, saved = await _saved(kv, 48)
-    seen: list[LookupResult] = []
-
-    async with Pipeline(default_lookup_graph(kv, store, seen.append)) as pipeline:
-        job = await pipeline.submit(_asking(saved, num_tokens=100))
-        await job.finished()
-
-    assert (job.outcome, job.counts["hit_tokens"]) == (Outcome.OK, 48)
-    assert seen == [LookupResult("req-1", 48, 3)]
 
 
 # -- the definition, checked on random holes ---------------------------------------------------
@@ -284,10 +226,6 @@ def test_the_hit_is_the_longest_prefix_of_whole_units_stored_everywhere(
 
 def _partial_kv(groups=(FULL,)):
     return make_kv(list(groups), hash_block_size=8).kv
-
-
-def _answers(store, keys):
-    return {key: answer == 1 for key, answer in zip(keys, store.batch_is_exist(list(keys)), strict=True)}
 
 
 async def test_with_partial_hits_a_hit_may_end_inside_a_block_where_its_tail_is_stored():

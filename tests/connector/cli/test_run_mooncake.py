@@ -8,7 +8,7 @@ from kvpipe.connector.cli.main import main
 from kvpipe.connector.store.mooncake import MooncakeSettings, MooncakeStore
 from kvpipe.connector.store.mooncake.master import LocalMaster, free_port
 
-CONFIG = str(Path(__file__).parents[2] / "configs" / "mooncake.yaml")
+CONFIG = str(Path(__file__).parents[3] / "configs" / "mooncake.yaml")
 SMALL = [
     "--set", "workload.requests=40",
     "--set", "workload.system_prompt_tokens=[32, 128]",

@@ -17,7 +17,7 @@ from pathlib import Path
 import psutil
 import pytest
 
-CONFIGS = Path(__file__).parents[2] / "configs"
+CONFIGS = Path(__file__).parents[3] / "configs"
 UP_TIMEOUT_S = 120.0  # engines import vLLM first
 DOWN_TIMEOUT_S = 60.0
 

@@ -15,7 +15,7 @@ from kvpipe.connector.cli.run.report import ProgressLine
 
 from .test_run_job import SMALL
 
-CONFIGS = Path(__file__).parents[2] / "configs"
+CONFIGS = Path(__file__).parents[3] / "configs"
 
 
 @pytest.fixture

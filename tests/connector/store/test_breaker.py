@@ -11,7 +11,7 @@ from kvpipe.connector.store.memory import Faults, MemoryStore
 from kvpipe.pipeline import Pipeline
 from kvpipe.stages import default_save_graph
 
-from ..stages.kv_fixtures import make_kv, make_request
+from ...stages.kv_fixtures import make_kv, make_request
 
 KEYS = ["a", "b", "c"]
 

@@ -17,7 +17,7 @@ from kvpipe.connector.store.mooncake.master import P2P_HANDSHAKE
 
 pytestmark = pytest.mark.mooncake
 
-ROOT = Path(__file__).resolve().parents[2]
+ROOT = Path(__file__).resolve().parents[3]
 CONFIG = ROOT / "configs" / "cluster.yaml"
 
 

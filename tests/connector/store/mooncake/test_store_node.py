@@ -17,7 +17,7 @@ from kvpipe.connector.store.mooncake import MooncakeSettings, MooncakeStore
 from kvpipe.connector.store.mooncake.segment_liveness import SegmentLiveness
 from kvpipe.connector.store.mooncake.store_node import NodeReady
 
-ROOT = Path(__file__).resolve().parents[2]
+ROOT = Path(__file__).resolve().parents[4]
 READY = NodeReady("127.0.0.1:12000", 64 << 20, "10.0.0.1:50051", "P2PHANDSHAKE", "tcp")
 
 

@@ -15,7 +15,7 @@ import pytest
 from kvpipe.connector.store.memory import Faults, MemoryReplicateConfig, MemoryStore, StoreStats
 from kvpipe.stages.store import Code
 
-from .conftest import Kv
+from ..conftest import Kv
 
 
 class FakeClock:

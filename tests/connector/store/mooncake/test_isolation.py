@@ -22,9 +22,9 @@ from kvpipe.stages import (
     storable_groups,
 )
 
-from ..stages.kv_fixtures import KVFixture, make_kv, make_request
+from ....stages.kv_fixtures import KVFixture, make_kv, make_request
 
-SOURCES = Path(__file__).parents[2]
+SOURCES = Path(__file__).parents[4]
 PACKAGES = ("pipeline", "stages", "connector")
 TOKENS = 64  # four 16-token chunks
 

@@ -19,7 +19,7 @@ import pytest
 from kvpipe.connector.store.protocol import Store, replicate_config_supports_group_ids
 from kvpipe.stages.store import Code
 
-from .conftest import Kv, StoreParams
+from ..conftest import Kv, StoreParams
 
 KiB = 1 << 10
 MiB = 1 << 20
