@@ -14,7 +14,10 @@ CONFIG ?= configs/default.yaml
 run: $(STAMP)
 	$(VENV)/bin/kvpipe run $(CONFIG) $(ARGS)
 
+# mypy first (strict on pipeline/ and stages/; pyproject's [tool.mypy] says what it
+# checks): a wrong type fails in seconds, before the minutes of tests.
 test: $(STAMP)
+	$(PY) -m mypy
 	$(PY) -m pytest $(PYTEST_ARGS)
 
 bench: $(STAMP)
@@ -58,4 +61,4 @@ gpu-check: system-deps
 	$(GPU_VENV)/bin/python -m pytest -m gpu -v -p no:cacheprovider tests/vllm/test_device_path.py
 
 clean:
-	rm -rf $(VENV) $(GPU_VENV) .pytest_cache
+	rm -rf $(VENV) $(GPU_VENV) .pytest_cache .mypy_cache

@@ -65,7 +65,11 @@ class _State(StrEnum):
 
 
 class SyncPipeline:
-    """A pipeline on its own event-loop thread, fed from any thread."""
+    """A pipeline on its own event-loop thread, fed from any thread.
+
+    Raises ValueError when ``queue_capacity`` is not > 0, ``job_deadline_s`` is
+    given and not > 0, or ``when_full`` is not a :class:`WhenFull` value.
+    """
 
     def __init__(
         self,
@@ -117,6 +121,12 @@ class SyncPipeline:
     # -- lifecycle ----------------------------------------------------------
 
     def start(self, timeout_s: float = 60.0) -> Self:
+        """Start the loop thread and the pipeline on it (its stages' ``start``); returns self.
+
+        Raises RuntimeError when it was started before (stopped included), TimeoutError
+        when the pipeline is not running within ``timeout_s``, and, re-raised here,
+        what starting the pipeline raised on the loop thread (a stage's ``start``).
+        """
         with self._lock:
             if self._state is not _State.NEW:
                 raise RuntimeError(f"{self.name} was already started")
@@ -163,6 +173,11 @@ class SyncPipeline:
         Under ``when_full="drop"`` a full entry returns at once with a job that is
         already done and ``dropped``. Under ``"wait"`` it waits for room, at most
         ``timeout_s`` (then the job is ``dropped`` too).
+
+        Raises :class:`~.errors.PipelineClosed` when the pipeline is not running (not
+        started, stopping or stopped), also to a submit that was waiting for room when
+        :meth:`stop` began; but under ``"drop"`` a full entry refuses the item as above
+        whatever the state. Failures in the stages never raise here: they are the job's.
         """
         job = Job(item, self.job_deadline_s)
         with self._lock:
@@ -215,6 +230,7 @@ class SyncPipeline:
                 return jobs
 
     def next_completed(self, timeout_s: float | None = None) -> Job | None:
+        """The next completed job, waiting at most ``timeout_s``; None on timeout (never raises)."""
         try:
             return self._completed.get(timeout=timeout_s)
         except queue.Empty:
@@ -236,15 +252,23 @@ class SyncPipeline:
         return self._submitted - self._taken
 
     def metrics(self) -> dict[str, StageSnapshot]:
-        """Per-stage snapshots (taken on the loop thread while it runs)."""
+        """Per-stage snapshots (taken on the loop thread while it runs).
+
+        Raises TimeoutError when the running loop does not take the snapshot within 5 s.
+        """
         pipeline = self._pipeline
         return {} if pipeline is None else self._read(pipeline.metrics)
 
     def outcomes(self) -> dict[str, int]:
-        """How many jobs ended with each outcome, refusals at the entry included."""
+        """How many jobs ended with each outcome, refusals at the entry included.
+
+        Raises TimeoutError when the running loop does not read the counts within 5 s.
+        """
         pipeline = self._pipeline
-        counts = {} if pipeline is None else self._read(lambda: dict(pipeline.jobs.outcomes))
-        counts = {str(k): v for k, v in counts.items()}
+        outcomes: dict[Outcome, int] = (
+            {} if pipeline is None else self._read(lambda: dict(pipeline.jobs.outcomes))
+        )
+        counts = {str(k): v for k, v in outcomes.items()}
         if self._dropped:
             counts[Outcome.DROPPED.value] = counts.get(Outcome.DROPPED.value, 0) + self._dropped
         return counts

@@ -19,7 +19,7 @@ from __future__ import annotations
 
 from collections.abc import Callable, Hashable, Mapping, Sequence
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
@@ -27,6 +27,9 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_valida
 from .errors import BuildError
 from .graph import BatchPolicy, Graph, GraphError, StageSpec
 from .registry import Resources, StageRegistry
+
+if TYPE_CHECKING:
+    from pydantic_core import ErrorDetails
 
 
 class BatchConfig(BaseModel):
@@ -108,7 +111,7 @@ def describe_validation_error(
     return "\n".join(lines)
 
 
-def _message(problem: Any, loc: tuple[str | int, ...]) -> str:
+def _message(problem: ErrorDetails, loc: tuple[str | int, ...]) -> str:
     template = _MESSAGES.get(problem["type"])
     if template is not None:
         return template.format(**problem.get("ctx", {}))
@@ -127,7 +130,15 @@ def build_graph(
     *,
     root: str = "pipeline",
 ) -> Graph:
-    """Validate ``document`` (the mapping found at ``root``) and build its graph."""
+    """Validate ``document`` (the mapping found at ``root``) and build its graph.
+
+    Raises :class:`~.errors.BuildError`, naming the place as a path under ``root``
+    (``pipeline.stages[3].batch.max_items: ...``), when the document does not
+    validate, a stage type is not in ``registry``, a stage's ``params`` do not
+    validate, its factory raises BuildError, ValueError or TypeError (a missing
+    resource among them), or the stages do not wire into a valid :class:`Graph`.
+    Anything else a factory raises propagates as it is.
+    """
     if not isinstance(resources, Resources):
         resources = Resources(resources)
     try:
@@ -195,7 +206,13 @@ class _UniqueKeyLoader(yaml.SafeLoader):
 
 
 def load_yaml(source: str | Path) -> Any:
-    """Parse a YAML file (a Path) or YAML text (a str); a one-line error if unreadable or malformed."""
+    """Parse a YAML file (a Path) or YAML text (a str); a one-line error if unreadable or malformed.
+
+    Raises :class:`~.errors.BuildError`, naming the file (or ``YAML`` for text), when
+    the file is missing, a folder, unreadable or not UTF-8, or the text is not valid
+    YAML (a key given twice in one mapping included) or holds a value PyYAML cannot
+    construct (a date such as ``2020-13-45``, ``!!int x``).
+    """
     try:
         if isinstance(source, Path):
             with source.open(encoding="utf-8") as handle:
@@ -212,6 +229,9 @@ def load_yaml(source: str | Path) -> Any:
     except yaml.YAMLError as exc:
         where = source if isinstance(source, Path) else "YAML"
         raise BuildError(f"{where}: not valid YAML: {_yaml_problem(exc)}") from None
+    except (ValueError, TypeError, AttributeError) as exc:  # a constructor failed on a scalar
+        where = source if isinstance(source, Path) else "YAML"
+        raise BuildError(f"{where}: not valid YAML: a value cannot be read ({' '.join(str(exc).split())})") from None
 
 
 def _yaml_problem(error: yaml.YAMLError) -> str:
@@ -231,7 +251,12 @@ def graph_from_yaml(
     *,
     root: str = "pipeline",
 ) -> Graph:
-    """Build the graph under key ``root`` of a YAML file or text."""
+    """Build the graph under key ``root`` of a YAML file or text.
+
+    Raises :class:`~.errors.BuildError` when the source cannot be read or parsed
+    (:func:`load_yaml`, which also says what escapes it), when the document is not
+    a mapping with a mapping under ``root``, and whenever :func:`build_graph` does.
+    """
     document = load_yaml(source)
     if not isinstance(document, Mapping) or root not in document:
         raise BuildError(f"{root}: is required (a mapping with a 'stages' list)")

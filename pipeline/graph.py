@@ -90,6 +90,12 @@ class Graph:
     order: tuple[str, ...] = field(init=False)  # topological, entry first
 
     def __init__(self, specs: Iterable[StageSpec]) -> None:
+        """Check the wiring of ``specs`` (see the module docstring).
+
+        Raises :class:`GraphError` (a :class:`~.errors.BuildError` whose ``stage``
+        names the stage) when a stage's name, settings, wiring or item types are wrong,
+        and BuildError when there are no stages or not exactly one entry.
+        """
         object.__setattr__(self, "specs", tuple(specs))
         by_name = self._check_names()
         edges = self._check_edges(by_name)
@@ -200,7 +206,7 @@ def _fits(produced: Any, accepted: Any) -> bool:
         return True
     if isinstance(produced, type) and isinstance(accepted, type):
         return issubclass(produced, accepted)
-    return produced == accepted
+    return bool(produced == accepted)
 
 
 def _type_name(t: Any) -> str:

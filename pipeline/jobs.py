@@ -133,7 +133,11 @@ class Job:
         return None if self.finished_at is None else self.finished_at - self.submitted_at
 
     def wait(self, timeout: float | None = None) -> bool:
-        """Block this (non-loop) thread until the job is done; False on timeout."""
+        """Block this (non-loop) thread until the job is done; False on timeout.
+
+        Never raises: what went wrong in the stages is the job's :attr:`outcome`
+        (``failed``, ``partial``) and :attr:`first_error`, not an exception here.
+        """
         with _waiters_lock:
             if self.done:
                 return True
@@ -143,7 +147,11 @@ class Job:
         return finished.wait(timeout)
 
     async def finished(self) -> Job:
-        """Wait on the pipeline's event loop until the job is done."""
+        """Wait on the pipeline's event loop until the job is done; returns the job.
+
+        Raises nothing but the caller's cancellation: as with :meth:`wait`, failures
+        are the job's :attr:`outcome` and :attr:`first_error`.
+        """
         if not self.done:
             if self._async_finished is None:
                 self._async_finished = anyio.Event()
@@ -248,6 +256,7 @@ class JobTracker:
     def _finish(self, job: Job, outcome: Outcome | None) -> None:
         self._open.pop(job.id, None)
         job.complete(outcome)
-        self.outcomes[job.outcome] += 1  # type: ignore[index]
+        assert job.outcome is not None  # complete() set it (or had, for a job already done)
+        self.outcomes[job.outcome] += 1
         if self._on_complete is not None:
             self._on_complete(job)

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
-from typing import Any, Generic, TypeVar
+from typing import Any, Generic, TypeVar, overload
 
 from pydantic import BaseModel, ConfigDict
 
@@ -35,6 +35,7 @@ class Resources:
         self._values = dict(values or {})
 
     def __getitem__(self, name: str) -> Any:
+        """The resource ``name``; raises :class:`~.errors.BuildError` (naming those given) when there is none."""
         try:
             return self._values[name]
         except KeyError:
@@ -59,10 +60,22 @@ class StageRegistry:
     def __init__(self) -> None:
         self._types: dict[str, StageType[Any]] = {}
 
-    def register(self, name: str, params: type[P] = NoParams) -> Callable[[Factory[P]], Factory[P]]:  # type: ignore[assignment]
-        """Decorate a factory ``(params, resources) -> stage`` to register it as ``name``."""
+    @overload
+    def register(self, name: str) -> Callable[[Factory[NoParams]], Factory[NoParams]]: ...
 
-        def decorate(factory: Factory[P]) -> Factory[P]:
+    @overload
+    def register(self, name: str, params: type[P]) -> Callable[[Factory[P]], Factory[P]]: ...
+
+    def register(
+        self, name: str, params: type[BaseModel] = NoParams
+    ) -> Callable[[Factory[Any]], Factory[Any]]:
+        """Decorate a factory ``(params, resources) -> stage`` to register it as ``name``.
+
+        Without ``params`` the stage type takes none (:class:`NoParams`). The decorator
+        raises ValueError when ``name`` is registered already.
+        """
+
+        def decorate(factory: Factory[Any]) -> Factory[Any]:
             if name in self._types:
                 raise ValueError(f"stage type {name!r} is already registered")
             self._types[name] = StageType(name, params, factory)
@@ -71,6 +84,7 @@ class StageRegistry:
         return decorate
 
     def __getitem__(self, name: str) -> StageType[Any]:
+        """The stage type ``name``; raises KeyError (naming the known ones) when there is none."""
         try:
             return self._types[name]
         except KeyError:

@@ -33,7 +33,7 @@ from .errors import PipelineClosed
 from .graph import Graph, StageSpec
 from .jobs import Job, JobTracker, Outcome, checked_deadline
 from .metrics import StageMetrics, StageSnapshot
-from .stage import DEFAULT_PORT, BatchEntry, BatchStage
+from .stage import DEFAULT_PORT, BatchEntry, BatchStage, Stage
 
 log = structlog.get_logger("kvpipe.pipeline")
 
@@ -128,6 +128,8 @@ class Pipeline:
 
     Leaving the block normally closes the entry and waits for the graph to drain;
     leaving it with an exception cancels the workers. Either way every job ends.
+
+    Raises ValueError when ``job_deadline_s`` is given and not > 0.
     """
 
     def __init__(
@@ -158,6 +160,10 @@ class Pipeline:
     # -- lifecycle ----------------------------------------------------------
 
     async def __aenter__(self) -> Self:
+        """Start every stage (:meth:`Stage.start`) in graph order, then the workers.
+
+        What a stage's ``start`` raises propagates, once the stages started before it are stopped.
+        """
         await self._start_stages()
         self._task_group = anyio.create_task_group()
         await self._task_group.__aenter__()
@@ -195,7 +201,14 @@ class Pipeline:
     # -- submitting ---------------------------------------------------------
 
     async def submit(self, item: Any) -> Job:
-        """Queue ``item`` at the entry, waiting while the entry queue is full."""
+        """Queue ``item`` at the entry, waiting while the entry queue is full.
+
+        Raises :class:`~.errors.PipelineClosed` when :meth:`close`, :meth:`drain` or
+        :meth:`cancel` was called, leaving the block included (no job is opened), or when
+        the entry turns out to be closed or its workers gone (the item's job then ends
+        as failed). A cancellation while waiting for room ends the job as failed too,
+        and propagates.
+        """
         job = self._open(item)
         try:
             try:
@@ -219,7 +232,12 @@ class Pipeline:
         self.jobs.open(job)
 
     async def submit_job(self, job: Job) -> None:
-        """Queue an adopted job's item; the job ends as failed if the pipeline is closed."""
+        """Queue an adopted job's item; the job ends as failed if the pipeline is closed.
+
+        Raises nothing of its own (a closed entry fails the job instead). A cancellation
+        while waiting for room propagates, and the job stays open until the pipeline
+        ends it (failed, ``"cancelled"``).
+        """
         try:
             try:
                 self._entry.send_nowait((job, job.item, True))
@@ -309,6 +327,7 @@ class Pipeline:
 
     async def _run_worker(self, node: _Node, inbox: ReceiveStream, outs: Outs) -> None:
         stage = node.spec.stage
+        assert isinstance(stage, Stage)
         metrics = node.metrics
         with inbox, _closing_all(outs):
             since_yield = 0
@@ -330,7 +349,7 @@ class Pipeline:
                 emit = _Emit(node, job, outs, borrows)
                 started = time.perf_counter()
                 try:
-                    await stage.process(item, emit)  # type: ignore[union-attr]
+                    await stage.process(item, emit)
                 except Exception as exc:
                     self._item_raised(node, job, exc)
                 finally:

@@ -60,14 +60,14 @@ class Chunk(NamedTuple):
     tokens_end: int
 
     @property
-    def index(self) -> int:
+    def block_index(self) -> int:
         """The block of its group the chunk lies in: its tokens are within ``[index*bs, (index+1)*bs)``."""
         return (self.tokens_end - 1) // self.group.spec.block_size
 
     @property
     def tokens_start(self) -> int:
         """The first token of the chunk's block (a tail starts there too)."""
-        return self.index * self.group.spec.block_size
+        return self.block_index * self.group.spec.block_size
 
 
 def full_chunk_range(request: SaveRequest, group: StoreGroup, hash_block_size: int) -> range:

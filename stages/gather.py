@@ -82,6 +82,7 @@ class GatherStage(BatchStage):
         # next is copied; and short rounds, so the first put starts early.
         self._round_limit = max(1, min(slots // 2, ROUND_OBJECTS))
 
+    # Read-only where the base's attribute is settable: it follows from the params and the store.
     @property
     def passes_through(self) -> bool:  # type: ignore[override]
         return self._pool is None or self._mode == "never"

@@ -51,6 +51,7 @@ class GroupIdsStage(Stage):
             return
         self._namespace = kv.shards[0].namespace  # ranks aside, every shard's is the same
 
+    # Read-only where the base's attribute is settable: it follows from the params and the store.
     @property
     def passes_through(self) -> bool:  # type: ignore[override]
         return self._namespace is None

@@ -86,7 +86,7 @@ class LoadChunk(NamedTuple):
     """One chunk a load fills: its group, its index in the group, its hash and its engine block."""
 
     group: StoreGroup
-    index: int
+    block_index: int  # the chunk's block in its group, as :attr:`.chunks.Chunk.block_index`
     chunk_hash: bytes
     block_id: int
 

@@ -11,7 +11,7 @@ optionally, ``load_observer`` (told each load request's failed block ids).
 
 from __future__ import annotations
 
-from typing import Any
+from typing import TypeVar
 
 from kvpipe.pipeline.errors import BuildError
 from kvpipe.pipeline.registry import NoParams, Resources, StageRegistry
@@ -28,8 +28,10 @@ from .store import LoadingStore, SavingStore
 
 KV_STAGES = StageRegistry()
 
+T = TypeVar("T")
 
-def _resource(resources: Resources, name: str, kind: type) -> Any:
+
+def _resource(resources: Resources, name: str, kind: type[T]) -> T:
     value = resources[name]
     if not isinstance(value, kind):
         raise BuildError(f"resource {name!r} must be a {kind.__name__}, got {type(value).__name__}")
@@ -40,12 +42,13 @@ def _kv(resources: Resources) -> KVCache:
     return _resource(resources, "kv", KVCache)
 
 
+# A runtime_checkable Protocol is only isinstance'd here, never instantiated (mypy#4717).
 def _store(resources: Resources) -> SavingStore:
-    return _resource(resources, "store", SavingStore)
+    return _resource(resources, "store", SavingStore)  # type: ignore[type-abstract]
 
 
 def _loading_store(resources: Resources) -> LoadingStore:
-    return _resource(resources, "store", LoadingStore)
+    return _resource(resources, "store", LoadingStore)  # type: ignore[type-abstract]
 
 
 @KV_STAGES.register("project")

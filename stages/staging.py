@@ -25,6 +25,7 @@ import warnings
 from array import array
 from collections import defaultdict
 from collections.abc import Sequence
+from typing import cast
 
 import anyio
 
@@ -151,20 +152,22 @@ def copy_into_slots(records: Sequence[StoreObject], slots: Sequence[StagingSlot]
     if not records:
         return
     memory = slots[0].pool_memory()
-    groups: dict[object, list[int]] = defaultdict(list)
+    groups: dict[BlockLayout | tuple[int, ...], list[int]] = defaultdict(list)
     for position, record in enumerate(records):
         buffers = record.buffers
         key = buffers.layout if isinstance(buffers, BlockBuffers) else tuple(b.size for b in buffers)
         groups[key].append(position)
     for key, members in groups.items():
         group_slots = [slots[m] for m in members]
+        table: torch.Tensor | None
         if isinstance(key, BlockLayout):
             shape = tuple(region.bytes_per_block for region in key.regions)
             bases = torch.tensor([region.base for region in key.regions])
-            block_ids = torch.tensor([records[m].buffers.block_id for m in members])  # type: ignore[attr-defined]
+            # grouped by layout: these records' buffers are blocks of it
+            block_ids = torch.tensor([cast(BlockBuffers, records[m].buffers).block_id for m in members])
             table = bases + block_ids[:, None] * torch.tensor(shape)
         else:
-            shape = key  # type: ignore[assignment]
+            shape = key
             flat = array("q", (b.address for m in members for b in records[m].buffers))
             table = torch.frombuffer(flat, dtype=torch.int64).view(len(members), len(shape)) if flat else None
         if table is None or not _gather_rows(memory, table, group_slots, shape):

@@ -230,7 +230,7 @@ class WorkerSide:
         chunks = chunks_to_save(save, self.cache.store_groups, self.cache.hash_block_size)
         # (engine group, chunk index, engine block): the block its last token falls in
         # (a tail's block is partly filled)
-        plan = [(c.group.engine_group, c.index, c.block_id) for c in chunks]
+        plan = [(c.group.engine_group, c.block_index, c.block_id) for c in chunks]
         if not plan:
             return None
         if len(plan) > self._staging.free:
@@ -302,7 +302,7 @@ class WorkerSide:
             chunks = load_chunks(self.cache.store_groups, self.cache.hash_block_size, load)
         except ValueError:
             return []  # the load stage refuses it with the reason; its blocks fail
-        return [(chunk.group.engine_group, chunk.index, chunk.block_id) for chunk in chunks]
+        return [(chunk.group.engine_group, chunk.block_index, chunk.block_id) for chunk in chunks]
 
     def _settle_load(self, load: _Load) -> None:
         """A load whose job has ended: copy bounced blocks home, count it, record what failed."""

@@ -7,6 +7,7 @@ from pydantic import BaseModel, ConfigDict, Field
 
 from kvpipe.pipeline import BuildError, Pipeline, StageRegistry, graph_from_yaml
 from kvpipe.pipeline.registry import Resources
+from kvpipe.pipeline.config import load_yaml
 
 from .toy_stages import AddOne, Collect, RecordBatches
 
@@ -119,6 +120,12 @@ def test_a_missing_resource_is_named():
 def test_malformed_yaml_is_a_build_error():
     with pytest.raises(BuildError, match="not valid YAML"):
         graph_from_yaml("pipeline: [unclosed", registry)
+
+
+@pytest.mark.parametrize("value", ["2020-13-45", "!!int foo", "!!timestamp foo"])
+def test_a_value_yaml_cannot_construct_is_a_build_error(value):
+    with pytest.raises(BuildError, match=r"^YAML: not valid YAML: a value cannot be read \("):
+        load_yaml(f"a: {value}")
 
 
 def test_a_missing_file_is_a_build_error(tmp_path: Path):
