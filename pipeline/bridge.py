@@ -316,12 +316,14 @@ class SyncPipeline:
             while True:
                 while self._inbox:
                     job = self._inbox.popleft()
-                    pipeline.adopt(job)
-                    await pipeline.submit_job(job)
-                    # Count it taken first, then look for waiters: a submit that
-                    # found the inbox full registered as waiting before it checked
-                    # the count again, so one of the two always sees the other.
-                    self._taken += 1
+                    try:
+                        pipeline.adopt(job)
+                        await pipeline.submit_job(job)
+                    finally:  # taken even when a cancelled stop interrupts the hand-over
+                        # Count it taken first, then look for waiters: a submit that
+                        # found the inbox full registered as waiting before it checked
+                        # the count again, so one of the two always sees the other.
+                        self._taken += 1
                     # Wake blocked submitters once half the inbox is free, not per
                     # item: one wake-up per item is a GIL hand-off per item.
                     if self._waiting and self._submitted - self._taken <= self._capacity // 2:
@@ -358,6 +360,7 @@ class SyncPipeline:
             self._room.notify_all()
             leftovers = list(self._inbox)
             self._inbox.clear()
+            self._taken += len(leftovers)  # the pump is gone: nothing waits in the inbox
         for job in leftovers:
             job.record_failure("pipeline stopped before the item was processed", units=0)
             job.complete(Outcome.FAILED)

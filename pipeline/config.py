@@ -149,7 +149,9 @@ def build_graph(
     try:
         return Graph(specs)
     except GraphError as exc:
-        index = next(i for i, s in enumerate(config.stages) if s.name == exc.stage)
+        index = exc.index
+        if index is None:
+            index = next(i for i, s in enumerate(config.stages) if s.name == exc.stage)
         raise BuildError(f"{format_path(root, ('stages', index))}: {exc}") from None
     except BuildError as exc:
         raise BuildError(f"{root}: {exc}") from None
@@ -231,7 +233,9 @@ def load_yaml(source: str | Path) -> Any:
         raise BuildError(f"{where}: not valid YAML: {_yaml_problem(exc)}") from None
     except (ValueError, TypeError, AttributeError) as exc:  # a constructor failed on a scalar
         where = source if isinstance(source, Path) else "YAML"
-        raise BuildError(f"{where}: not valid YAML: a value cannot be read ({' '.join(str(exc).split())})") from None
+        raise BuildError(
+            f"{where}: not valid YAML: a value cannot be read ({' '.join(str(exc).split())})"
+        ) from None
 
 
 def _yaml_problem(error: yaml.YAMLError) -> str:

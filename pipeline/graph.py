@@ -75,11 +75,12 @@ def parse_ref(ref: str) -> tuple[str, str]:
 
 
 class GraphError(BuildError):
-    """A wiring error; ``stage`` names the stage it is about."""
+    """A wiring error; ``stage`` names the stage it is about, ``index`` its place if the name is not enough."""
 
-    def __init__(self, stage: str, message: str) -> None:
+    def __init__(self, stage: str, message: str, index: int | None = None) -> None:
         super().__init__(f"stage {stage!r}: {message}")
         self.stage = stage
+        self.index = index
 
 
 @dataclass(frozen=True)
@@ -120,11 +121,11 @@ class Graph:
         if not self.specs:
             raise BuildError("a pipeline needs at least one stage")
         by_name: dict[str, StageSpec] = {}
-        for spec in self.specs:
+        for index, spec in enumerate(self.specs):
             if not _NAME.match(spec.name):
                 raise GraphError(spec.name, "a name is letters, digits, '_' or '-', starting with a letter")
             if spec.name in by_name:
-                raise GraphError(spec.name, "two stages have this name")
+                raise GraphError(spec.name, "two stages have this name", index)
             if not isinstance(spec.stage, Stage | BatchStage):
                 raise GraphError(
                     spec.name, f"{type(spec.stage).__name__} is neither a Stage nor a BatchStage"

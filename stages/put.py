@@ -226,7 +226,10 @@ class PutStage(BatchStage):
         return {key for key, result in zip(torn, results, strict=True) if result == Code.OK}
 
     def _remove_each(self, keys: Sequence[str]) -> list[int]:
-        return [self._store.remove(key) for key in keys]
+        # Forced: a lookup's batch_is_exist leases what it finds, so a hot chunk's
+        # objects may be leased for as long as it stays hot, and a torn chunk has no
+        # reader that could use them (a load needs every object of a chunk).
+        return [self._store.remove(key, force=True) for key in keys]
 
     def _settle(self, emit: Emit, record: StoreObject, code: int) -> None:
         """Report what became of one record, in its own job."""

@@ -87,8 +87,12 @@ class SavingStore(Protocol):
         """Store each key's buffers concatenated. Per key: 0 or negative."""
         ...
 
-    def remove(self, key: str) -> int:
-        """Delete one object: 0, -704 if missing, -706 while a reader holds its lease."""
+    def remove(self, key: str, *, force: bool = False) -> int:
+        """Delete one object: 0, -704 if missing, -706 while a reader holds its lease.
+
+        ``force`` removes a leased object too: only for objects no reader can use
+        (a torn chunk's), as a lease may be a reader's copy in flight.
+        """
         ...
 
     def register_buffer(self, addr: int, nbytes: int) -> int:

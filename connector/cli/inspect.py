@@ -336,7 +336,7 @@ class _KeyNames:
     def get_size(self, key: str) -> int:
         return Code.NOT_FOUND
 
-    def remove(self, key: str) -> int:
+    def remove(self, key: str, *, force: bool = False) -> int:
         return Code.NOT_FOUND
 
     def remove_all(self) -> int:

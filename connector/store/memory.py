@@ -308,14 +308,14 @@ class MemoryStore:
             obj = self._read(key, self._clock())
             return Code.NOT_FOUND if obj is None else len(obj.data)
 
-    def remove(self, key: str) -> int:
+    def remove(self, key: str, *, force: bool = False) -> int:
         if (failed := self._unavailable(None, 1)) is not None:
             return failed[0]
         with self._lock:
             obj = self._objects.get(key)
             if obj is None:
                 return Code.NOT_FOUND
-            if obj.lease_until > self._clock():
+            if obj.lease_until > self._clock() and not force:
                 return Code.HAS_LEASE
             self._drop(key)
             return Code.OK

@@ -177,8 +177,8 @@ class ForwardingStore:
     def get_size(self, key: str) -> int:
         return self._call("exist", 1, None, lambda: [self.inner.get_size(key)])[0]
 
-    def remove(self, key: str) -> int:
-        return self._call("remove", 1, None, lambda: [self.inner.remove(key)])[0]
+    def remove(self, key: str, *, force: bool = False) -> int:
+        return self._call("remove", 1, None, lambda: [self.inner.remove(key, force=force)])[0]
 
     def remove_all(self) -> int:
         return self.inner.remove_all()

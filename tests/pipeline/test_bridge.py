@@ -112,6 +112,18 @@ def test_stop_with_a_deadline_cancels_stuck_work_and_ends_every_job():
     assert len(bridge.completed()) == 10
 
 
+@pytest.mark.parametrize("when_full", ["wait", "drop"])
+def test_a_cancelled_stop_leaves_nothing_queued_and_later_submits_are_refused(when_full):
+    never = threading.Event()
+    bridge = SyncPipeline(chain(ThreadGate(never), capacity=1), queue_capacity=5, when_full=when_full).start()
+    for i in range(8):
+        bridge.submit(i, timeout_s=0.05)  # the gate and its queue fill, then the inbox
+    assert bridge.stop(deadline_s=0.1) is False
+    assert bridge.queued == 0
+    with pytest.raises(PipelineClosed):
+        bridge.submit(99)
+
+
 def test_submit_after_stop_is_refused():
     bridge = SyncPipeline(chain(Collect())).start()
     assert bridge.stop() is True

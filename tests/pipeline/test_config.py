@@ -6,8 +6,8 @@ import pytest
 from pydantic import BaseModel, ConfigDict, Field
 
 from kvpipe.pipeline import BuildError, Pipeline, StageRegistry, graph_from_yaml
-from kvpipe.pipeline.registry import Resources
 from kvpipe.pipeline.config import load_yaml
+from kvpipe.pipeline.registry import Resources
 
 from .toy_stages import AddOne, Collect, RecordBatches
 
@@ -101,6 +101,11 @@ def test_a_yaml_file_on_disk_builds(tmp_path: Path):
             "pipeline.stages[0].workers: input should be a valid integer",
         ),
         ("    - name: end\n", "    - nme: end\n", "pipeline.stages[2].name: is required"),
+        (
+            "    - name: end\n",
+            "    - name: first\n",
+            "pipeline.stages[2]: stage 'first': two stages have this name",
+        ),
     ],
 )
 def test_errors_name_the_yaml_path(old, new, message):

@@ -91,7 +91,7 @@ class ScriptedStore:
     ) -> list[int]:
         return [self._put(key) for key in keys]
 
-    def remove(self, key: str) -> int:
+    def remove(self, key: str, *, force: bool = False) -> int:
         self.removed.append(key)
         return 0
 

@@ -1,4 +1,4 @@
-"""The real store: Mooncake's ``MooncakeDistributedStore`` as a kvpipe :class:`~kvpipe.connector.store.Store`.
+"""The real store: Mooncake's ``MooncakeDistributedStore`` as a kvpipe :class:`~kvpipe.connector.store.protocol.Store`.
 
 The client's own API already is the Store protocol, so :class:`MooncakeStore`
 adds only what the raw client lacks and production needs:
@@ -352,7 +352,6 @@ class MooncakeStore:
         return self._master_call(1, lambda c: [c.get_size(key)])[0]
 
     def remove(self, key: str, *, force: bool = False) -> int:
-        """As the protocol says; ``force`` also removes a leased object (cleanup only)."""
         return self._master_call(1, lambda c: [c.remove(key, force)])[0]
 
     def remove_all(self, *, force: bool = False) -> int:

@@ -221,6 +221,13 @@ def test_reading_an_object_leases_it_so_remove_is_706(kv: Kv, read: Callable[[Kv
     assert kv.store.remove("k") == Code.HAS_LEASE
 
 
+def test_a_forced_remove_deletes_a_leased_object(kv: Kv) -> None:
+    kv.put({"k": b"v"})
+    kv.exists("k")
+    assert kv.store.remove("k", force=True) == 0
+    assert kv.exists("k") == [0]
+
+
 def test_a_lease_ends_after_the_ttl(kv: Kv) -> None:
     kv.put({"k": b"v"})
     kv.exists("k")

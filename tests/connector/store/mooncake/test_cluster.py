@@ -140,7 +140,7 @@ def test_sigterm_to_the_owner_stops_every_process_of_its_cluster_store_nodes_too
     script = textwrap.dedent(
         """
         import sys, time
-        from kvpipe.connector.cluster import LocalCluster
+        from kvpipe.connector.store.mooncake.cluster import LocalCluster
         with LocalCluster(masters=2, store_nodes=1) as cluster:
             print(" ".join(map(str, cluster.pids)), flush=True)
             time.sleep(600)
