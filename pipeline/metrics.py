@@ -37,6 +37,8 @@ class StageSnapshot:
             "p50_ms": self.p50_ms,
             "p99_ms": self.p99_ms,
             "passes_through": self.passes_through,
+            # its name before 2026-12: the run report's field names are a contract
+            "wired_around": self.passes_through,
         }
 
 
