@@ -30,6 +30,10 @@ class ObjectStatus(StrEnum):
     THROTTLED = "throttled"
 
 
+#: each status's count name, read per record: an enum's ``.value`` is a slow property
+_COUNT_NAME = {status: status.value for status in ObjectStatus}
+
+
 class ObjectObserver(Protocol):
     """Called once per record with its final status; must be quick (it runs on the loop)."""
 
@@ -62,7 +66,7 @@ class Outcomes:
         """Records of one job not sent because the store is slow: a deliberate drop, not a failure."""
         if not records:
             return
-        emit.count(ObjectStatus.THROTTLED.value, len(records))
+        emit.count(_COUNT_NAME[ObjectStatus.THROTTLED], len(records))
         emit.drop("store slow: put skipped")
         if self._observer is not None:
             for record in records:
@@ -71,7 +75,7 @@ class Outcomes:
     def _all(self, emit: Emit, records: Sequence[StoreObject], status: ObjectStatus) -> None:
         if not records:
             return
-        emit.count(status.value, len(records))
+        emit.count(_COUNT_NAME[status], len(records))
         emit.succeed(len(records))
         if self._observer is not None:
             for record in records:
@@ -93,6 +97,6 @@ class Outcomes:
         emit.fail(message)
 
     def _settle(self, emit: Emit, record: StoreObject, status: ObjectStatus) -> None:
-        emit.count(status.value)
+        emit.count(_COUNT_NAME[status])
         if self._observer is not None:
             self._observer(record, status)
