@@ -34,6 +34,7 @@ DEFAULT_SAVE_PIPELINE: dict[str, Any] = {
             "name": "filter",
             "type": "filter",
             "after": "group_ids",
+            "capacity": 1024,
             "batch": {"max_items": 256, "max_wait_ms": 1},
         },
         {
@@ -49,6 +50,7 @@ DEFAULT_SAVE_PIPELINE: dict[str, Any] = {
             "after": "gather",
             "workers": 2,
             "threads": 2,
+            "capacity": 1024,
             "batch": {"max_items": 256, "max_wait_ms": 1},
             "params": {
                 "max_buffers_per_call": 2048,
