@@ -32,7 +32,8 @@ def chunk_records(
     chunks: Sequence[Chunk], shards: Sequence[Shard], request_id: str
 ) -> tuple[StoreObject, ...]:
     """One record per chunk per shard, earliest prefix first."""
-    if len({chunk.group.store_group for chunk in chunks}) > 1:  # groups interleave by prefix length
+    # Groups interleave by prefix length. (One chunk needs no sorting: the common case.)
+    if len(chunks) > 1 and len({chunk.group.store_group for chunk in chunks}) > 1:
         chunks = sorted(chunks, key=lambda chunk: (chunk.tokens_end, chunk.group.store_group))
     records = []
     for group, chunk_hash, block_id, _ in chunks:
@@ -64,7 +65,11 @@ class _CollectStage(Stage):
 
     async def process(self, item: ProjectedRequest, emit: Emit) -> None:
         request = item.request
-        chunks = [chunk for group in item.groups for chunk in self._chunks(request, group)]
+        groups = item.groups
+        if len(groups) == 1:  # the common case, without a list of one group's chunks
+            chunks: Sequence[Chunk] = self._chunks(request, groups[0])
+        else:
+            chunks = [chunk for group in groups for chunk in self._chunks(request, group)]
         records = chunk_records(chunks, self._shards, request.request_id)
         if not records:
             emit.drop("no chunk to save")

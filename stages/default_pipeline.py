@@ -35,6 +35,7 @@ DEFAULT_SAVE_PIPELINE: dict[str, Any] = {
             "name": "filter",
             "type": "filter",
             "after": "group_ids",
+            "capacity": 1024,
             "batch": {"max_items": 256, "max_wait_ms": 1},
         },
         {
@@ -50,6 +51,7 @@ DEFAULT_SAVE_PIPELINE: dict[str, Any] = {
             "after": "gather",
             "workers": 2,
             "threads": 2,
+            "capacity": 1024,
             "batch": {"max_items": 256, "max_wait_ms": 1},
             "params": {
                 "max_buffers_per_call": MAX_BUFFERS_PER_CALL,

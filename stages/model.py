@@ -253,6 +253,11 @@ class StoreObject:
         return spans(self.buffers)
 
     @property
+    def transfer_count(self) -> int:
+        """``len(transfer_buffers)``, without making them (the put's budget counts it per record)."""
+        return 1 if self.staging is not None else len(self.buffers)
+
+    @property
     def transfer_buffers(self) -> Sequence[Buffer]:
         """What a put reads: the staged copy if there is one, else the engine's buffers."""
         if self.staging is not None:

@@ -32,6 +32,10 @@ class ObjectStatus(StrEnum):
     THROTTLED = "throttled"
 
 
+#: each status's count name, read per record: an enum's ``.value`` is a slow property
+_COUNT_NAME = {status: status.value for status in ObjectStatus}
+
+
 class ObjectObserver(Protocol):
     """Called once per record with its final status; must be quick (it runs on the loop)."""
 
@@ -64,7 +68,7 @@ class ObjectReporter:
         """Records of one job not sent because the store is slow: a deliberate drop, not a failure."""
         if not records:
             return
-        emit.count(ObjectStatus.THROTTLED.value, len(records))
+        emit.count(_COUNT_NAME[ObjectStatus.THROTTLED], len(records))
         emit.drop("store slow: put skipped")
         if self._observer is not None:
             for record in records:
@@ -73,7 +77,7 @@ class ObjectReporter:
     def _all(self, emit: Emit, records: Sequence[StoreObject], status: ObjectStatus) -> None:
         if not records:
             return
-        emit.count(status.value, len(records))
+        emit.count(_COUNT_NAME[status], len(records))
         emit.succeed(len(records))
         if self._observer is not None:
             for record in records:
@@ -95,6 +99,6 @@ class ObjectReporter:
         emit.fail(message)
 
     def _settle(self, emit: Emit, record: StoreObject, status: ObjectStatus) -> None:
-        emit.count(status.value)
+        emit.count(_COUNT_NAME[status])
         if self._observer is not None:
             self._observer(record, status)

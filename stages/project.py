@@ -38,13 +38,25 @@ class ProjectStage(Stage):
                 f"request {item.request_id!r} has block ids for {len(item.block_ids)} engine groups, "
                 f"the KV cache has {self._engine_groups}"
             )
-        projected = ProjectedRequest(request=item, groups=self._groups)
+        groups = self._groups
         hash_block_size = self._hash_block_size
-        full = any(full_chunk_range(item, group, hash_block_size) for group in self._groups)
-        tail = item.finished and any(tail_chunks(item, group, hash_block_size) for group in self._groups)
+        # Loops rather than any() over generators: this runs once per request and step.
+        full = False
+        for group in groups:
+            if full_chunk_range(item, group, hash_block_size):
+                full = True
+                break
+        tail = False
+        if item.finished:
+            for group in groups:
+                if tail_chunks(item, group, hash_block_size):
+                    tail = True
+                    break
+        if not (full or tail):
+            emit.drop("nothing to save")
+            return
+        projected = ProjectedRequest(item, groups)
         if full:
             await emit(projected, FULL_PORT)
         if tail:
             await emit(projected, TAIL_PORT)
-        if not (full or tail):
-            emit.drop("nothing to save")

@@ -59,7 +59,7 @@ def split_into_calls(records: Sequence[StoreObject], max_buffers: int) -> list[l
     refused. Chunks keep the order of their first record. Every record must fit
     the budget on its own (the caller fails those that don't).
     """
-    if sum(len(record.transfer_buffers) for record in records) <= max_buffers:
+    if sum(record.transfer_count for record in records) <= max_buffers:
         return [list(records)] if records else []  # one call: every chunk is whole in it
     chunks: dict[bytes, list[StoreObject]] = {}
     for record in records:
@@ -77,12 +77,12 @@ def split_into_calls(records: Sequence[StoreObject], max_buffers: int) -> list[l
         used += buffers
 
     for unit in chunks.values():
-        unit_buffers = sum(len(record.transfer_buffers) for record in unit)
+        unit_buffers = sum(record.transfer_count for record in unit)
         if unit_buffers <= max_buffers:
             add(unit, unit_buffers)
         else:  # too big to keep together: fill calls record by record
             for record in unit:
-                add([record], len(record.transfer_buffers))
+                add([record], record.transfer_count)
     if current:
         calls.append(current)
     return calls
@@ -113,17 +113,20 @@ class PutStage(BatchStage):
     async def _put_batch(self, batch: Sequence[BatchEntry[Records]]) -> None:
         holders: dict[str, list[tuple[Emit, StoreObject]]] = {}
         for entry in batch:
+            emit = entry.emit
             for record in entry.item:
-                if len(record.transfer_buffers) > self._max_buffers:
+                if (count := record.transfer_count) > self._max_buffers:
                     self._reporter.failed(
-                        entry.emit,
+                        emit,
                         record,
-                        f"put {record.key}: {len(record.transfer_buffers)} buffers exceed "
+                        f"put {record.key}: {count} buffers exceed "
                         f"max_buffers_per_call={self._max_buffers}; not sent",
                     )
+                elif (sharing := holders.get(record.key)) is None:
+                    holders[record.key] = [(emit, record)]
                 else:
-                    holders.setdefault(record.key, []).append((entry.emit, record))
-        first_of_each_key = [held[0][1] for held in holders.values()]  # requests sharing a prefix share keys
+                    sharing.append((emit, record))
+        first_of_each_key = [holding[0][1] for holding in holders.values()]  # requests sharing a prefix share keys
         for call in split_into_calls(first_of_each_key, self._max_buffers):
             # Checked per call: the calls before it may have outlasted a job's deadline,
             # or shown the store to be slow.
@@ -144,12 +147,15 @@ class PutStage(BatchStage):
             stored: dict[int, tuple[Emit, list[StoreObject]]] = {}  # per job, counted at once
             for record, code in zip(call, codes, strict=True):
                 (emit, held), *sharers = holders[record.key]
-                if record.key in rolled_back:
+                if rolled_back and record.key in rolled_back:
                     for emit, held in holders[record.key]:
                         self._reporter.failed(emit, held, f"put {held.key}: {ROLLED_BACK}")
                     continue
                 if code == Code.OK:
-                    stored.setdefault(id(emit), (emit, []))[1].append(held)
+                    if (of_job := stored.get(id(emit))) is None:
+                        stored[id(emit)] = (emit, [held])
+                    else:
+                        of_job[1].append(held)
                 else:
                     self._settle(emit, held, code)
                 for emit, held in sharers:  # their object is there now, stored for the first
@@ -161,13 +167,19 @@ class PutStage(BatchStage):
         self, call: list[StoreObject], holders: dict[str, list[tuple[Emit, StoreObject]]]
     ) -> list[StoreObject]:
         """Fail the records every holder of which is past its job's deadline; the rest."""
+        expired: dict[int, bool] = {}  # per job (by id of its emit): asked once per call
         live = []
         for record in call:
-            if all(emit.expired for emit, _ in holders[record.key]):
-                for emit, held in holders[record.key]:
-                    self._reporter.failed(emit, held, f"put {held.key}: {DEADLINE_PASSED}")
+            holding = holders[record.key]
+            for emit, _ in holding:
+                if (gone := expired.get(id(emit))) is None:
+                    gone = expired[id(emit)] = emit.expired
+                if not gone:
+                    live.append(record)
+                    break
             else:
-                live.append(record)
+                for emit, held in holding:
+                    self._reporter.failed(emit, held, f"put {held.key}: {DEADLINE_PASSED}")
         return live
 
     def _shed(self, call: list[StoreObject], holders: dict[str, list[tuple[Emit, StoreObject]]]) -> None:
@@ -198,7 +210,7 @@ class PutStage(BatchStage):
         self._backoff.record(pressured=Code.NO_SPACE in codes)
         return codes
 
-    async def _remove_torn_chunks(self, call: Sequence[StoreObject], codes: Sequence[int]) -> set[str]:
+    async def _remove_torn_chunks(self, call: Sequence[StoreObject], codes: list[int]) -> set[str]:
         """Under group semantics, undo the puts of a chunk whose other objects were refused.
 
         A chunk is reusable only whole (every stored group and shard), and with
@@ -207,6 +219,8 @@ class PutStage(BatchStage):
         same call (``split_into_calls`` keeps a chunk together), so the call's
         answers say whether the chunk is torn. Returns the keys removed.
         """
+        if codes.count(Code.OK) + codes.count(Code.ALREADY_EXISTS) == len(codes):
+            return set()  # nothing refused (the usual case, counted without a Python loop)
         refused = {
             record.group_id
             for record, code in zip(call, codes, strict=True)
