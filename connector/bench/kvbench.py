@@ -122,13 +122,14 @@ class PipelineContender:
     """The default save pipeline on the sync bridge, started once and fed round after round.
 
     Long-lived like a connector's: what a round measures is moving requests,
-    not starting threads or allocating the staging pool.
+    not starting threads or allocating the staging pool. Without the slow-store
+    throttle: the raw loops put every object, so the pipeline must too (a throttled
+    round would store less and read faster).
     """
 
     def __init__(self, cache: BenchCache, store: Store, *, gather: str = "auto") -> None:
-        self._bridge = SyncPipeline(
-            default_save_graph(cache.kv, store, gather=gather), queue_capacity=16384, keep_completed=False
-        )
+        graph = default_save_graph(cache.kv, store, gather=gather, throttle=None)
+        self._bridge = SyncPipeline(graph, queue_capacity=16384, keep_completed=False)
 
     def __enter__(self) -> PipelineContender:
         self._bridge.start()
@@ -138,7 +139,10 @@ class PipelineContender:
         self._bridge.stop(deadline_s=60)
 
     def round(self, requests: Sequence[SaveRequest]) -> float:
-        """Seconds from the first submit to the last job's end; BenchError if any object failed."""
+        """Seconds from the first submit to the last job's end.
+
+        :raises BenchError: an object failed.
+        """
         started = time.perf_counter()
         jobs = [self._bridge.submit(request) for request in requests]
         for job in jobs:
