@@ -1,7 +1,11 @@
 """framework: what the pipeline itself costs, with stages that do nothing.
 
 Three figures over five no-op stages (four forward, the last is a sink):
-- async items/s: submitted from a task on the pipeline's loop, until it drains;
+- async items/s: submitted from a task on the pipeline's loop, until it drains,
+  beside its baseline in the same round: the same five hops as bare anyio (four
+  forwarding tasks and a sink over memory object streams of the stages' inbox
+  size), so the figure is also a ratio (``async / anyio``: what job accounting,
+  metrics and ports cost over the streams themselves);
 - bridge items/s: the same through the sync bridge, from this (foreign) thread;
 - submit latency: ``SyncPipeline.submit`` from this thread, p50 and p99, while
   the pipeline works. This is what an engine's step pays per save.
@@ -14,6 +18,7 @@ import time
 from typing import Any
 
 import anyio
+from anyio.streams.memory import MemoryObjectReceiveStream, MemoryObjectSendStream
 
 from kvpipe.pipeline import Emit, Graph, Pipeline, Stage, StageSpec, SyncPipeline
 from kvpipe.pipeline.metrics import percentile
@@ -43,6 +48,33 @@ def five_noop_stages() -> Graph:
     )
 
 
+async def _bare_anyio_rate(items: int) -> float:
+    """The same five hops with nothing else: four forwarding tasks and a sink over memory streams."""
+    capacity = StageSpec("s", Sink()).capacity  # a stage's inbox bound, as the pipeline's
+    streams = [anyio.create_memory_object_stream[Any](capacity) for _ in range(5)]
+
+    async def forward(inbox: MemoryObjectReceiveStream[Any], outbox: MemoryObjectSendStream[Any]) -> None:
+        async with inbox, outbox:
+            async for item in inbox:
+                await outbox.send(item)
+
+    async def sink(inbox: MemoryObjectReceiveStream[Any]) -> None:
+        async with inbox:
+            async for _ in inbox:
+                pass
+
+    started = time.perf_counter()
+    async with anyio.create_task_group() as tasks:
+        for hop in range(4):
+            tasks.start_soon(forward, streams[hop][1], streams[hop + 1][0])
+        tasks.start_soon(sink, streams[4][1])
+        entry = streams[0][0]
+        async with entry:
+            for i in range(items):
+                await entry.send(i)
+    return items / (time.perf_counter() - started)
+
+
 async def _async_rate(items: int) -> float:
     async with Pipeline(five_noop_stages()) as pipeline:
         started = time.perf_counter()
@@ -68,11 +100,14 @@ def run(options: BenchOptions) -> WorkloadResult:
     items = QUICK_ITEMS if options.quick else ITEMS
     rows = []
     for _ in range(1 if options.quick else 3):
+        anyio_rate = anyio.run(_bare_anyio_rate, items)
         async_rate = anyio.run(_async_rate, items)
         bridge_rate, latencies = _bridge_rate_and_latency(items)
         rows.append(
             {
+                "anyio items/s": round(anyio_rate),
                 "async items/s": round(async_rate),
+                "async / anyio": round(async_rate / anyio_rate, 3),
                 "bridge items/s": round(bridge_rate),
                 "submit p50 us": round(percentile(latencies, 0.50), 2),
                 "submit p99 us": round(percentile(latencies, 0.99), 2),

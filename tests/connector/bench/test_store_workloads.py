@@ -44,6 +44,8 @@ def test_the_framework_workload_reports_rate_and_submit_latency(options):
     result = workload_runner("framework")(options)
     [row] = result.rows
     assert row["async items/s"] > 0 and row["submit p99 us"] > 0
+    assert row["anyio items/s"] > 0  # its baseline, measured in the same round
+    assert abs(row["async / anyio"] - row["async items/s"] / row["anyio items/s"]) < 0.01
     assert {target.name for target in result.targets} == {"async items/s", "submit p99 us"}
 
 
