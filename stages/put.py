@@ -126,9 +126,8 @@ class PutStage(BatchStage):
                     holders[record.key] = [(emit, record)]
                 else:
                     sharing.append((emit, record))
-        first_of_each_key = [
-            holding[0][1] for holding in holders.values()
-        ]  # requests sharing a prefix share keys
+        # requests sharing a prefix share keys: each key is put once
+        first_of_each_key = [holding[0][1] for holding in holders.values()]
         for call in split_into_calls(first_of_each_key, self._max_buffers):
             # Checked per call: the calls before it may have outlasted a job's deadline,
             # or shown the store to be slow.

@@ -75,12 +75,6 @@ def _engine(master: LocalMaster, load_async: bool) -> Iterator[Any]:
         launch.close_llm(llm)
 
 
-def _sides(llm: Any) -> tuple[Any, Any]:
-    """The engine's scheduler side and worker side (its kvpipe connectors' role objects)."""
-    scheduler, worker = launch.connectors(llm)
-    return scheduler.scheduler, worker.worker
-
-
 def _steps(
     llm: Any, running: list[list[int]], loaders: list[list[int]] | None
 ) -> tuple[list[float], list[float], list[float]]:
@@ -102,13 +96,13 @@ def _steps(
     during: list[float] = []
     quiet: list[float] = []
     step = 0
+    scheduler, worker = launch.sides(llm)
     while engine.has_unfinished_requests():
         if loaders is not None and step == WARM_STEPS:
             for index, prompt in enumerate(loaders):
                 rid = f"load-{index}"
                 engine.add_request(rid, {"prompt_token_ids": prompt}, first)
                 waiting[rid] = time.perf_counter()
-        scheduler, worker = _sides(llm)
         loads_before = worker.stats["loads"]
         started = time.perf_counter()
         outputs = engine.step()
@@ -129,12 +123,13 @@ def _round(master: LocalMaster, load_async: bool, seed: int) -> Round:
     loaders, running = _prompts(seed)
     with _engine(master, load_async) as llm:
         launch.generate(llm, loaders, 1)  # store the family's prefix (and their own chunks)
-        assert _sides(llm)[1].drain(30.0)
+        _, worker = launch.sides(llm)
+        assert worker.drain(30.0)
         _, baseline, _ = _steps(llm, running, None)  # the same decode, no loader
         assert llm.reset_prefix_cache()
-        loads_before = _sides(llm)[1].stats["loads"]
+        loads_before = worker.stats["loads"]
         during, _, ttft = _steps(llm, running, loaders)
-        loads = _sides(llm)[1].stats["loads"] - loads_before
+        loads = worker.stats["loads"] - loads_before
     return Round(during, baseline, ttft, loads)
 
 

@@ -274,6 +274,13 @@ def connectors(llm: Any) -> tuple[Any, Any]:
     return llm.llm_engine.engine_core.engine_core.scheduler.connector, get_kv_transfer_group()
 
 
+def sides(llm: Any) -> tuple[Any, Any]:
+    """The role objects of :func:`connectors`: ``(SchedulerSide, WorkerSide)``, each present."""
+    scheduler, worker = connectors(llm)
+    assert scheduler.scheduler is not None and worker.worker is not None
+    return scheduler.scheduler, worker.worker
+
+
 def close_llm(llm: Any) -> None:
     """Shut an engine down now (its connector closes its store client), not at some later GC."""
     try:

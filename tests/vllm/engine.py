@@ -43,15 +43,13 @@ def gen(seed: int) -> dict[str, Any]:
 
 def scheduler(llm: Any) -> Any:
     """The scheduler side (:class:`~kvpipe.connector.vllm.scheduler.SchedulerSide`) of ``llm``."""
-    side = launch.connectors(llm)[0].scheduler
-    assert side is not None
-    return side
+    return launch.sides(llm)[0]
 
 
 def worker(llm: Any) -> Any:
     """The worker side (:class:`~kvpipe.connector.vllm.worker.WorkerSide`) of ``llm``."""
-    side = launch.connectors(llm)[1].worker
-    assert side is not None and side.started
+    side = launch.sides(llm)[1]
+    assert side.started
     return side
 
 
