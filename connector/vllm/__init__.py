@@ -17,6 +17,9 @@ Load it with::
   keys given inline override them.
 - ``load_async`` (true): loads run beside the engine's steps and are reported by
   ``get_finished``; false loads before the forward (one KV-cache group only).
+  ``load_sync_when_idle`` (true): with async loads, a load no running request
+  would wait for (an idle engine) runs before the forward all the same, so its
+  request computes in that step (one KV-cache group; hybrid models load async).
   ``save_decode_cache`` (false): also store chunks completed while decoding.
 
 The modules, one job each:

@@ -50,10 +50,15 @@ def split_per_stage(name: str) -> tuple[str, str, str] | None:
 
 @dataclass
 class KVPipeMetadata(KVConnectorMetadata):
-    """One step's work: loads to run before the forward, saves after it (engine block ids)."""
+    """One step's work: the loads to start, the saves to make after the forward (engine block ids).
+
+    A load whose request id is in ``sync_loads`` must have landed before the
+    forward; the others run beside the steps and are reported by ``get_finished``.
+    """
 
     loads: list[LoadRequest] = field(default_factory=list)
     saves: list[SaveRequest] = field(default_factory=list)
+    sync_loads: set[str] = field(default_factory=set)
 
 
 @dataclass

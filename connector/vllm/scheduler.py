@@ -13,6 +13,14 @@ rank); this module decides *when* to ask and *what to do with the answer*:
   has finished; by then the blocks are in vLLM's own prefix cache and it hits
   them locally. (vLLM's own connector loads a copy per request.) With sync loads
   the same holds by construction: a load ends before the step's forward;
+- **async only when it spares someone**: an async load exists so that running
+  requests need not wait for it, and costs its own request steps (the load goes
+  out with one step, is reported finished after another, computes in the next).
+  With ``load_sync_when_idle`` (the default), a load that no running request
+  would wait for (nothing computed in the previous step: an idle engine, or a
+  burst of arrivals) runs before this step's forward instead, and its request
+  computes in this very step. Only for one KV-cache group: vLLM 0.32 takes a
+  failed load of a hybrid model only from an async load;
 - **a stale hit recomputes once**: when a load fails (the objects vanished
   between lookup and load: evicted, or a master restarted), the request's next
   lookup is a miss, and the chunks that failed are misses for every request for
@@ -86,7 +94,7 @@ class SchedulerSide:
         self.stats: Counter[str] = Counter()
         self._clock = clock
         self._tracked: dict[str, _Tracked] = {}
-        self._pending_loads: dict[str, LoadRequest] = {}
+        self._pending_loads: dict[str, tuple[LoadRequest, bool]] = {}  # and whether it loads async
         self._local_hits: dict[str, int] = {}
         self._waiting: dict[str, Request] = {}  # not allocated yet, in arrival order
         self._exists: dict[str, bool] = {}  # this scheduling step's lookup answers
@@ -96,6 +104,9 @@ class SchedulerSide:
         self._miss_once: set[str] = set()  # requests whose load failed: their next lookup misses
         self._failed_chunks: dict[str, float] = {}  # chunk hash (hex) -> until when it is a miss
         self._deferred: set[str] = set()  # requests told to wait for another's load of their prefix
+        self._running: set[str] = set()  # computed in the last step and not finished since
+        self._load_async: dict[str, bool] = {}  # the last lookup's answer: does its hit load async
+        self._sync_when_idle = settings.load_sync_when_idle and len(cache.groups) == 1
         self.announcer = announcer
 
     @property
@@ -145,12 +156,20 @@ class SchedulerSide:
             cache.hit_alignment,
         )
         new = max(0, hit - num_computed_tokens)
-        if new and self.settings.load_async and self._loaded_by_another(lookup, hit):
+        if new and self._loaded_by_another(lookup, hit):
             self.stats["lookups_deferred"] += 1
             self._deferred.add(rid)
             return None, False
         self.stats["lookup_hit_tokens"] += new
-        return new, bool(new) and self.settings.load_async
+        load_async = bool(new) and self._loads_async()
+        self._load_async[rid] = load_async
+        return new, load_async
+
+    def _loads_async(self) -> bool:
+        """Whether a hit found now loads beside the steps (see "async only when it spares someone")."""
+        if not self.settings.load_async:
+            return False
+        return bool(self._running) or not self._sync_when_idle
 
     def _hashes(self, lookup: LookupRequest | LoadRequest, start: int, end: int) -> Sequence[bytes]:
         hbs = self.cache.hash_block_size
@@ -218,16 +237,19 @@ class SchedulerSide:
             self._deferred.discard(rid)
             if num_external_tokens == 0 and local > 0:
                 self.stats["loads_spared"] += 1  # another request's load put its prefix in the local cache
+        load_async = self._load_async.pop(rid, False)
         if num_external_tokens > 0:
             block_ids = tuple(tuple(ids) for ids in blocks.get_block_ids())
             load = LoadRequest(
                 rid, tuple(request.block_hashes), block_ids, local, local + num_external_tokens
             )
-            self._pending_loads[rid] = load
-            if self.settings.load_async:
+            self._pending_loads[rid] = (load, load_async)
+            if load_async:
                 self._loading.update(
                     dict.fromkeys(self._hashes(load, load.start_tokens, load.end_tokens), rid)
                 )
+            else:
+                self.stats["loads_sync"] += 1
 
     def build_connector_meta(self, scheduler_output: SchedulerOutput) -> KVPipeMetadata:
         so = scheduler_output
@@ -237,25 +259,30 @@ class SchedulerSide:
             self._tracked.pop(rid, None)
             self._local_hits.pop(rid, None)
             self._waiting.pop(rid, None)
-            if not self.settings.load_async:
-                self._pending_loads.pop(rid, None)
+            pending = self._pending_loads.get(rid)
+            if pending is not None and not pending[1]:
+                del self._pending_loads[rid]
             # an async load in flight is kept: its end (finished_recving) releases its prefix
         for new in so.scheduled_new_reqs:
             tracked = self._tracked.get(new.req_id)
             if tracked is not None and tracked.saved_tokens is None:
                 tracked.saved_tokens = new.num_computed_tokens  # local + loaded: never saved again
-        if self.settings.load_async:
-            # the loading request is not scheduled: its load goes out in this very step
-            due = list(self._pending_loads)
-        else:
-            # a sync load runs before the forward of the step that schedules its request
-            due = [rid for rid in self._pending_loads if rid in so.num_scheduled_tokens]
+        # An async load's request is not scheduled: its load goes out in this very step.
+        # A sync load runs before the forward of the step that schedules its request.
+        due = [
+            rid
+            for rid, (_, load_async) in self._pending_loads.items()
+            if load_async or rid in so.num_scheduled_tokens
+        ]
         for rid in due:
-            load = self._pending_loads.pop(rid)
+            load, load_async = self._pending_loads.pop(rid)
             meta.loads.append(load)
-            if self.settings.load_async:
+            if load_async:
                 self._loads[rid] = load
+            else:
+                meta.sync_loads.add(rid)
             self.stats["loads_planned"] += 1
+        self._running = set(so.num_scheduled_tokens) - set(so.finished_req_ids)
         self._plan_saves(so, meta)
         return meta
 
@@ -342,6 +369,8 @@ class SchedulerSide:
         self._waiting.pop(rid, None)  # e.g. aborted before it was scheduled
         self._miss_once.discard(rid)
         self._deferred.discard(rid)
+        self._running.discard(rid)
+        self._load_async.pop(rid, None)
         return False, None  # the worker copies what it saves: vLLM may free the blocks now
 
     # -- operations ----------------------------------------------------------------------

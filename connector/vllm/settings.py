@@ -33,6 +33,8 @@ class ConnectorSettings(BaseModel):
     # As vLLM's MooncakeStoreConnector: loads run beside the engine's steps, and
     # decode-phase chunks (rarely shared) are not stored unless asked for.
     load_async: StrictFlag = True
+    # ... unless no running request would wait for the load (see the scheduler's docstring)
+    load_sync_when_idle: StrictFlag = True
     save_decode_cache: StrictFlag = False
     config: str | None = None
 

@@ -10,9 +10,10 @@ step it runs the loads the scheduler planned and stages the saves:
   (``when_full="drop"``). The step never waits on the store and vLLM may reuse
   the blocks at once; a save that finds no free slot is dropped and counted.
 - **loads**: ``start_load_kv`` submits them to the load pipeline. Async loads
-  (the default) return at once and are reported by ``get_finished`` once their
-  job has ended, so the load runs while the engine steps other requests; sync
-  loads are waited for before the forward. Failed blocks go to vLLM as block ids
+  return at once and are reported by ``get_finished`` once their job has ended,
+  so the load runs while the engine steps other requests; sync loads (the
+  scheduler's choice, per load: ``KVPipeMetadata.sync_loads``) are waited for
+  before the forward. Failed blocks go to vLLM as block ids
   (one KV-cache group) or as a failed request (several groups: vLLM cannot map
   block ids back then), and are recomputed under ``kv_load_failure_policy:
   recompute``. On CPU a load lands straight in the engine's blocks; a device
@@ -269,18 +270,22 @@ class WorkerSide:
             self._load_failures[request_id] = failed_block_ids
 
     def start_load_kv(self, meta: KVPipeMetadata) -> None:
-        """Submit this step's loads; with sync loads, wait for them (they must land before the forward)."""
+        """Submit this step's loads; wait for the sync ones (they must land before the forward)."""
         if self._load_pipeline is None or not meta.loads:
             return
         loads = [self._submit_load(load) for load in meta.loads]
-        if self.settings.load_async:
-            self._loads.update((load.request.request_id, load) for load in loads)
-            return
-        for load in loads:
+        waited = [load for load in loads if load.request.request_id in meta.sync_loads]
+        self._loads.update(
+            (load.request.request_id, load)
+            for load in loads
+            if load.request.request_id not in meta.sync_loads
+        )
+        for load in waited:
             if load.job is not None and not load.job.wait(LOAD_TIMEOUT_S):
                 log.warning("load timed out", request_id=load.request.request_id)
-            self._settle_load(load)
-        self._load_pipeline.completed()  # the waited jobs; nothing else to collect
+            self._settle_load(load, reported=False)
+        if waited:
+            self._load_pipeline.completed()  # their completions: nothing waits for them now
 
     def _submit_load(self, load: LoadRequest) -> _Load:
         """Submit one load (into staging slots first, for a device cache); no free slot: it fails whole."""
@@ -304,8 +309,11 @@ class WorkerSide:
             return []  # the load stage refuses it with the reason; its blocks fail
         return [(chunk.group.engine_group, chunk.block_index, chunk.block_id) for chunk in chunks]
 
-    def _settle_load(self, load: _Load) -> None:
-        """A load whose job has ended: copy bounced blocks home, count it, record what failed."""
+    def _settle_load(self, load: _Load, reported: bool) -> None:
+        """A load whose job has ended: copy bounced blocks home, count it, record what failed.
+
+        ``reported``: an async load, whose end ``get_finished`` reports (a sync one's is not).
+        """
         job, rid = load.job, load.request.request_id
         with self._lock:
             told = self._load_failures.pop(rid, None)
@@ -330,7 +338,7 @@ class WorkerSide:
         if not failed:
             return
         with self._lock:
-            if len(self.cache.groups) > 1 and self.settings.load_async:
+            if len(self.cache.groups) > 1 and reported:
                 self._failed_requests.add(rid)  # vLLM cannot map block ids of several groups back
             else:
                 self._load_errors.update(failed)
@@ -343,7 +351,7 @@ class WorkerSide:
         self._load_pipeline.completed()
         finished = {rid for rid, load in self._loads.items() if load.done}
         for rid in finished:
-            self._settle_load(self._loads.pop(rid))
+            self._settle_load(self._loads.pop(rid), reported=True)
         return finished
 
     def take_failed_requests(self) -> set[str]:

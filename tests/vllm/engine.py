@@ -22,9 +22,20 @@ BLOCK = 128
 FULL_HIT = PROMPT_TOKENS // BLOCK * BLOCK
 
 
+#: the prefix every prompt of a :func:`family` shares: four whole chunks (the rest of a prompt: no whole one)
+SHARED = 4 * BLOCK
+
+
 def prompts(seed: int, count: int = 2) -> list[list[int]]:
     rng = random.Random(seed)
     return [[rng.randrange(1024) for _ in range(PROMPT_TOKENS)] for _ in range(count)]
+
+
+def family(seed: int, count: int) -> list[list[int]]:
+    """``count`` prompts that share their first :data:`SHARED` tokens and differ after them."""
+    rng = random.Random(seed)
+    shared = [rng.randrange(1024) for _ in range(SHARED)]
+    return [shared + [rng.randrange(1024) for _ in range(PROMPT_TOKENS - SHARED)] for _ in range(count)]
 
 
 def make_llm(transfer: Mapping[str, Any] | None) -> Any:

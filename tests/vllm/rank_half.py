@@ -66,7 +66,9 @@ def main(spec: dict[str, Any]) -> dict[str, Any]:
         assert side.drain(20.0)
         result["put"] = [(r.key, r.group_id) for r, status in side.observed if status.value == "put"]
     else:
-        side.start_load_kv(SimpleNamespace(loads=[LoadRequest("r", hashes, blocks, 0, CHUNKS * BLOCK)]))
+        side.start_load_kv(
+            SimpleNamespace(loads=[LoadRequest("r", hashes, blocks, 0, CHUNKS * BLOCK)], sync_loads=set())
+        )
         deadline = time.monotonic() + 20
         while not side.get_finished() and time.monotonic() < deadline:
             time.sleep(0.01)

@@ -1,12 +1,13 @@
 """Async loads in the real engine: one load per shared prefix, and a stale hit recomputes once.
 
-The engine runs with the defaults (``load_async: true``) and ``recompute``: a load
-that fails is a miss. Every test stands alone: its own prompts, its own counts.
+The engine loads async always (``load_async: true``, ``load_sync_when_idle: false``:
+these tests run one pass at a time, on an engine that is otherwise idle) with
+``recompute``: a load that fails is a miss. Every test stands alone: its own
+prompts, its own counts.
 """
 
 from __future__ import annotations
 
-import random
 import signal
 from collections import Counter
 from collections.abc import Iterator
@@ -21,25 +22,16 @@ from kvpipe.connector.store.mooncake import MooncakeStore
 from . import engine
 from .test_connector import stored_by
 
-SHARED = 4 * engine.BLOCK  # the prefix every prompt of a family shares: four whole chunks
 GENERATION_BOUND_S = 120  # a pass that loops (lookup, load, fail, ...) never ends: this ends the test
 
 
 @pytest.fixture(scope="module")
 def llm(store_section: dict[str, Any]) -> Iterator[Any]:
-    transfer = {**kvpipe_transfer({"store": store_section}), "kv_load_failure_policy": "recompute"}
+    extra = {"store": store_section, "load_sync_when_idle": False}
+    transfer = {**kvpipe_transfer(extra), "kv_load_failure_policy": "recompute"}
     instance = engine.make_llm(transfer)
     yield instance
     close_llm(instance)
-
-
-def family(seed: int, count: int) -> list[list[int]]:
-    """``count`` prompts that share their first four chunks and differ after them."""
-    rng = random.Random(seed)
-    shared = [rng.randrange(1024) for _ in range(SHARED)]
-    return [
-        shared + [rng.randrange(1024) for _ in range(engine.PROMPT_TOKENS - SHARED)] for _ in range(count)
-    ]
 
 
 @contextmanager
@@ -58,21 +50,21 @@ def bounded(seconds: int) -> Iterator[None]:
         signal.signal(signal.SIGALRM, previous)
 
 
-def test_loads_are_asynchronous_by_default(llm: Any) -> None:
+def test_async_loads_serve_a_reload(llm: Any) -> None:
     batch = engine.prompts(21)
     first, _ = stored_by(llm, batch)
     assert llm.reset_prefix_cache()
-    asked = engine.scheduler(llm).stats["lookup_hit_tokens"]
+    asked, sync = engine.scheduler(llm).stats["lookup_hit_tokens"], engine.scheduler(llm).stats["loads_sync"]
     second = engine.generate(llm, batch)
     assert second["cached"] == [engine.FULL_HIT] * 2
     assert second["tokens"] == first["tokens"]
     assert engine.scheduler(llm).stats["lookup_hit_tokens"] - asked == 2 * engine.FULL_HIT
-    assert engine.worker(llm).settings.load_async
+    assert engine.scheduler(llm).stats["loads_sync"] == sync
 
 
 def test_requests_sharing_a_prefix_load_it_once(llm: Any) -> None:
     """Four requests, one stored prefix: one load; the other three hit it in vLLM's own prefix cache."""
-    batch = family(22, 4)
+    batch = engine.family(22, 4)
     first, _ = stored_by(llm, batch)
     assert llm.reset_prefix_cache()
     loads, deferred = engine.worker(llm).stats["loads"], engine.scheduler(llm).stats["lookups_deferred"]
@@ -81,8 +73,8 @@ def test_requests_sharing_a_prefix_load_it_once(llm: Any) -> None:
     assert engine.worker(llm).stats["loads"] - loads == 1
     assert engine.scheduler(llm).stats["lookups_deferred"] - deferred >= 3
     assert engine.scheduler(llm).stats["loads_spared"] - spared == 3  # what kvpipe:loads_spared_total shows
-    assert all(cached >= SHARED for cached in second["cached"])
-    assert second["connector_hits"] == SHARED  # loaded once; the rest are local hits on it
+    assert all(cached >= engine.SHARED for cached in second["cached"])
+    assert second["connector_hits"] == engine.SHARED  # loaded once; the rest are local hits on it
     assert second["tokens"] == first["tokens"]
 
 

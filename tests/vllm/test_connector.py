@@ -6,6 +6,7 @@ Every test stands alone, in any order or subset: each generates its own prompts
 
 from __future__ import annotations
 
+from collections import Counter
 from collections.abc import Iterator
 from typing import Any
 
@@ -111,6 +112,20 @@ def test_a_failed_load_is_recomputed(
     again = engine.generate(llm, batch)
     assert engine.worker(llm).stats["chunks_load_failed"] - failed_before == PER_BATCH
     assert again["tokens"] == reference[7]
+
+
+def test_on_an_idle_engine_a_reload_loads_before_the_forward_and_once_per_shared_prefix(llm: Any) -> None:
+    """No running request would wait for the load: its requests compute in the step that loads it."""
+    batch = engine.family(24, 4)
+    first, _ = stored_by(llm, batch)
+    assert llm.reset_prefix_cache()
+    scheduled, worked = Counter(engine.scheduler(llm).stats), Counter(engine.worker(llm).stats)
+    second = engine.generate(llm, batch)
+    scheduled = Counter(engine.scheduler(llm).stats) - scheduled
+    assert Counter(engine.worker(llm).stats)["loads"] - worked["loads"] == 1
+    assert scheduled["loads_sync"] == 1 and scheduled["lookups_deferred"] == 0
+    assert second["connector_hits"] == engine.SHARED  # the others hit it in vLLM's own cache at once
+    assert second["tokens"] == first["tokens"]
 
 
 def test_the_lookups_of_one_scheduling_step_are_one_store_call(llm: Any) -> None:

@@ -109,7 +109,9 @@ def test_the_worker_saves_and_loads_a_cache_on_its_device(name: str, device: str
     loader = worker(store, name)
     loader.register_kv_caches(target)
     assert loader._load_via_staging == (device != "cpu")
-    loader.start_load_kv(SimpleNamespace(loads=[LoadRequest("l", hashes, ((1, 3),), 0, 2 * BLOCK)]))
+    loader.start_load_kv(
+        SimpleNamespace(loads=[LoadRequest("l", hashes, ((1, 3),), 0, 2 * BLOCK)], sync_loads=set())
+    )
     deadline = time.monotonic() + 10
     while not (finished := loader.get_finished()) and time.monotonic() < deadline:
         time.sleep(0.005)

@@ -56,9 +56,9 @@ class Harness:
         self.side.on_new_request(request)
         return request
 
-    def store_chunks(self, count: int) -> list[str]:
+    def store_chunks(self, count: int, group: int = 0) -> list[str]:
         """Store the first ``count`` chunks of the shared prefix (one byte each: a lookup asks only existence)."""
-        keys = [object_key(self.side.cache.namespace(0), 0, h) for h in self.hashes[:count]]
+        keys = [object_key(self.side.cache.namespace(0), group, h) for h in self.hashes[:count]]
         value = bytearray(1)
         address = ctypes.addressof((ctypes.c_char * 1).from_buffer(value))
         assert self.store.register_buffer(address, 1) == 0
@@ -97,12 +97,18 @@ class Harness:
         )
 
 
-@pytest.fixture
-def harness() -> Harness:
+def make_harness(**settings: Any) -> Harness:
     store = MemoryStore(1 << 20)
     clock = Clock()
-    side = SchedulerSide(engine_cache(), settings_from({"store": {"kind": "memory"}}), store, clock)
+    cache = settings.pop("cache", None) or engine_cache()
+    side = SchedulerSide(cache, settings_from({"store": {"kind": "memory"}, **settings}), store, clock)
     return Harness(side, store, clock)
+
+
+@pytest.fixture
+def harness() -> Harness:
+    """Async loads always (the protocol itself; the idle rule has its own tests below)."""
+    return make_harness(load_sync_when_idle=False)
 
 
 def test_an_async_hit_is_loaded_asynchronously_and_goes_out_in_the_same_step(harness: Harness) -> None:
@@ -210,6 +216,68 @@ def test_with_sync_loads_a_load_goes_out_with_the_step_that_schedules_its_reques
     assert side.get_num_new_matched_tokens(request, 0) == (4 * BLOCK, False)
     harness.admit(request)
     assert [load.request_id for load in harness.step(scheduled={"a": PROMPT - 4 * BLOCK}).loads] == ["a"]
+
+
+def test_on_an_idle_engine_a_hit_loads_before_the_forward_of_the_step_that_schedules_it() -> None:
+    idle = make_harness()
+    idle.store_chunks(4)
+    request = idle.request("a")
+    assert idle.admit(request) == 4 * BLOCK
+    assert idle.side._load_async == {}  # the answer was taken by the allocation
+    meta = idle.step(scheduled={"a": PROMPT - 4 * BLOCK})
+    assert [load.request_id for load in meta.loads] == ["a"]
+    assert meta.sync_loads == {"a"}
+    assert idle.side.loads_in_flight == 0
+    assert idle.side.stats["loads_sync"] == 1
+
+
+def test_an_idle_engine_answers_a_hit_as_a_sync_load() -> None:
+    idle = make_harness()
+    idle.store_chunks(4)
+    assert idle.side.get_num_new_matched_tokens(idle.request("a"), 0) == (4 * BLOCK, False)
+
+
+def test_a_hit_found_while_other_requests_run_loads_asynchronously() -> None:
+    busy = make_harness()
+    busy.store_chunks(4)
+    busy.step(scheduled={"running": 1})
+    request = busy.request("a")
+    assert busy.side.get_num_new_matched_tokens(request, 0) == (4 * BLOCK, True)
+    busy.admit(request)
+    meta = busy.step(scheduled={"running": 1})
+    assert [load.request_id for load in meta.loads] == ["a"] and meta.sync_loads == set()
+    assert busy.side.loads_in_flight == 1
+
+
+def test_the_engine_is_idle_again_once_its_running_requests_have_finished() -> None:
+    busy = make_harness()
+    busy.store_chunks(4)
+    busy.step(scheduled={"running": 1})
+    busy.side.request_finished(Request("running", busy.hashes))  # type: ignore[arg-type]
+    assert busy.side.get_num_new_matched_tokens(busy.request("a"), 0) == (4 * BLOCK, False)
+
+
+def test_requests_arriving_together_at_an_idle_engine_all_load_sync() -> None:
+    """The first one's allocation does not make the engine busy for the others of its step."""
+    idle = make_harness()
+    idle.store_chunks(4)
+    first = idle.request("a")
+    idle.admit(first)
+    assert idle.side.get_num_new_matched_tokens(idle.request("b"), 0) == (4 * BLOCK, False)
+
+
+def test_a_hybrid_model_loads_asynchronously_even_on_an_idle_engine() -> None:
+    groups = (GroupSpec(GroupKind.FULL_ATTENTION, BLOCK), GroupSpec(GroupKind.SLIDING_WINDOW, BLOCK))
+    hybrid = make_harness(cache=engine_cache(groups=groups))
+    hybrid.store_chunks(4, group=0)
+    hybrid.store_chunks(4, group=1)
+    assert hybrid.side.get_num_new_matched_tokens(hybrid.request("a"), 0) == (4 * BLOCK, True)
+
+
+def test_with_sync_when_idle_off_an_idle_engine_loads_asynchronously() -> None:
+    always = make_harness(load_sync_when_idle=False)
+    always.store_chunks(4)
+    assert always.side.get_num_new_matched_tokens(always.request("a"), 0) == (4 * BLOCK, True)
 
 
 def test_a_store_that_cannot_answer_is_a_miss(harness: Harness) -> None:

@@ -30,9 +30,9 @@ HASHES = chain_hashes(3, salt="w")
 BITS = torch.int16  # random bytes make NaNs of bfloat16: compare the bits
 
 
-def worker(store: MemoryStore, layout: KVCacheLayout, load_async: bool = True, **kwargs) -> WorkerSide:
+def worker(store: MemoryStore, layout: KVCacheLayout, **kwargs) -> WorkerSide:
     cache = engine_cache(LAYERS, num_blocks=NUM_BLOCKS, layout_name=layout.name)
-    settings = settings_from({"store": {"kind": "memory"}, "staging_blocks": 8, "load_async": load_async})
+    settings = settings_from({"store": {"kind": "memory"}, "staging_blocks": 8})
     return WorkerSide(cache, settings, store, **kwargs)
 
 
@@ -89,9 +89,25 @@ def test_a_sync_load_has_landed_when_start_load_kv_returns() -> None:
     store = MemoryStore(16 << 20)
     source = save_three_blocks(store, KVCacheLayout.LBHNC)
     target = engine_views(KVCacheLayout.LBHNC)
-    loader = worker(store, KVCacheLayout.LBHNC, load_async=False)
+    loader = worker(store, KVCacheLayout.LBHNC)
     loader.register_kv_caches(target)
-    loader.start_load_kv(KVPipeMetadata(loads=[LoadRequest("l", HASHES, ((0, 2, 3),), 0, BLOCK)]))
+    sync = LoadRequest("l", HASHES, ((0, 2, 3),), 0, BLOCK)
+    loader.start_load_kv(KVPipeMetadata(loads=[sync], sync_loads={"l"}))
     assert torch.equal(target[LAYERS[0]][0].view(BITS), source[LAYERS[0]][4].view(BITS))
     assert loader.get_finished() == set()  # a sync load is never reported as an async one
+    loader.shutdown(owns_store=False)
+
+
+def test_a_step_may_wait_for_its_sync_loads_and_leave_its_async_ones_running() -> None:
+    store = MemoryStore(16 << 20)
+    source = save_three_blocks(store, KVCacheLayout.LBHNC)
+    target = engine_views(KVCacheLayout.LBHNC)
+    loader = worker(store, KVCacheLayout.LBHNC)
+    loader.register_kv_caches(target)
+    sync = LoadRequest("sync", HASHES, ((0, 2, 3),), 0, BLOCK)
+    later = LoadRequest("later", HASHES, ((1, 4, 5),), 0, 3 * BLOCK)
+    loader.start_load_kv(KVPipeMetadata(loads=[sync, later], sync_loads={"sync"}))
+    assert torch.equal(target[LAYERS[0]][0].view(BITS), source[LAYERS[0]][4].view(BITS))
+    assert wait_finished(loader) == {"later"}
+    assert torch.equal(target[LAYERS[0]][1].view(BITS), source[LAYERS[0]][4].view(BITS))
     loader.shutdown(owns_store=False)

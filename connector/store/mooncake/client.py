@@ -319,7 +319,21 @@ class MooncakeStore:
             return set()
         finally:
             self._leave()
-        return {key for key in keys if not self._liveness.any_alive(_endpoints(replicas.get(key, ())))}
+        from mooncake.store import ReplicaStatus
+
+        complete = ReplicaStatus.COMPLETE
+        alive: dict[str, bool] = {}  # per endpoint, for this call: most keys share their nodes
+
+        def on_a_live_node(key: str) -> bool:
+            for endpoint in _endpoints(replicas.get(key, ()), complete):
+                answer = alive.get(endpoint)
+                if answer is None:
+                    answer = alive[endpoint] = self._liveness.alive(endpoint)
+                if answer:
+                    return True
+            return False
+
+        return {key for key in keys if not on_a_live_node(key)}
 
     def batch_put_from_multi_buffers(
         self,
@@ -527,13 +541,15 @@ def _check_reachable(master_address: str, metadata_server: str, timeout_s: float
         wait_until_listening(*http, timeout_s=timeout_s, what="mooncake metadata server")
 
 
-def _endpoints(replicas: Sequence[Any]) -> Iterator[str]:
-    """The transfer endpoints of an object's complete replicas; ``""`` for one that is not in memory.
+def _endpoints(replicas: Sequence[Any], complete: Any) -> Iterator[str]:
+    """The transfer endpoints of an object's replicas in state ``complete``; ``""`` for one not in memory.
 
     (``""`` is no ``host:port``, so it counts as alive: a disk replica is not probed.)
+    The state is compared as the enum it is: its ``str`` costs ~3.6 µs, most of a
+    lookup's verification (800 stored keys: 5.0 -> ~1.5 ms).
     """
     for replica in replicas:
-        if "COMPLETE" not in str(replica.status):
+        if replica.status != complete:
             continue
         yield (
             replica.get_memory_descriptor().buffer_descriptor.transport_endpoint
