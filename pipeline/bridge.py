@@ -20,7 +20,10 @@ must not lose work), ``"drop"`` refuses the item at once and ends its job as
 miss later; a blocked step costs every request now).
 
 With ``job_deadline_s`` every job gets that deadline (see :class:`Job`): the
-stages that call out start no new call for a job past it.
+stages that call out start no new call for a job past it. With ``nice`` the
+loop thread, the waker and every worker thread the stages start run that much
+nicer than the thread that starts the pipeline (:mod:`.priority`): its work
+takes what CPU the caller's threads leave.
 
 Completed jobs are handed back through :meth:`completed` (poll) or
 :meth:`Job.wait`. :meth:`stop` drains within a deadline and then cancels, and in
@@ -46,6 +49,7 @@ from .errors import PipelineClosed
 from .graph import Graph
 from .jobs import Job, Outcome, checked_deadline
 from .metrics import StageSnapshot
+from .priority import checked_nice, lower_this_thread
 from .runtime import Pipeline
 
 R = TypeVar("R")
@@ -68,7 +72,8 @@ class SyncPipeline:
     """A pipeline on its own event-loop thread, fed from any thread.
 
     Raises ValueError when ``queue_capacity`` is not > 0, ``job_deadline_s`` is
-    given and not > 0, or ``when_full`` is not a :class:`WhenFull` value.
+    given and not > 0, ``nice`` is not an integer from 0 to 19, or ``when_full``
+    is not a :class:`WhenFull` value.
     """
 
     def __init__(
@@ -80,10 +85,12 @@ class SyncPipeline:
         name: str = "pipeline",
         keep_completed: bool = True,
         job_deadline_s: float | None = None,
+        nice: int = 0,
     ) -> None:
         if queue_capacity <= 0:
             raise ValueError(f"queue_capacity: must be > 0, got {queue_capacity}")
         self.job_deadline_s = checked_deadline(job_deadline_s)
+        self.nice = checked_nice(nice)
         self.graph = graph
         self.name = name
         self.when_full = WhenFull(when_full)
@@ -276,6 +283,7 @@ class SyncPipeline:
     # -- the loop thread ----------------------------------------------------
 
     def _thread_main(self) -> None:
+        lower_this_thread(self.nice)  # before anyio starts worker threads: they inherit it
         try:
             anyio.run(self._main, backend="asyncio")
         except BaseException as exc:  # the thread must not die silently
@@ -342,6 +350,7 @@ class SyncPipeline:
             done.set()
 
     def _waker_main(self) -> None:
+        lower_this_thread(self.nice)
         while self._wake_requests.get():
             self._call_soon(self._wake)
 

@@ -13,6 +13,8 @@ Load it with::
 - ``enable_group_semantics`` (true/false, strict), ``cache_prefix``, ``queue_capacity``,
   ``max_buffers_per_call``, ``staging_blocks``, ``save_deadline_s`` (10) and
   ``load_deadline_s`` (5): past its deadline a job starts no new store call.
+  ``save_nice`` (19, 0 to 19): how much nicer than the engine's threads the save
+  pipeline's run (Linux): saves take the CPU the engine's steps leave.
 - ``config``: a kvpipe YAML file whose ``store`` and ``save`` sections give defaults;
   keys given inline override them.
 - ``load_async`` (true): loads run beside the engine's steps and are reported by

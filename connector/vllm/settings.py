@@ -30,6 +30,9 @@ class ConnectorSettings(BaseModel):
     # recompute, and a stuck save gives its staging slots back.
     save_deadline_s: float = Field(10.0, gt=0)
     load_deadline_s: float = Field(5.0, gt=0)
+    # How much nicer than the engine the save pipeline's threads run (Linux): a save
+    # takes the CPU the engine's steps leave, not a share of theirs. 0: the same.
+    save_nice: int = Field(19, ge=0, le=19, strict=True)
     # As vLLM's MooncakeStoreConnector: loads run beside the engine's steps, and
     # decode-phase chunks (rarely shared) are not stored unless asked for.
     load_async: StrictFlag = True

@@ -180,6 +180,7 @@ class WorkerSide:
             when_full="drop",
             name="kvpipe-save",
             job_deadline_s=self.settings.save_deadline_s,
+            nice=self.settings.save_nice,
         ).start()
         self._load_pipeline = SyncPipeline(
             default_load_graph(

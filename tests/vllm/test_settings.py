@@ -20,6 +20,13 @@ def test_defaults_and_inline_values() -> None:
     assert settings_from(None).store is None  # then MOONCAKE_CONFIG_PATH decides
 
 
+def test_saves_yield_the_cpu_to_the_engine_and_idle_loads_run_sync_by_default() -> None:
+    settings = settings_from(None)
+
+    assert settings.save_nice == 19
+    assert settings.load_async and settings.load_sync_when_idle
+
+
 def test_every_save_and_load_job_has_a_deadline_by_default() -> None:
     settings = settings_from(None)
 
@@ -35,6 +42,9 @@ def test_every_save_and_load_job_has_a_deadline_by_default() -> None:
         ({"queue_capcity": 3}, ["queue_capcity", "3"]),
         ({"load_deadline_s": 0}, ["load_deadline_s", "0"]),
         ({"save_deadline_s": "soon"}, ["save_deadline_s", "'soon'"]),
+        ({"save_nice": 20}, ["save_nice", "20"]),
+        ({"save_nice": "5"}, ["save_nice", "'5'"]),
+        ({"load_sync_when_idle": "sometimes"}, ["load_sync_when_idle", "'sometimes'"]),
     ],
 )
 def test_bad_values_name_the_field_and_the_value(extra: dict[str, object], words: list[str]) -> None:

@@ -7,6 +7,9 @@ store is the in-process model, and the worker is driven as vLLM drives it
 
 from __future__ import annotations
 
+import os
+import sys
+import threading
 import time
 
 import pytest
@@ -111,3 +114,26 @@ def test_a_step_may_wait_for_its_sync_loads_and_leave_its_async_ones_running() -
     assert wait_finished(loader) == {"later"}
     assert torch.equal(target[LAYERS[0]][1].view(BITS), source[LAYERS[0]][4].view(BITS))
     loader.shutdown(owns_store=False)
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="nice values per thread are Linux's")
+def test_the_save_pipeline_runs_nicer_than_the_engine_and_the_load_pipeline_does_not() -> None:
+    engine_nice = os.getpriority(os.PRIO_PROCESS, threading.get_native_id())
+    cache = engine_cache(LAYERS, num_blocks=NUM_BLOCKS, layout_name=KVCacheLayout.LBHNC.name)
+    side = WorkerSide(
+        cache, settings_from({"store": {"kind": "memory"}, "save_nice": 7}), MemoryStore(16 << 20)
+    )
+    before = set(threading.enumerate())
+    side.register_kv_caches(engine_views(KVCacheLayout.LBHNC))
+    try:
+        nices = {
+            t.name: os.getpriority(os.PRIO_PROCESS, t.native_id)
+            for t in set(threading.enumerate()) - before
+            if t.native_id is not None
+        }
+    finally:
+        side.shutdown(owns_store=False)
+    saves = {nice for name, nice in nices.items() if "save" in name}
+    loads = {nice for name, nice in nices.items() if "load" in name}
+    assert saves == {min(19, engine_nice + 7)}
+    assert loads == {engine_nice}

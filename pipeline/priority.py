@@ -1,0 +1,53 @@
+"""Lower the CPU priority of one thread, so that work it does yields to the host's own.
+
+A pipeline fed from an inference engine's step thread shares the host's cores
+with that engine. Where the cores are all busy (a CPU engine's forward keeps
+every core), the pipeline's threads and the engine's take turns at equal
+weight, and each step gets longer by what the pipeline's threads took. A thread
+``n`` nicer gets less of a contended core (Linux weighs nice 0 against nice 10
+as 1024 to 110, against nice 19 as 1024 to 15) and all of an idle one: its work
+fills the time the engine leaves.
+
+On Linux a nice value belongs to one thread (``setpriority`` on a thread id),
+and a thread inherits the value of the thread that starts it: a pipeline's
+worker threads, started from its loop thread, run as nice as the loop. Other
+systems set nice values per process, so there this does nothing: lowering the
+whole process would slow the engine too.
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+import threading
+
+#: the nicest a thread can be (Linux)
+MAX_NICE = 19
+
+
+def checked_nice(value: int, field: str = "nice") -> int:
+    """``value`` when it is a nice increment (0 to 19).
+
+    :raises ValueError: it is not, naming ``field`` and the value.
+    """
+    if isinstance(value, bool) or not isinstance(value, int) or not 0 <= value <= MAX_NICE:
+        raise ValueError(f"{field}: must be an integer from 0 to {MAX_NICE}, got {value!r}")
+    return value
+
+
+def lower_this_thread(increment: int) -> bool:
+    """Make the calling thread ``increment`` nicer than it is (at most 19); threads it starts inherit it.
+
+    Returns whether the thread's priority was lowered: False for 0, on a system
+    other than Linux, or when the call is refused (a sandbox may forbid it; an
+    unprivileged thread may lower its priority, never raise it back).
+    """
+    if increment <= 0 or not sys.platform.startswith("linux"):
+        return False
+    thread = threading.get_native_id()
+    try:
+        now = os.getpriority(os.PRIO_PROCESS, thread)
+        os.setpriority(os.PRIO_PROCESS, thread, min(MAX_NICE, now + increment))
+    except OSError:
+        return False
+    return True
