@@ -25,14 +25,14 @@ import threading
 MAX_NICE = 19
 
 
-def checked_nice(value: int, field: str = "nice") -> int:
+def checked_nice(value: object, field: str = "nice") -> int:
     """``value`` when it is a nice increment (0 to 19).
 
     :raises ValueError: it is not, naming ``field`` and the value.
     """
-    if isinstance(value, bool) or not isinstance(value, int) or not 0 <= value <= MAX_NICE:
-        raise ValueError(f"{field}: must be an integer from 0 to {MAX_NICE}, got {value!r}")
-    return value
+    if isinstance(value, int) and not isinstance(value, bool) and 0 <= value <= MAX_NICE:
+        return value
+    raise ValueError(f"{field}: must be an integer from 0 to {MAX_NICE}, got {value!r}")
 
 
 def lower_this_thread(increment: int) -> bool:

@@ -89,4 +89,4 @@ def test_a_nice_increment_outside_0_to_19_is_refused_naming_the_field(value: obj
     with pytest.raises(ValueError, match=rf"nice: must be an integer from 0 to 19, got {value!r}"):
         SyncPipeline(chain(NiceProbe()), nice=value)  # type: ignore[arg-type]
     with pytest.raises(ValueError, match="save_nice: must be"):
-        checked_nice(value, "save_nice")  # type: ignore[arg-type]
+        checked_nice(value, "save_nice")
