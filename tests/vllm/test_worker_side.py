@@ -88,12 +88,18 @@ def test_a_load_of_missing_objects_reports_its_blocks_failed_and_finishes(via_st
     loader.shutdown(owns_store=False)
 
 
-def test_a_sync_load_has_landed_when_start_load_kv_returns() -> None:
+def loader_after_three_saves() -> tuple[WorkerSide, dict[str, torch.Tensor], dict[str, torch.Tensor]]:
+    """A started worker over an empty cache, three blocks saved by another: (loader, source, target)."""
     store = MemoryStore(16 << 20)
     source = save_three_blocks(store, KVCacheLayout.LBHNC)
     target = engine_views(KVCacheLayout.LBHNC)
     loader = worker(store, KVCacheLayout.LBHNC)
     loader.register_kv_caches(target)
+    return loader, source, target
+
+
+def test_a_sync_load_has_landed_when_start_load_kv_returns() -> None:
+    loader, source, target = loader_after_three_saves()
     sync = LoadRequest("l", HASHES, ((0, 2, 3),), 0, BLOCK)
     loader.start_load_kv(KVPipeMetadata(loads=[sync], sync_loads={"l"}))
     assert torch.equal(target[LAYERS[0]][0].view(BITS), source[LAYERS[0]][4].view(BITS))
@@ -102,11 +108,7 @@ def test_a_sync_load_has_landed_when_start_load_kv_returns() -> None:
 
 
 def test_a_step_may_wait_for_its_sync_loads_and_leave_its_async_ones_running() -> None:
-    store = MemoryStore(16 << 20)
-    source = save_three_blocks(store, KVCacheLayout.LBHNC)
-    target = engine_views(KVCacheLayout.LBHNC)
-    loader = worker(store, KVCacheLayout.LBHNC)
-    loader.register_kv_caches(target)
+    loader, source, target = loader_after_three_saves()
     sync = LoadRequest("sync", HASHES, ((0, 2, 3),), 0, BLOCK)
     later = LoadRequest("later", HASHES, ((1, 4, 5),), 0, 3 * BLOCK)
     loader.start_load_kv(KVPipeMetadata(loads=[sync, later], sync_loads={"sync"}))
