@@ -81,8 +81,8 @@ def _steps(
     """Step the engine: the running requests, then (after WARM_STEPS) the loaders.
 
     Returns the times of the steps that ran while a load was in flight (async:
-    emitted, not finished; sync: the step that waited for it), the other steps,
-    and each loader's time to first token.
+    any step from the one that sent it to the one that saw it end; sync: the
+    step that waited for it), the other steps, and each loader's time to first token.
     """
     from vllm import SamplingParams
 
@@ -103,13 +103,14 @@ def _steps(
                 rid = f"load-{index}"
                 engine.add_request(rid, {"prompt_token_ids": prompt}, first)
                 waiting[rid] = time.perf_counter()
-        loads_before = worker.stats["loads"]
+        loads_before, in_flight = worker.stats["loads"], scheduler.loads_in_flight
         started = time.perf_counter()
         outputs = engine.step()
         took = time.perf_counter() - started
-        loading = scheduler.loads_in_flight > 0 or (
-            worker.stats["loads"] > loads_before and not worker.settings.load_async
-        )
+        # a load ran during the step: it was in flight when the step began, went out
+        # in it (async: it may have ended in it too; sync: the step waited for it),
+        # or is still in flight after it
+        loading = in_flight > 0 or worker.stats["loads"] > loads_before or scheduler.loads_in_flight > 0
         if step > WARM_STEPS // 2:  # past the running requests' own prefill
             (during if loading else quiet).append(took)
         for output in outputs:

@@ -209,6 +209,12 @@ class KVPipeConnector(KVConnectorBase_V1, SupportsHMA):
     def register_kv_caches(self, kv_caches: dict[str, torch.Tensor]) -> None:
         self._worker().register_kv_caches(kv_caches)
 
+    def bind_connector_metadata(self, connector_metadata: KVConnectorMetadata) -> None:
+        """Bind the step's metadata and start its loads (see :meth:`.WorkerSide.submit_loads`)."""
+        super().bind_connector_metadata(connector_metadata)
+        if self.worker is not None:
+            self.worker.submit_loads(self._metadata())
+
     def start_load_kv(self, forward_context: Any, **kwargs: Any) -> None:
         self._worker().start_load_kv(self._metadata())
 

@@ -129,6 +129,8 @@ class WorkerSide:
         self._save_pipeline: SyncPipeline | None = None
         self._load_pipeline: SyncPipeline | None = None
         self._loads: dict[str, _Load] = {}  # async loads in flight
+        self._sync_loads: list[_Load] = []  # this step's, submitted, waited for in start_load_kv
+        self._submitted: KVPipeMetadata | None = None  # the step whose loads went out
         self._load_failures: dict[str, frozenset[int]] = {}  # told by the load stage, per request
         self._load_errors: set[int] = set()  # engine block ids, for get_block_ids_with_load_errors
         self._failed_requests: set[str] = set()
@@ -270,17 +272,31 @@ class WorkerSide:
         with self._lock:  # on the load pipeline's thread, before the job completes
             self._load_failures[request_id] = failed_block_ids
 
-    def start_load_kv(self, meta: KVPipeMetadata) -> None:
-        """Submit this step's loads; wait for the sync ones (they must land before the forward)."""
-        if self._load_pipeline is None or not meta.loads:
+    def submit_loads(self, meta: KVPipeMetadata) -> None:
+        """Start this step's loads now, once per step (vLLM binds the step's metadata before its forward).
+
+        vLLM calls ``start_load_kv`` before the forward only when the step has a
+        sync load, and after it otherwise. On a CPU engine, whose forward returns
+        when it is done, an async load would then start a whole forward late and
+        its request compute a step later: so loads start here, when the metadata
+        is bound, and ``start_load_kv`` waits for the sync ones.
+        """
+        if self._load_pipeline is None or not meta.loads or meta is self._submitted:
             return
-        loads = [self._submit_load(load) for load in meta.loads]
-        waited = [load for load in loads if load.request.request_id in meta.sync_loads]
-        self._loads.update(
-            (load.request.request_id, load)
-            for load in loads
-            if load.request.request_id not in meta.sync_loads
-        )
+        self._submitted = meta
+        for load in meta.loads:
+            submitted = self._submit_load(load)
+            if load.request_id in meta.sync_loads:
+                self._sync_loads.append(submitted)
+            else:
+                self._loads[load.request_id] = submitted
+
+    def start_load_kv(self, meta: KVPipeMetadata) -> None:
+        """Submit this step's loads unless :meth:`submit_loads` did; wait for the sync ones (before the forward)."""
+        self.submit_loads(meta)
+        waited, self._sync_loads = self._sync_loads, []
+        if self._load_pipeline is None:
+            return
         for load in waited:
             if load.job is not None and not load.job.wait(LOAD_TIMEOUT_S):
                 log.warning("load timed out", request_id=load.request.request_id)

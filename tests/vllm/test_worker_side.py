@@ -139,3 +139,16 @@ def test_the_save_pipeline_runs_nicer_than_the_engine_and_the_load_pipeline_does
     loads = {nice for name, nice in nices.items() if "load" in name}
     assert saves == {min(19, engine_nice + 7)}
     assert loads == {engine_nice}
+
+
+def test_loads_start_when_the_steps_metadata_is_bound_and_go_out_once() -> None:
+    loader, source, target = loader_after_three_saves()
+    sync = LoadRequest("sync", HASHES, ((0, 2, 3),), 0, BLOCK)
+    later = LoadRequest("later", HASHES, ((1, 4, 5),), 0, 3 * BLOCK)
+    meta = KVPipeMetadata(loads=[sync, later], sync_loads={"sync"})
+    loader.submit_loads(meta)  # what bind_connector_metadata does, before vLLM's start_load_kv
+    assert wait_finished(loader) == {"later"}  # it ran without start_load_kv
+    loader.start_load_kv(meta)
+    assert torch.equal(target[LAYERS[0]][0].view(BITS), source[LAYERS[0]][4].view(BITS))
+    assert loader.stats["loads"] == 2
+    loader.shutdown(owns_store=False)
