@@ -11,6 +11,7 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError
 from kvpipe.connector.store.configs import StoreConfig, without_store_tag
 from kvpipe.pipeline import BuildError
 from kvpipe.pipeline.config import describe_validation_error, load_yaml, one_line
+from kvpipe.pipeline.priority import MAX_NICE
 from kvpipe.stages import MAX_BUFFERS_PER_CALL, StrictFlag
 from kvpipe.stages.flags import ConfigError
 
@@ -32,7 +33,7 @@ class ConnectorSettings(BaseModel):
     load_deadline_s: float = Field(5.0, gt=0)
     # How much nicer than the engine the save pipeline's threads run (Linux): a save
     # takes the CPU the engine's steps leave, not a share of theirs. 0: the same.
-    save_nice: int = Field(19, ge=0, le=19, strict=True)
+    save_nice: int = Field(MAX_NICE, ge=0, le=MAX_NICE, strict=True)
     # As vLLM's MooncakeStoreConnector: loads run beside the engine's steps, and
     # decode-phase chunks (rarely shared) are not stored unless asked for.
     load_async: StrictFlag = True

@@ -9,7 +9,8 @@ step it runs the loads the scheduler planned and stages the saves:
   :class:`~kvpipe.stages.SaveRequest` over the slots goes to the save pipeline
   (``when_full="drop"``). The step never waits on the store and vLLM may reuse
   the blocks at once; a save that finds no free slot is dropped and counted.
-- **loads**: ``start_load_kv`` submits them to the load pipeline. Async loads
+- **loads**: ``submit_loads`` (when vLLM binds the step's metadata, before the
+  forward) submits them to the load pipeline. Async loads
   return at once and are reported by ``get_finished`` once their job has ended,
   so the load runs while the engine steps other requests; sync loads (the
   scheduler's choice, per load: ``KVPipeMetadata.sync_loads``) are waited for
