@@ -1,4 +1,4 @@
-"""Where the outside world plugs into kvpipe's pipeline and stages: four rooms.
+"""Where the outside world plugs into kvpipe's pipeline and stages: five rooms.
 
 - :mod:`.store`: the store every stage talks to. Its protocol (Mooncake's batch
   API), the configs that choose and open one, the breaker and the meter that wrap
@@ -13,7 +13,10 @@
   and ``bench``.
 - :mod:`.bench`: the performance suite, and the helpers that start vLLM engines on
   a local master for it, the demo and the tests (:mod:`.bench.launch`).
+- :mod:`.fleet`: a local fleet (``kvpipe fleet``): ``vllm serve`` replicas behind
+  vLLM's router over one Mooncake store, every process in a group stopped whole.
 
 Rooms import downwards only: ``store`` imports neither ``vllm``, ``cli`` nor
-``bench``; ``vllm`` imports ``store``; ``cli`` and ``bench`` may import all.
+``bench``; ``vllm`` imports ``store``; ``cli`` and ``bench`` may import all; ``fleet`` imports ``store`` and ``bench.launch`` (it runs
+vLLM and the connector in processes of its own).
 """

@@ -20,8 +20,16 @@ ROOT = Path(__file__).parents[1]
 FORBIDDEN = {
     "pipeline": ("kvpipe.stages", "kvpipe.connector", "vllm", "mooncake", "torch"),
     "stages": ("kvpipe.connector", "vllm", "mooncake"),
-    "connector/store": ("kvpipe.connector.vllm", "kvpipe.connector.cli", "kvpipe.connector.bench", "vllm"),
-    "connector/vllm": ("kvpipe.connector.cli", "kvpipe.connector.bench"),
+    "connector/store": (
+        "kvpipe.connector.vllm",
+        "kvpipe.connector.cli",
+        "kvpipe.connector.bench",
+        "kvpipe.connector.fleet",
+        "vllm",
+    ),
+    "connector/vllm": ("kvpipe.connector.cli", "kvpipe.connector.bench", "kvpipe.connector.fleet"),
+    # the fleet runs vLLM and the connector in processes of its own: it imports neither
+    "connector/fleet": ("kvpipe.connector.cli", "kvpipe.connector.vllm", "vllm"),
 }
 
 

@@ -21,10 +21,20 @@ import time
 from collections.abc import Mapping, Sequence
 from dataclasses import asdict, dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, Protocol
 
 from kvpipe.connector.store.mooncake import MooncakeSettings, MooncakeStore
 from kvpipe.connector.store.mooncake.master import MasterEndpoints
+
+
+class StoreAddress(Protocol):
+    """Where a store's clients connect: a master's endpoints, or an HA cluster's."""
+
+    @property
+    def master_address(self) -> str: ...
+
+    @property
+    def metadata_server(self) -> str: ...
 
 #: The tiny 2-layer Llama: 64 KiB per 128-token block per layer, compute negligible.
 #: (The CPU attention needs a head size in {32, 64, 80, ...}: hidden 128 / 4 heads = 32.)
@@ -137,7 +147,7 @@ def mooncake_transfer(extra: Mapping[str, Any] | None = None) -> dict[str, Any]:
     }
 
 
-def store_section(endpoints: MasterEndpoints, global_segment_size: int | str = 0) -> dict[str, Any]:
+def store_section(endpoints: StoreAddress, global_segment_size: int | str = 0) -> dict[str, Any]:
     """kvpipe's ``store`` setting for a running master.
 
     ``global_segment_size=0`` makes the engine a pure client: its objects live in the
@@ -152,7 +162,7 @@ def store_section(endpoints: MasterEndpoints, global_segment_size: int | str = 0
     }
 
 
-def vllm_mooncake_config(endpoints: MasterEndpoints, global_segment_size: int | str = 0) -> dict[str, Any]:
+def vllm_mooncake_config(endpoints: StoreAddress, global_segment_size: int | str = 0) -> dict[str, Any]:
     """The JSON that ``MOONCAKE_CONFIG_PATH`` names for vLLM's connector: the same master and mode."""
     return {
         "metadata_server": endpoints.metadata_server,

@@ -5,6 +5,8 @@
 ``kvpipe store [--master ADDRESS|spawn] [--segment SIZE] [--master-metrics HOST:PORT ...] [--json]``
 ``kvpipe inspect [--master ADDRESS | --config FILE] [--metrics HOST:PORT ...] [--model NAME]
 [--cache-prefix P] [--run CONFIG] [--groups N] [--tp-ranks N] [--json] [--png PATH]``
+``kvpipe fleet [--replicas N] [--connector kvpipe|vllm|none] [--policy P] [--masters N] [--store-nodes N]
+[--segment SIZE] [--copies N] [--model DIR] [--log-dir DIR] [--json]``
 
 Bad input (a missing file, malformed YAML, a wrong value, an unreachable master)
 is one line on stderr naming the field and the value, and exit code 2: no
@@ -36,6 +38,7 @@ from kvpipe.pipeline import BuildError
 from kvpipe.pipeline.config import describe_validation_error, load_yaml, one_line
 from kvpipe.stages import key_model_name
 
+from . import fleet
 from .run.config import RunConfig, apply_override
 from .run.job import RunResult, run
 from .run.report import ProgressLine, summary_table
@@ -183,6 +186,7 @@ def _parser() -> argparse.ArgumentParser:
         "--timeout", type=float, default=5.0, metavar="S", help="per HTTP request and probe (default 5)"
     )
     inspect_parser.set_defaults(command=_inspect_command)
+    fleet.add_parser(commands, UsageError)
     return parser
 
 

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -15,6 +15,9 @@ from kvpipe.pipeline.priority import MAX_NICE
 from kvpipe.stages import MAX_BUFFERS_PER_CALL, StrictFlag
 from kvpipe.stages.flags import ConfigError
 
+#: 256 chunks of 128 tokens: one step's saves of a full batch, with the last steps' still in flight
+DEFAULT_STAGING_TOKENS = 32768
+
 
 class ConnectorSettings(BaseModel):
     """``kv_connector_extra_config``, validated; errors name the field and the value."""
@@ -26,7 +29,12 @@ class ConnectorSettings(BaseModel):
     cache_prefix: str = ""
     queue_capacity: int = Field(1024, gt=0)
     max_buffers_per_call: int = Field(MAX_BUFFERS_PER_CALL, gt=0)
-    staging_blocks: int = Field(256, gt=0)
+    # The staging area holds this many tokens of every stored group, whatever the block
+    # size (a count of blocks would hold 8x fewer tokens at 16-token blocks than at 128,
+    # and a step's saves that do not fit are dropped). staging_blocks, when given, is
+    # the slot count itself.
+    staging_tokens: int = Field(DEFAULT_STAGING_TOKENS, gt=0)
+    staging_blocks: int | None = Field(None, gt=0)
     # Past these, a job starts no new store call (see Job): a late load is a miss to
     # recompute, and a stuck save gives its staging slots back.
     save_deadline_s: float = Field(10.0, gt=0)
@@ -41,6 +49,12 @@ class ConnectorSettings(BaseModel):
     load_sync_when_idle: StrictFlag = True
     save_decode_cache: StrictFlag = False
     config: str | None = None
+
+    def staging_slots(self, block_sizes: Sequence[int]) -> int:
+        """Slots for stored groups of these block sizes: ``staging_blocks``, or ``staging_tokens`` of each."""
+        if self.staging_blocks is not None:
+            return self.staging_blocks
+        return sum(-(-self.staging_tokens // size) for size in block_sizes)
 
 
 def settings_from(extra: Mapping[str, Any] | None) -> ConnectorSettings:

@@ -157,7 +157,8 @@ class WorkerSide:
         layers = {name: value for name, value in kv_caches.items() if name in stored}
         layout = group_layout(layers, cache.num_blocks, cache.layout_name)
         self.layouts = {group.engine_group: layout for group in cache.store_groups}
-        self._staging = StagingArea(self.layouts, self.settings.staging_blocks)
+        slots = self.settings.staging_slots([group.spec.block_size for group in cache.store_groups])
+        self._staging = StagingArea(self.layouts, slots)
         if self._load_via_staging is None:
             self._load_via_staging = self._staging.device.type != "cpu"
         storages = {} if self._staging.device.type != "cpu" else storages_of(list(layers.values()))

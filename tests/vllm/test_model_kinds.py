@@ -1,7 +1,10 @@
 """MLA and hybrid models in the real engine: hits, identical outputs, one cache with vLLM's connector.
 
-- MLA: a tiny DeepSeek-V2 (``CPU_MLA``, one latent per token; vLLM's own prefix cache
-  is off for it on CPU, so every pass-2 hit is the connector's).
+- MLA: a tiny DeepSeek-V2 (one latent per token; vLLM's own prefix cache is off for it
+  on CPU, so every pass-2 hit is the connector's), on both of the CPU build's MLA
+  backends: ``CPU_MLA`` (16-token blocks, its kernel's only size; it runs everywhere and
+  is asked for by name) and ``AMX_MLA`` (128-token blocks; where the CPU has AMX, else
+  skipped with that reason). Counts come from the block size the engine chose.
 - Hybrid: a tiny Qwen3-Next, three mamba groups (GDN, ``align``) and one
   full-attention group overlaying one cache (384-token blocks); a hit needs every
   attention chunk and each mamba group's state where it ends.
@@ -19,7 +22,7 @@ from __future__ import annotations
 
 import math
 import random
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -41,25 +44,62 @@ class Kind:
     config: dict[str, Any]
     engine_args: dict[str, Any]
     groups: int  # the engine's KV-cache groups
-    objects_per_prompt: int  # what one 1,400-token prompt stores (as vLLM's connector does)
-    loads_per_prompt: int  # what its hit loads: every attention chunk, one state per mamba group
+    # given the stored groups' block size: what one 1,400-token prompt stores (as vLLM's
+    # connector does), and what its hit loads (every attention chunk, one state per mamba group)
+    objects_per_prompt: Callable[[int], int]
+    loads_per_prompt: Callable[[int], int]
+    needs: Callable[[], str | None] = lambda: None  # why this machine cannot run it, if it cannot
 
     @property
     def model(self) -> Path:
         return launch.model_dir(f"tiny-{self.config['model_type'].replace('_', '-')}", self.config)
 
 
+def _amx() -> str | None:
+    import torch
+
+    return (
+        None
+        if torch.cpu._is_amx_tile_supported()
+        else "AMX_MLA needs a CPU with AMX tiles; this one has none"
+    )
+
+
+def _whole_blocks(block_size: int) -> int:
+    return PROMPT_TOKENS // block_size
+
+
+def _hit_blocks(block_size: int) -> int:
+    return (PROMPT_TOKENS - 1) // block_size
+
+
 KINDS = [
-    # ten 128-token chunks of latent
-    Kind("deepseek-v2", launch.TINY_DEEPSEEK_V2, {}, groups=1, objects_per_prompt=10, loads_per_prompt=10),
+    # every whole block of latent: 87 at CPU_MLA's 16 tokens, 10 at AMX_MLA's 128
+    Kind(
+        "deepseek-v2-cpu-mla",
+        launch.TINY_DEEPSEEK_V2,
+        {"attention_backend": "CPU_MLA"},
+        groups=1,
+        objects_per_prompt=_whole_blocks,
+        loads_per_prompt=_hit_blocks,
+    ),
+    Kind(
+        "deepseek-v2-amx-mla",
+        launch.TINY_DEEPSEEK_V2,
+        {"attention_backend": "AMX_MLA"},
+        groups=1,
+        objects_per_prompt=_whole_blocks,
+        loads_per_prompt=_hit_blocks,
+        needs=_amx,
+    ),
     # three attention chunks; per mamba group the state at 1,152, where vLLM ends the first step
     Kind(
         "qwen3-next",
         launch.TINY_QWEN3_NEXT,
         launch.HYBRID_ENGINE_ARGS,
         groups=4,
-        objects_per_prompt=3 + 3,
-        loads_per_prompt=3 + 3,
+        objects_per_prompt=lambda _: 3 + 3,
+        loads_per_prompt=lambda _: 3 + 3,
     ),
     # and the partial tail at 1,280: the attention block holding it, each mamba group's state there
     Kind(
@@ -67,8 +107,8 @@ KINDS = [
         launch.TINY_QWEN3_NEXT,
         {**launch.HYBRID_ENGINE_ARGS, "prefix_match_unit": 128},
         groups=4,
-        objects_per_prompt=(3 + 1) + 3 * 2,
-        loads_per_prompt=(3 + 1) + 3,
+        objects_per_prompt=lambda _: (3 + 1) + 3 * 2,
+        loads_per_prompt=lambda _: (3 + 1) + 3,
     ),
 ]
 ENGINE = {"max_model_len": 2048, "kv_cache_memory_bytes": 256 << 20}
@@ -78,6 +118,19 @@ ENGINE = {"max_model_len": 2048, "kv_cache_memory_bytes": 256 << 20}
 class Engine:
     kind: Kind
     llm: Any
+
+    @property
+    def block_size(self) -> int:
+        """The stored groups' block size, as the engine chose it (MLA's depends on the backend)."""
+        return min(g.spec.block_size for g in engine.worker(self.llm).cache.store_groups)
+
+    @property
+    def objects_per_prompt(self) -> int:
+        return self.kind.objects_per_prompt(self.block_size)
+
+    @property
+    def loads_per_prompt(self) -> int:
+        return self.kind.loads_per_prompt(self.block_size)
 
     def generate(self, batch: list[list[int]]) -> dict[str, Any]:
         return launch.generate(self.llm, batch, MAX_TOKENS).as_dict()
@@ -93,6 +146,8 @@ class Engine:
 @pytest.fixture(scope="module", params=KINDS, ids=lambda kind: kind.name)
 def kvpipe(request: pytest.FixtureRequest, store_section: dict[str, Any]) -> Iterator[Engine]:
     kind: Kind = request.param
+    if (missing := kind.needs()) is not None:
+        pytest.skip(missing)
     transfer = {**launch.kvpipe_transfer({"store": store_section}), "kv_load_failure_policy": "recompute"}
     llm = launch.make_llm(kind.model, transfer, **ENGINE, **kind.engine_args)
     yield Engine(kind, llm)
@@ -126,13 +181,13 @@ def test_a_reset_engine_loads_every_stored_chunk_with_identical_outputs(kvpipe: 
     batch = prompts(31)
     first, records = stored_by(kvpipe.llm, batch)
     assert first["cached"] == [0, 0]
-    assert len({r.key for r in records}) == 2 * kvpipe.kind.objects_per_prompt
+    assert len({r.key for r in records}) == 2 * kvpipe.objects_per_prompt
     assert kvpipe.llm.reset_prefix_cache()
     loaded = engine.worker(kvpipe.llm).stats["chunks_loaded"]
     second = kvpipe.generate(batch)
     assert second["cached"] == [kvpipe.full_hit] * 2
     assert second["connector_hits"] == 2 * kvpipe.full_hit
-    assert engine.worker(kvpipe.llm).stats["chunks_loaded"] - loaded == 2 * kvpipe.kind.loads_per_prompt
+    assert engine.worker(kvpipe.llm).stats["chunks_loaded"] - loaded == 2 * kvpipe.loads_per_prompt
     assert second["tokens"] == first["tokens"]
 
 
@@ -153,3 +208,21 @@ def test_vllms_connector_and_kvpipe_load_what_the_other_stored(kvpipe: Engine, m
     )
     assert back["cached"] == [kvpipe.full_hit] * 2
     assert back["tokens"] == own["tokens"]
+
+
+def test_a_burst_over_shared_prefixes_stores_every_whole_block(kvpipe: Engine) -> None:
+    """Eight ~750-token prompts over four shared prefixes in one pass: every whole block is
+    stored once, as vLLM's connector stores them (at 16-token blocks, more blocks than the
+    staging area once held)."""
+    if kvpipe.kind.groups > 1:
+        pytest.skip("a hybrid model stores per mamba group where its steps end, not per whole block")
+    rng = random.Random(34)
+    shared = [[rng.randrange(1024) for _ in range(500)] for _ in range(4)]
+    batch = [
+        p + [rng.randrange(1024) for _ in range(rng.randrange(200, 300))] for p in shared for _ in range(2)
+    ]
+    size = kvpipe.block_size
+    whole_prefixes = {tuple(p[:end]) for p in batch for end in range(size, len(p) + 1, size)}
+    _, records = stored_by(kvpipe.llm, batch)
+    assert engine.worker(kvpipe.llm).stats["saves_dropped_no_staging"] == 0
+    assert len({r.key for r in records}) == len(whole_prefixes)

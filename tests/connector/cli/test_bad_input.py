@@ -261,6 +261,19 @@ COMMAND_LINES = [
         ["bench", "--markdown", "absent/bench.md"],
         "--markdown: folder 'absent' does not exist",
     ),
+    # kvpipe fleet
+    case("fleet-no-replicas", ["fleet", "--replicas", "0"], "--replicas: ", "got 0"),
+    case("fleet-store-nodes-zero", ["fleet", "--store-nodes", "0"], "--store-nodes: ", "got 0"),
+    case(
+        "fleet-model-without-config",
+        ["fleet", "--model", "a-folder"],
+        "--model: 'a-folder' holds no config.json",
+    ),
+    case(
+        "fleet-unknown-policy",
+        ["fleet", "--policy", "nearest"],
+        "argument --policy: invalid choice: 'nearest'",
+    ),
 ]
 
 

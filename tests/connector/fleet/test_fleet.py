@@ -1,0 +1,56 @@
+"""A fleet on real processes: two ``vllm serve`` replicas behind vLLM's router over one store.
+
+Round robin sends consecutive requests to different replicas, so the second request
+of a prompt lands on the replica that did not compute it: its hit can only come from
+what the first replica stored. Each test starts its own fleet and checks that no
+process it started outlives it.
+"""
+
+from __future__ import annotations
+
+import time
+from pathlib import Path
+
+import psutil
+import pytest
+
+from kvpipe.connector.bench import launch
+from kvpipe.connector.fleet.fleet import Fleet, FleetSpec
+
+from .client import EXTERNAL_HITS, complete, counter, words
+
+pytestmark = pytest.mark.mooncake
+
+BLOCK = 128  # the tiny Llama's block size on the CPU build
+PROMPT_TOKENS = 600
+SAVED_WITHIN_S = 30.0
+
+
+def wait_for_keys(fleet: Fleet, count: int) -> float:
+    """Seconds until the store holds ``count`` objects (a save lands at the save pipeline's pace)."""
+    assert fleet.master is not None and fleet.master.endpoints is not None
+    started = time.monotonic()
+    while len(launch.stored_keys(fleet.master.endpoints)) < count:
+        assert time.monotonic() - started < SAVED_WITHIN_S, "the first replica's save never landed"
+        time.sleep(0.2)
+    return time.monotonic() - started
+
+
+def test_a_prefix_stored_through_one_replica_hits_on_the_other_with_equal_outputs(tmp_path: Path) -> None:
+    spec = FleetSpec(replicas=2, policy="round_robin", log_dir=tmp_path)
+    with Fleet(spec) as fleet:
+        model = str(fleet.model)
+        prompt = words(seed=1, count=PROMPT_TOKENS)
+        first = complete(fleet.url, model, prompt)
+        whole_blocks = PROMPT_TOKENS // BLOCK
+        landed = wait_for_keys(fleet, whole_blocks)
+        second = complete(fleet.url, model, prompt)
+        hits = [counter(r.url, EXTERNAL_HITS) for r in fleet.replicas]
+        started = {p for p in fleet.processes()}
+    print(f"\nfleet: save landed {landed:.2f} s after the first answer; external hits per replica {hits}")
+    assert first.prompt_tokens == second.prompt_tokens == PROMPT_TOKENS
+    assert first.cached_tokens == 0
+    assert second.cached_tokens == whole_blocks * BLOCK
+    assert sorted(hits) == [0, whole_blocks * BLOCK]  # one replica computed, the other loaded
+    assert second.text == first.text
+    assert not [pid for pid in started if psutil.pid_exists(pid) and psutil.Process(pid).status() != "zombie"]
