@@ -12,7 +12,7 @@ from .filter import FilterStage
 from .flags import ConfigError, StrictFlag, parse_flag
 from .gather import GatherParams, GatherStage
 from .group_ids import GroupIdsParams, GroupIdsStage
-from .keys import GROUP_ID_SCOPE, group_id, key_model_name, object_key
+from .keys import GROUP_ID_SCOPE, group_id, key_model_name, object_key, shared_pool_id
 from .load import LoadObserver, LoadParams, LoadRequest, LoadStage, LoadTarget, load_targets
 from .load_pipeline import (
     DEFAULT_LOAD_PIPELINE,
@@ -117,6 +117,7 @@ __all__ = [
     "copy_into_slots",
     "group_id",
     "key_model_name",
+    "shared_pool_id",
     "object_key",
     "parse_flag",
     "project_groups",

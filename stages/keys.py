@@ -72,6 +72,16 @@ def deployment_key_pattern(namespace: KeyNamespace) -> str:
     return f"^{re.escape(_model_scope(namespace))}@tp_rank:"
 
 
+def shared_pool_id(namespace: KeyNamespace) -> str:
+    """The shared pool a deployment's chunks live in, as KV events name it (their ``ownership``).
+
+    Every replica of a deployment reaches the same chunks in the store, so the pool
+    is the deployment (its cache prefix and model), never one engine: a router that
+    files a chunk under this pool files it as shared, not as the writer's own.
+    """
+    return f"{GROUP_ID_SCOPE}:{_model_scope(namespace)}"
+
+
 def group_id(namespace: KeyNamespace, chunk_hash: bytes) -> str:
     """The lifecycle group of a chunk: every rank's object of every store group.
 

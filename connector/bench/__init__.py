@@ -25,6 +25,11 @@ Workloads (each a module with ``run(options) -> WorkloadResult``):
     The 8-layer model with requests decoding while others load a shared stored
     prefix: decode-step p50/p99 and time to first token, sync against async
     loads, and loads per shared prefix.
+``serve``
+    A fleet (two ``vllm serve`` replicas behind vLLM's router over one store) under
+    vLLM's own serving benchmark: a prefix-repetition and a multi-turn chat workload,
+    no connector / vLLM's connector / kvpipe, policies round_robin and cache_aware:
+    TTFT, ITL, hits by tier, chunks one replica loaded that the other stored.
 ``fragmentation``
     Partial-chunk bytes over live bytes as the store's capacity shrinks, with
     group semantics on and off (the shape of Mooncake RFC #2127's table).
@@ -47,6 +52,7 @@ WORKLOADS: dict[str, str] = {
     "framework": "framework",
     "vllm": "vllm_prefix",
     "vllm-loads": "async_loads",
+    "serve": "serve",
     "fragmentation": "fragmentation",
 }
 

@@ -33,10 +33,13 @@ from pydantic import BaseModel, ConfigDict, Field
 
 from kvpipe.connector.bench import launch
 from kvpipe.connector.store.mooncake.cluster import LocalCluster, StoreNodeProcess
-from kvpipe.connector.store.mooncake.master import LocalMaster
+from kvpipe.connector.store.mooncake.master import LOOPBACK, LocalMaster, free_ports
 
 from .replica import POLICIES, Served, replica, router
 from .tokenizer import write_tokenizer
+
+#: the router answers within seconds; replicas take most of a fleet's start
+ROUTER_READY_S = 60.0
 
 
 class Contender(StrEnum):
@@ -62,6 +65,10 @@ class FleetSpec(BaseModel):
     model: Path | None = None  # a model folder (default: the tiny Llama, dummy weights)
     max_model_len: int = Field(2048, gt=0)
     kv_cache_memory_bytes: int = Field(64 << 20, gt=0)
+    block_size: int = Field(128, gt=0)  # the replicas' KV block size (the router's kv_aware needs it)
+    # Replicas publish KV events (vLLM's, and kvpipe's pool stream), so the router may
+    # run kv_aware; on whenever the first policy is kv_aware.
+    kv_events: bool = False
     connector_settings: dict[str, Any] = Field(default_factory=dict)  # kvpipe's extra config
     replica_args: tuple[str, ...] = ()  # more ``vllm serve`` arguments
     router_args: tuple[str, ...] = ()
@@ -78,9 +85,14 @@ class Fleet:
         self.log_dir = spec.log_dir or Path(tempfile.mkdtemp(prefix="kvpipe-fleet-"))
         self.replicas: list[Served] = []
         self.router: Served | None = None
+        self.policy = spec.policy  # the running router's
         self.master: LocalMaster | None = None
         self.cluster: LocalCluster | None = None
         self.store_nodes: list[StoreNodeProcess] = []
+        self.kv_events = spec.kv_events or spec.policy == "kv_aware"
+        # per replica: where vLLM publishes its KV events, and where kvpipe publishes the pool's
+        self.event_ports: list[int] = []
+        self.pool_ports: list[int] = []
         self._stack = ExitStack()
 
     # -- lifecycle -----------------------------------------------------------------------
@@ -101,29 +113,78 @@ class Fleet:
         self.log_dir.mkdir(parents=True, exist_ok=True)
         write_tokenizer(self.model, int(json.loads((self.model / "config.json").read_text())["vocab_size"]))
         self._start_store()
-        transfer, env = self._connector()
-        self.replicas = [
-            replica(
-                f"replica {i}",
-                self.model,
-                self.log_dir / f"replica-{i}.log",
-                transfer=transfer,
-                env=env,
-                max_model_len=spec.max_model_len,
-                kv_cache_memory_bytes=spec.kv_cache_memory_bytes,
-                extra_args=spec.replica_args,
+        if self.kv_events:
+            self.event_ports = free_ports(spec.replicas)
+            if spec.connector is Contender.KVPIPE:
+                self.pool_ports = free_ports(spec.replicas)
+        self.replicas = []
+        for i in range(spec.replicas):
+            transfer, env = self._connector(i)
+            self.replicas.append(
+                replica(
+                    f"replica {i}",
+                    self.model,
+                    self.log_dir / f"replica-{i}.log",
+                    transfer=transfer,
+                    env=env,
+                    max_model_len=spec.max_model_len,
+                    kv_cache_memory_bytes=spec.kv_cache_memory_bytes,
+                    extra_args=[*self._replica_args(i), *spec.replica_args],
+                )
             )
-            for i in range(spec.replicas)
-        ]
         for served in self.replicas:  # side by side: each start is mostly waiting
             self._stack.callback(served.stop)
             served.start()
         for served in self.replicas:
             served.wait_ready(spec.startup_timeout_s)
-        self.router = router([r.url for r in self.replicas], spec.policy, self.log_dir, spec.router_args)
+        self.use_policy(spec.policy)
+
+    def use_policy(self, policy: str, router_args: tuple[str, ...] | None = None) -> None:
+        """Put a new router with ``policy`` in front of the replicas (the old one stops first).
+
+        The replicas and the store keep running, so one fleet serves several policies.
+        :raises ValueError: an unknown policy. :raises ProcessError: the router did not start.
+        """
+        if self.router is not None:
+            self.router.stop()
+        args = self.spec.router_args if router_args is None else router_args
+        if policy == "kv_aware":
+            args = (*self._kv_aware_args(), *args)
+        self.router = router([r.url for r in self.replicas], policy, self.log_dir, args)
+        self.policy = policy
         self._stack.callback(self.router.stop)
         self.router.start()
-        self.router.wait_ready(60.0)
+        self.router.wait_ready(ROUTER_READY_S)
+
+    def _replica_args(self, index: int) -> list[str]:
+        args = ["--block-size", str(self.spec.block_size)]
+        if self.kv_events:
+            config = {
+                "enable_kv_cache_events": True,
+                "publisher": "zmq",
+                "endpoint": f"tcp://*:{self.event_ports[index]}",
+                "topic": "kv",
+            }
+            args += ["--kv-events-config", json.dumps(config)]
+        return args
+
+    def _kv_aware_args(self) -> list[str]:
+        """The router's event sources: per replica its own stream, and every replica's pool stream.
+
+        The router credits a block to the worker whose stream carried it; a chunk in
+        the store is reachable from every replica, so each worker takes every pool
+        stream (kvpipe's events there name the shared pool: the router's external tier).
+        :raises ValueError: the replicas publish no KV events.
+        """
+        if not self.kv_events:
+            raise ValueError(
+                "policy: kv_aware needs the replicas' KV events (FleetSpec.kv_events), got them off"
+            )
+        pools = [f"tcp://{LOOPBACK}:{port}" for port in self.pool_ports]
+        args = ["--kv-event-block-size", str(self.spec.block_size), "--kv-event-model", str(self.model)]
+        for served, port in zip(self.replicas, self.event_ports, strict=True):
+            args += ["--kv-event-source", f"{served.url}=" + ",".join([f"tcp://{LOOPBACK}:{port}", *pools])]
+        return args
 
     def _start_store(self) -> None:
         spec = self.spec
@@ -143,16 +204,21 @@ class Fleet:
             self._stack.callback(node.stop)
             self.store_nodes.append(node)
 
-    def _connector(self) -> tuple[dict[str, Any] | None, dict[str, str]]:
-        """The replicas' ``--kv-transfer-config`` and environment for the chosen connector."""
+    def _connector(self, index: int) -> tuple[dict[str, Any] | None, dict[str, str]]:
+        """Replica ``index``'s ``--kv-transfer-config`` and environment for the chosen connector."""
         address = self.store_address
+        # A load the store fails is recomputed, never a failed request (vLLM's default fails it).
+        recompute = {"kv_load_failure_policy": "recompute"}
         if self.spec.connector is Contender.KVPIPE:
             store = {**launch.store_section(address), "replicas": self.spec.copies}
-            return launch.kvpipe_transfer({"store": store, **self.spec.connector_settings}), {}
+            settings: dict[str, Any] = {"store": store, **self.spec.connector_settings}
+            if self.pool_ports:
+                settings["kv_events_endpoint"] = f"tcp://*:{self.pool_ports[index]}"
+            return {**launch.kvpipe_transfer(settings), **recompute}, {}
         if self.spec.connector is Contender.VLLM:
             path = self.log_dir / "mooncake.json"
             path.write_text(json.dumps(launch.vllm_mooncake_config(address)))
-            return launch.mooncake_transfer(), launch.vllm_mooncake_env(path)
+            return {**launch.mooncake_transfer(), **recompute}, launch.vllm_mooncake_env(path)
         return None, {}
 
     # -- what clients and tests read -----------------------------------------------------

@@ -136,4 +136,4 @@ def router(workers: Sequence[str], policy: str, log_dir: Path, extra_args: Seque
         "--port", str(port),
         *extra_args,
     ]  # fmt: skip
-    return Served("router", command, port, log_dir / "router.log", dict(os.environ))
+    return Served(f"router ({policy})", command, port, log_dir / f"router-{policy}.log", dict(os.environ))

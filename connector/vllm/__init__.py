@@ -11,10 +11,13 @@ Load it with::
   ``{kind: memory}`` (in-process only, for unit use). Without it the store comes from
   vLLM's Mooncake JSON (``MOONCAKE_CONFIG_PATH``), so existing vLLM setups work as they are.
 - ``enable_group_semantics`` (true/false, strict), ``cache_prefix``, ``queue_capacity``,
-  ``max_buffers_per_call``, ``staging_blocks``, ``save_deadline_s`` (10) and
+  ``max_buffers_per_call``, ``staging_tokens`` (32768 tokens of every stored group,
+  whatever the block size) or ``staging_blocks`` (the slot count), ``save_deadline_s`` (10) and
   ``load_deadline_s`` (5): past its deadline a job starts no new store call.
   ``save_nice`` (19, 0 to 19): how much nicer than the engine's threads the save
   pipeline's run (Linux): saves take the CPU the engine's steps leave.
+- ``kv_events_endpoint``: a ZMQ endpoint where kvpipe's KV events also go out alone
+  (:class:`~.events.PoolPublisher`), for a router to take under every replica.
 - ``config``: a kvpipe YAML file whose ``store`` and ``save`` sections give defaults;
   keys given inline override them.
 - ``load_async`` (true): loads run beside the engine's steps and are reported by

@@ -16,6 +16,17 @@ events do:
   "absent" for one of its objects (Mooncake evicted it, a node died, another
   deployment reset it), or a load of it failed (gone between lookup and load).
 
+Every event names the deployment's shared pool as its ``ownership``
+(:func:`~kvpipe.stages.shared_pool_id`): a chunk in the store is no engine's own, and
+vLLM's router (``kv_aware``) files an event with an ``ownership`` under that pool at
+its external tier (credited ``--kv-penalty-external``), where an event without one
+would be the writer's own host-memory blocks (``--kv-penalty-host``), credited to the
+writer alone. The router credits a pool's chunk to the worker whose event stream
+carried it, so a chunk one replica stored is reachable through every other replica
+only if every replica's stream carries it: :class:`PoolPublisher` publishes the events
+on an endpoint of kvpipe's own (``kv_events_endpoint``), which the router subscribes
+under every replica (``kvpipe fleet`` wires it so).
+
 The medium is vLLM's ``MEDIUM_CPU``: Mooncake keeps objects in host DRAM segments,
 which is what the CPU tier means to vLLM's own offloading events; ``MEDIUM_STORAGE``
 names a disk tier (vLLM's simple offload uses it only with a disk capacity).
@@ -33,12 +44,13 @@ the reports and publishes.
 from __future__ import annotations
 
 import threading
+import time
 from collections import OrderedDict
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
-from vllm.distributed.kv_events import MEDIUM_CPU, BlockRemoved, BlockStored, KVCacheEvent
+from vllm.distributed.kv_events import MEDIUM_CPU, BlockRemoved, BlockStored, KVCacheEvent, KVEventBatch
 from vllm.v1.core.kv_cache_utils import ExternalBlockHash, maybe_convert_block_hash
 
 from kvpipe.stages import LoadRequest, ObjectStatus, SaveRequest, StoreObject, chunk_hash_at, chunks_to_save
@@ -124,9 +136,12 @@ class ChunkAnnouncer:
         groups: Sequence[StoreGroup],
         hash_block_size: int,
         ranks: Iterable[Rank],
+        pool: str | None = None,
         limit: int = PENDING_LIMIT,
     ) -> None:
+        """``pool``: the ``ownership`` every event carries (the deployment's shared pool)."""
         self.groups = tuple(groups)
+        self.pool = pool
         self.hash_block_size = hash_block_size
         self.ranks = frozenset(ranks)
         self._limit = limit
@@ -159,6 +174,7 @@ class ChunkAnnouncer:
                 medium=MEDIUM,
                 lora_name=lora.name if lora else None,
                 group_idx=chunk.group.engine_group,
+                ownership=self.pool,
             )
             pending.events.append(event)
         while len(self._pending) > self._limit:
@@ -207,7 +223,7 @@ class ChunkAnnouncer:
 
     def _removed(self, gone: dict[int | None, list[ExternalBlockHash]]) -> None:
         self._ready.extend(
-            BlockRemoved(block_hashes=hashes, medium=MEDIUM, group_idx=group)
+            BlockRemoved(block_hashes=hashes, medium=MEDIUM, group_idx=group, ownership=self.pool)
             for group, hashes in gone.items()
         )
 
@@ -219,3 +235,30 @@ class ChunkAnnouncer:
     def take(self) -> list[KVCacheEvent]:
         ready, self._ready = self._ready, []
         return ready
+
+
+class PoolPublisher:
+    """kvpipe's own ZMQ event stream (vLLM's publisher and wire format, topic ``kv``).
+
+    vLLM's stream of an engine carries its own blocks too; a router that took
+    another engine's stream under a worker would credit that worker with blocks it
+    does not hold. This one carries only the pool's chunks, so a router may take
+    every replica's under every worker. Batches name data-parallel rank 0 (the
+    router reads the rank from the batch). ``publish`` queues: it never blocks the
+    scheduler.
+    """
+
+    TOPIC = "kv"
+
+    def __init__(self, endpoint: str) -> None:
+        from vllm.distributed.kv_events import ZmqEventPublisher
+
+        self.endpoint = endpoint
+        self._publisher = ZmqEventPublisher(data_parallel_rank=0, endpoint=endpoint, topic=self.TOPIC)
+
+    def publish(self, events: Sequence[KVCacheEvent]) -> None:
+        if events:
+            self._publisher.publish(KVEventBatch(ts=time.time(), events=list(events), data_parallel_rank=0))
+
+    def close(self) -> None:
+        self._publisher.shutdown()

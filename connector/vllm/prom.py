@@ -63,6 +63,7 @@ COUNTERS: dict[str, str] = {
     "loads_spared": "Requests that waited on another request's load of their prefix and then hit it locally.",
     "chunks_loaded": "Chunks (one store group, one rank) loaded into the engine's blocks.",
     "chunks_load_failed": "Chunks whose load failed.",
+    "chunks_loaded_from_others": "Chunks loaded that this engine did not put (another replica's saves).",
     "events_dropped": "KV events not published because the chunks awaiting their reports were too many.",
 }
 #: Counter families whose suffix is a label: ``objects_put`` -> ``kvpipe:objects_total{status="put"}``.

@@ -25,7 +25,7 @@ from __future__ import annotations
 
 import threading
 import time
-from collections import Counter, deque
+from collections import Counter, OrderedDict, deque
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field, replace
 from typing import TYPE_CHECKING
@@ -85,6 +85,11 @@ def parallel_ranks() -> tuple[int, int]:
         return 0, 0
 
 
+#: how many chunks a worker remembers having put, to tell a load of another engine's
+#: chunk (a fleet's cross-replica hit) from a load of its own; ~100 bytes each
+PUT_HERE_REMEMBERED = 65536
+
+
 @dataclass
 class _Load:
     """A load in flight: its job (None: it could not start), and the slots it lands in first (device caches)."""
@@ -122,6 +127,7 @@ class WorkerSide:
         self.tp_rank = tp_rank
         self.stats: Counter[str] = Counter()
         self.observed: deque[tuple[StoreObject, ObjectStatus]] = deque(maxlen=65536)
+        self._put_here: OrderedDict[bytes, None] = OrderedDict()  # chunk hashes, newest last
         self._load_via_staging = load_via_staging
         self._lock = threading.Lock()
         self.layouts: dict[int, GroupLayout] = {}
@@ -207,6 +213,10 @@ class WorkerSide:
     def _observe(self, record: StoreObject, status: ObjectStatus) -> None:
         self.observed.append((record, status))
         self.stats[f"objects_{status.value}"] += 1
+        if status is ObjectStatus.PUT:
+            self._put_here[record.chunk_hash] = None
+            if len(self._put_here) > PUT_HERE_REMEMBERED:
+                self._put_here.popitem(last=False)
         if self.reporter is not None:
             self.reporter.observed(record, status)
 
@@ -355,12 +365,21 @@ class WorkerSide:
             self.stats["chunks_loaded"] += job.counts.get("loaded", 0)
             self.stats["chunks_load_failed"] += job.counts.get("failed", 0)
         if not failed:
+            self.stats["chunks_loaded_from_others"] += self._stored_elsewhere(load.request)
             return
         with self._lock:
             if len(self.cache.groups) > 1 and reported:
                 self._failed_requests.add(rid)  # vLLM cannot map block ids of several groups back
             else:
                 self._load_errors.update(failed)
+
+    def _stored_elsewhere(self, load: LoadRequest) -> int:
+        """The chunks of a whole load this worker did not put (of the last it remembers)."""
+        try:
+            chunks = load_chunks(self.cache.store_groups, self.cache.hash_block_size, load)
+        except ValueError:
+            return 0
+        return sum(1 for chunk in chunks if chunk.chunk_hash not in self._put_here)
 
     def get_finished(self) -> set[str]:
         """Async loads whose jobs have ended since the last call, each reported once."""

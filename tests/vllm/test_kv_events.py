@@ -7,6 +7,7 @@ against what the store holds.
 
 from __future__ import annotations
 
+import time
 from collections.abc import Iterator
 from pathlib import Path
 from types import SimpleNamespace
@@ -18,7 +19,7 @@ from vllm.v1.core.kv_cache_utils import maybe_convert_block_hash
 
 from kvpipe.connector.bench.launch import close_llm, kvpipe_transfer
 from kvpipe.connector.store.mooncake import MooncakeStore
-from kvpipe.connector.vllm.events import ChunkAnnouncer, ChunkReporter
+from kvpipe.connector.vllm.events import ChunkAnnouncer, ChunkReporter, PoolPublisher
 from kvpipe.stages import (
     GroupKind,
     GroupSpec,
@@ -48,8 +49,11 @@ def save(computed: int = 12) -> SaveRequest:
     return SaveRequest("r", HASHES, ((7, 8, 9),), computed)
 
 
+POOL = "vllm-mooncake-store:tiny-llama"
+
+
 def announcer(limit: int = 100) -> ChunkAnnouncer:
-    return ChunkAnnouncer([ATTENTION], BS, RANKS, limit=limit)
+    return ChunkAnnouncer([ATTENTION], BS, RANKS, POOL, limit=limit)
 
 
 def test_a_chunk_is_announced_once_every_rank_reported_it_stored() -> None:
@@ -63,6 +67,53 @@ def test_a_chunk_is_announced_once_every_rank_reported_it_stored() -> None:
     assert event.block_hashes == [maybe_convert_block_hash(HASHES[0])]
     assert event.parent_block_hash is None and event.token_ids == TOKENS[:4] and event.block_size == BS
     assert event.medium == MEDIUM_CPU and event.group_idx == 0
+
+
+def test_a_stored_chunk_belongs_to_the_shared_pool_not_to_the_engine() -> None:
+    announce = announcer()
+    announce.expect(request(), save())
+    announce.reported([(rank, pp, HASHES[0], True) for rank, pp in RANKS])
+    [event] = announce.take()
+    assert event.ownership == POOL  # a router files it at its external tier, not as the writer's own
+
+
+def test_a_removed_chunk_leaves_the_shared_pool() -> None:
+    announce = announcer()
+    announce.load_failed(LoadRequest("r", HASHES, ((7, 8, 9),), 0, 12), {8})
+    [event] = announce.take()
+    assert event.ownership == POOL
+
+
+def test_the_pool_publisher_sends_vllms_batches_on_its_own_endpoint(tmp_path: Path) -> None:
+    import msgspec
+    import zmq
+    from vllm.distributed.kv_events import KVEventBatch
+
+    endpoint = f"ipc://{tmp_path / 'pool'}"
+    publisher = PoolPublisher(endpoint)
+    context = zmq.Context()
+    subscriber = context.socket(zmq.SUB)
+    subscriber.connect(endpoint)
+    subscriber.setsockopt(zmq.SUBSCRIBE, PoolPublisher.TOPIC.encode())
+    announce = announcer()
+    announce.expect(request(), save())
+    announce.reported([(rank, pp, HASHES[0], True) for rank, pp in RANKS])
+    events = announce.take()
+    try:
+        deadline = time.monotonic() + 10
+        frames: list[bytes] = []
+        while not frames and time.monotonic() < deadline:
+            publisher.publish(events)  # a SUB misses what went out before it joined: send until it hears
+            if subscriber.poll(200):
+                frames = subscriber.recv_multipart()
+        topic, _seq, payload = frames
+        batch = msgspec.msgpack.Decoder(type=KVEventBatch).decode(payload)
+    finally:
+        subscriber.close(linger=0)
+        context.term()
+        publisher.close()
+    assert topic == b"kv" and batch.data_parallel_rank == 0
+    assert batch.events == events
 
 
 def test_an_announced_chunk_names_its_parent_and_its_own_tokens() -> None:
@@ -197,6 +248,11 @@ def test_an_announced_chunk_is_in_the_store_under_its_key(
     by_hash = {maybe_convert_block_hash(r.chunk_hash): r.key for r in published["put"]}
     announced = [by_hash[h] for e in kvpipe_events(published["stored"], BlockStored) for h in e.block_hashes]
     assert holder.batch_is_exist(announced) == [1] * len(announced)
+
+
+def test_every_announced_chunk_belongs_to_the_deployments_pool(published: dict[str, Any]) -> None:
+    events = kvpipe_events(published["stored"], BlockStored) + kvpipe_events(published["removed"], BlockRemoved)
+    assert {event.ownership for event in events} == {f"vllm-mooncake-store:{engine.MODEL_DIR.name}"}
 
 
 def test_an_announced_chunk_carries_the_prompt_tokens_it_holds(published: dict[str, Any]) -> None:

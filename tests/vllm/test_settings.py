@@ -72,3 +72,15 @@ def test_stats_aggregate_and_reduce() -> None:
     assert not stats.is_empty()
     stats.reset()
     assert stats.is_empty()
+
+
+def test_the_staging_area_holds_the_same_tokens_whatever_the_block_size() -> None:
+    settings = settings_from({"store": {"kind": "memory"}})
+    assert settings.staging_slots([128]) == 256
+    assert settings.staging_slots([16]) == 2048  # MLA on CPU_MLA: 8x the blocks, the same tokens
+    assert settings.staging_slots([640, 640]) == 2 * 52  # a chunk takes a slot in every group
+
+
+def test_staging_blocks_is_the_slot_count_itself() -> None:
+    settings = settings_from({"store": {"kind": "memory"}, "staging_blocks": 8})
+    assert settings.staging_slots([16]) == 8

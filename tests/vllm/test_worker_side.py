@@ -118,6 +118,27 @@ def test_a_step_may_wait_for_its_sync_loads_and_leave_its_async_ones_running() -
     loader.shutdown(owns_store=False)
 
 
+def test_a_load_of_chunks_another_worker_put_counts_them_as_from_others() -> None:
+    loader, _, _ = loader_after_three_saves()
+    loader.start_load_kv(KVPipeMetadata(loads=[LoadRequest("l", HASHES, ((0, 2, 3),), 0, 3 * BLOCK)]))
+    assert wait_finished(loader) == {"l"}
+    assert loader.stats["chunks_loaded_from_others"] == 3
+    loader.shutdown(owns_store=False)
+
+
+def test_a_load_of_chunks_the_same_worker_put_is_not_from_others() -> None:
+    store = MemoryStore(16 << 20)
+    side = worker(store, KVCacheLayout.LBHNC)
+    side.register_kv_caches(engine_views(KVCacheLayout.LBHNC))
+    side.wait_for_save(KVPipeMetadata(saves=[SaveRequest("s", HASHES, ((4, 1, 5),), 3 * BLOCK)]))
+    assert side.drain(10.0)
+    side.start_load_kv(KVPipeMetadata(loads=[LoadRequest("l", HASHES, ((0, 2, 3),), 0, 3 * BLOCK)]))
+    assert wait_finished(side) == {"l"}
+    assert side.stats["chunks_loaded"] == 3
+    assert side.stats["chunks_loaded_from_others"] == 0
+    side.shutdown(owns_store=False)
+
+
 @pytest.mark.skipif(not sys.platform.startswith("linux"), reason="nice values per thread are Linux's")
 def test_the_save_pipeline_runs_nicer_than_the_engine_and_the_load_pipeline_does_not() -> None:
     engine_nice = os.getpriority(os.PRIO_PROCESS, threading.get_native_id())

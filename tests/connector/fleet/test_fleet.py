@@ -41,10 +41,10 @@ def test_a_prefix_stored_through_one_replica_hits_on_the_other_with_equal_output
     with Fleet(spec) as fleet:
         model = str(fleet.model)
         prompt = words(seed=1, count=PROMPT_TOKENS)
-        first = complete(fleet.url, model, prompt)
+        first = complete(fleet.url, model, prompt, max_tokens=8)
         whole_blocks = PROMPT_TOKENS // BLOCK
         landed = wait_for_keys(fleet, whole_blocks)
-        second = complete(fleet.url, model, prompt)
+        second = complete(fleet.url, model, prompt, max_tokens=8)
         hits = [counter(r.url, EXTERNAL_HITS) for r in fleet.replicas]
         started = {p for p in fleet.processes()}
     print(f"\nfleet: save landed {landed:.2f} s after the first answer; external hits per replica {hits}")
