@@ -29,13 +29,17 @@ vllm-demo: $(STAMP)
 install: $(STAMP)
 
 # Mooncake's client library links against libibverbs even for TCP; etcd (Debian's
-# etcd-server) coordinates the HA masters of the cluster tests and demos.
+# etcd-server) coordinates the HA masters of the cluster tests and demos; iproute2's ip
+# makes the network namespaces of the fleet's partition test.
 system-deps:
 	@if ! ldconfig -p | grep -q 'libibverbs\.so\.1'; then \
 		apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq libibverbs1; \
 	fi
 	@if ! command -v etcd >/dev/null; then \
 		apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq etcd-server; \
+	fi
+	@if ! command -v ip >/dev/null; then \
+		apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq iproute2; \
 	fi
 
 # torch first, pinned: 2.13.0 is the CPU build on these machines, and pinning it

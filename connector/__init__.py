@@ -18,5 +18,5 @@
 
 Rooms import downwards only: ``store`` imports neither ``vllm``, ``cli`` nor
 ``bench``; ``vllm`` imports ``store``; ``cli`` and ``bench`` may import all; ``fleet`` imports ``store`` and ``bench.launch`` (it runs
-vLLM and the connector in processes of its own).
+the connector in processes of its own, and reads vLLM's KV events).
 """

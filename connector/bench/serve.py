@@ -3,8 +3,9 @@
 Each contender (no connector, vLLM's ``MooncakeStoreConnector``, kvpipe) gets a fleet
 of its own (:class:`~kvpipe.connector.fleet.fleet.Fleet`: two ``vllm serve``
 replicas on the 8-layer dummy Llama, one Mooncake master and one store node, vLLM's
-router); each router policy is a new router in front of the same replicas. Under
-each policy, vLLM's benchmark client (:mod:`.serve_client`) drives two workloads
+router); each router policy is a new router in front of the same replicas
+(``kv_aware`` reads the replicas' KV events: every contender's replicas publish them,
+and kvpipe's fleet relays the shared pool's to every worker). Under each policy, vLLM's benchmark client (:mod:`.serve_client`) drives two workloads
 through the router:
 
 ``prefix``
@@ -22,7 +23,8 @@ so outputs compare across contenders; a policy's prompts are new to the store th
 fleet kept from the previous policy. Per run: TTFT and ITL (p50, p99), requests/s,
 failed requests, prompt tokens served by the replicas' own prefix caches and by the
 connector (vLLM's counters), chunks a replica loaded that the other stored
-(kvpipe's ``chunks_loaded_from_others``), and whether the greedy outputs equal the
+(kvpipe's ``chunks_loaded_from_others``), how long kvpipe's saves took from their
+step to stored (the wait before another replica can hit them), and whether the greedy outputs equal the
 no-connector fleet's.
 """
 
@@ -49,12 +51,17 @@ from .result import BenchOptions, Target, WorkloadResult
 from .vllm_prefix import BIGGER
 
 CONTENDERS = (Contender.NONE, Contender.VLLM, Contender.KVPIPE)
-POLICIES = ("round_robin", "cache_aware")
+#: kv_aware reads the replicas' KV events (and, with kvpipe, the shared pool's)
+POLICIES = ("round_robin", "cache_aware", "kv_aware")
 #: vLLM's counters, summed over the replicas: prompt tokens served by the engine's own
 #: prefix cache, by the connector; kvpipe's: chunks loaded that another replica stored
 LOCAL_HITS = "vllm:prefix_cache_hits_total"
 CONNECTOR_HITS = "vllm:external_prefix_cache_hits_total"
 FROM_OTHERS = "kvpipe:chunks_loaded_from_others_total"
+#: kvpipe's saves stored, and the milliseconds each took from its step: the delay before a hit elsewhere
+LANDED = "kvpipe:saves_landed_total"
+LANDING_MS = "kvpipe:save_landing_ms_total"
+COUNTERS = (LOCAL_HITS, CONNECTOR_HITS, FROM_OTHERS, LANDED, LANDING_MS)
 CLIENT_TIMEOUT_S = 900
 
 
@@ -135,10 +142,10 @@ class ChatLoad:
 
 FULL_LOADS: dict[str, PrefixLoad | ChatLoad] = {
     "prefix": PrefixLoad(
-        prompts=48, prefixes=16, prefix_tokens=1024, suffix_tokens=128, output_tokens=16, rate=2.0
+        prompts=48, prefixes=16, prefix_tokens=1024, suffix_tokens=128, output_tokens=16, rate=1.0
     ),
     "chat": ChatLoad(
-        conversations=8, turns=4, system_tokens=512, question_tokens=64, answer_tokens=16, rate=2.0
+        conversations=7, turns=4, system_tokens=512, question_tokens=64, answer_tokens=16, rate=1.0
     ),
 }
 QUICK_LOADS: dict[str, PrefixLoad | ChatLoad] = {
@@ -146,7 +153,7 @@ QUICK_LOADS: dict[str, PrefixLoad | ChatLoad] = {
         prompts=8, prefixes=4, prefix_tokens=384, suffix_tokens=32, output_tokens=4, rate=4.0
     ),
     "chat": ChatLoad(
-        conversations=2, turns=3, system_tokens=256, question_tokens=32, answer_tokens=4, rate=4.0
+        conversations=3, turns=3, system_tokens=256, question_tokens=32, answer_tokens=4, rate=2.0
     ),
 }
 
@@ -189,8 +196,8 @@ class Measured:
 
 
 def replica_counters(urls: Sequence[str]) -> dict[str, float]:
-    """The fleet's counters now: each of :data:`LOCAL_HITS`, :data:`CONNECTOR_HITS`, :data:`FROM_OTHERS`, summed."""
-    totals = dict.fromkeys((LOCAL_HITS, CONNECTOR_HITS, FROM_OTHERS), 0.0)
+    """The fleet's counters now: each of :data:`COUNTERS`, summed over the replicas."""
+    totals = dict.fromkeys(COUNTERS, 0.0)
     for url in urls:
         with urllib.request.urlopen(f"{url}/metrics", timeout=30) as response:  # noqa: S310 - loopback
             text = response.read().decode()
@@ -270,6 +277,7 @@ def run(options: BenchOptions) -> WorkloadResult:
             model=model,
             kv_cache_memory_bytes=kv_bytes,
             node_segment="256MB" if options.quick else BIGGER.segment_size,
+            kv_events="kv_aware" in policies,  # every contender's replicas publish alike
             log_dir=work / str(contender),
         )
         with Fleet(spec) as fleet:

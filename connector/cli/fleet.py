@@ -11,10 +11,13 @@ from typing import Any
 from pydantic import ValidationError
 
 from kvpipe.connector.fleet.fleet import Contender, Fleet, FleetSpec
+from kvpipe.connector.fleet.network import NetworkUnavailable
 from kvpipe.connector.fleet.processes import ProcessError
 from kvpipe.connector.fleet.replica import POLICIES
 from kvpipe.connector.store.mooncake.master import MasterError
 from kvpipe.pipeline.config import one_line
+
+from .flags import flag_error
 
 #: how often the running fleet checks that its replicas still answer
 WATCH_EVERY_S = 5.0
@@ -40,6 +43,11 @@ def add_parser(commands: Any, usage_error: type[Exception]) -> None:
     parser.add_argument("--store-nodes", type=int, default=1, help="kvpipe store processes (default 1)")
     parser.add_argument("--segment", default="512MB", help="memory per store node (default 512MB)")
     parser.add_argument("--copies", type=int, default=1, help="Mooncake replicas of each object (default 1)")
+    parser.add_argument(
+        "--network-namespaces",
+        action="store_true",
+        help="each replica and store node in a network namespace of its own (root; for partition drills)",
+    )
     parser.add_argument("--model", type=Path, help="a model folder with config.json (default: a tiny Llama)")
     parser.add_argument("--log-dir", type=Path, help="the processes' logs (default: a new temporary folder)")
     parser.add_argument("--json", action="store_true", help="print the fleet as one JSON object")
@@ -47,7 +55,6 @@ def add_parser(commands: Any, usage_error: type[Exception]) -> None:
 
 
 def fleet_command(args: argparse.Namespace, usage_error: type[Exception]) -> int:
-    flags = {"store_nodes": "--store-nodes", "node_segment": "--segment", "log_dir": "--log-dir"}
     fields = {
         "replicas": args.replicas,
         "connector": args.connector,
@@ -58,15 +65,14 @@ def fleet_command(args: argparse.Namespace, usage_error: type[Exception]) -> int
         "copies": args.copies,
         "model": args.model,
         "log_dir": args.log_dir,
+        "network_namespaces": args.network_namespaces,
     }
     try:
         spec = FleetSpec.model_validate({k: v for k, v in fields.items() if v is not None})
     except ValidationError as error:
-        problem = error.errors()[0]
-        field = str(problem["loc"][0])
-        raise usage_error(
-            f"{flags.get(field, '--' + field)}: {problem['msg']}, got {problem['input']!r}"
-        ) from None
+        raise usage_error(flag_error(error, {"node_segment": "segment"})) from None
+    if spec.network_namespaces and spec.masters > 1:
+        raise usage_error(f"--masters: network namespaces run one master, got {spec.masters}")
     if spec.model is not None and not (spec.model / "config.json").is_file():
         raise usage_error(f"--model: {str(spec.model)!r} holds no config.json")
     print(f"kvpipe fleet: starting (logs in {spec.log_dir or 'a temporary folder'})", flush=True)
@@ -85,7 +91,7 @@ def fleet_command(args: argparse.Namespace, usage_error: type[Exception]) -> int
                     flush=True,
                 )
             watch(fleet)
-    except (ProcessError, MasterError) as error:
+    except (ProcessError, MasterError, NetworkUnavailable) as error:
         if args.verbose:
             raise
         raise usage_error(one_line(str(error))) from None

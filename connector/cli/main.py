@@ -39,6 +39,7 @@ from kvpipe.pipeline.config import describe_validation_error, load_yaml, one_lin
 from kvpipe.stages import key_model_name
 
 from . import fleet
+from .flags import flag_error
 from .run.config import RunConfig, apply_override
 from .run.job import RunResult, run
 from .run.report import ProgressLine, summary_table
@@ -258,14 +259,7 @@ def _store_command(args: argparse.Namespace) -> int:
     try:
         settings = MooncakeSettings.model_validate({k: v for k, v in fields.items() if v is not None})
     except ValidationError as error:
-        flags = {"global_segment_size": "segment"}
-        field = str(error.errors()[0]["loc"][0]) if error.errors()[0]["loc"] else ""
-        flag = "--" + flags.get(field, field).replace("_", "-")
-        problem = error.errors()[0]
-        message = (
-            problem["msg"] if ", got " in problem["msg"] else f"{problem['msg']}, got {problem['input']!r}"
-        )
-        raise UsageError(f"{flag}: {message}") from None
+        raise UsageError(flag_error(error, {"global_segment_size": "segment"})) from None
     if settings.global_segment_size == 0:
         raise UsageError(
             f"--segment: a store node lends memory, so it must be at least 16 MiB, got {args.segment!r}"

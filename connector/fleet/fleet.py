@@ -11,7 +11,10 @@ machine:
    vLLM's ``MooncakeStoreConnector`` (same store, for comparison) or none; a
    dummy-weight model folder gets a word-level tokenizer (:mod:`.tokenizer`) so
    text clients work with no download;
-3. vLLM's router over them with a load-balancing ``policy``.
+3. vLLM's router over them with a load-balancing ``policy``; for ``kv_aware``, the
+   replicas publish vLLM's KV events and a :class:`~.pool_relay.PoolRelay` gives every
+   worker the shared pool's events (kvpipe's), so a chunk one replica stored is
+   credited to every replica at the router's external tier.
 
 Its :attr:`Fleet.url` is the one address clients use. Leaving the ``with`` block
 (normally, on an error, on Ctrl-C, on SIGTERM where :func:`sigterm_unwinds` holds)
@@ -33,8 +36,10 @@ from pydantic import BaseModel, ConfigDict, Field
 
 from kvpipe.connector.bench import launch
 from kvpipe.connector.store.mooncake.cluster import LocalCluster, StoreNodeProcess
-from kvpipe.connector.store.mooncake.master import LOOPBACK, LocalMaster, free_ports
+from kvpipe.connector.store.mooncake.master import LOOPBACK, LocalMaster, MasterEndpoints, free_ports
 
+from .network import Host, Network
+from .pool_relay import PoolRelay
 from .replica import POLICIES, Served, replica, router
 from .tokenizer import write_tokenizer
 
@@ -69,6 +74,9 @@ class FleetSpec(BaseModel):
     # Replicas publish KV events (vLLM's, and kvpipe's pool stream), so the router may
     # run kv_aware; on whenever the first policy is kv_aware.
     kv_events: bool = False
+    # Each replica and store node in a network namespace of its own on a bridge, the master
+    # and the router on the bridge's address: partitions can be made (Network.cut). Root only.
+    network_namespaces: bool = False
     connector_settings: dict[str, Any] = Field(default_factory=dict)  # kvpipe's extra config
     replica_args: tuple[str, ...] = ()  # more ``vllm serve`` arguments
     router_args: tuple[str, ...] = ()
@@ -90,9 +98,13 @@ class Fleet:
         self.cluster: LocalCluster | None = None
         self.store_nodes: list[StoreNodeProcess] = []
         self.kv_events = spec.kv_events or spec.policy == "kv_aware"
-        # per replica: where vLLM publishes its KV events, and where kvpipe publishes the pool's
+        # per replica: where vLLM publishes its KV events; per worker: the pool relay's stream
         self.event_ports: list[int] = []
-        self.pool_ports: list[int] = []
+        self.relay_ports: list[int] = []
+        self.relay: PoolRelay | None = None
+        self.network: Network | None = None
+        self.node_hosts: list[Host] = []  # with network namespaces: each store node's
+        self.replica_hosts: list[Host] = []  # and each replica's
         self._stack = ExitStack()
 
     # -- lifecycle -----------------------------------------------------------------------
@@ -112,14 +124,18 @@ class Fleet:
         spec = self.spec
         self.log_dir.mkdir(parents=True, exist_ok=True)
         write_tokenizer(self.model, int(json.loads((self.model / "config.json").read_text())["vocab_size"]))
+        if spec.network_namespaces:
+            if spec.masters > 1:
+                raise ValueError(f"masters: network namespaces run one master, got {spec.masters}")
+            self.network = self._stack.enter_context(Network())  # torn down after every process
+            self.replica_hosts = [self.network.add_host() for _ in range(spec.replicas)]
         self._start_store()
         if self.kv_events:
             self.event_ports = free_ports(spec.replicas)
-            if spec.connector is Contender.KVPIPE:
-                self.pool_ports = free_ports(spec.replicas)
         self.replicas = []
         for i in range(spec.replicas):
-            transfer, env = self._connector(i)
+            host = self.replica_hosts[i] if self.replica_hosts else None
+            transfer, env = self._connector(host.address if host else LOOPBACK)
             self.replicas.append(
                 replica(
                     f"replica {i}",
@@ -130,6 +146,8 @@ class Fleet:
                     max_model_len=spec.max_model_len,
                     kv_cache_memory_bytes=spec.kv_cache_memory_bytes,
                     extra_args=[*self._replica_args(i), *spec.replica_args],
+                    host=host.address if host else LOOPBACK,
+                    launcher=host.launcher if host else (),
                 )
             )
         for served in self.replicas:  # side by side: each start is mostly waiting
@@ -137,6 +155,17 @@ class Fleet:
             served.start()
         for served in self.replicas:
             served.wait_ready(spec.startup_timeout_s)
+        if self.kv_events and spec.connector is Contender.KVPIPE:
+            self.relay_ports = free_ports(spec.replicas)
+            self.relay = self._stack.enter_context(
+                PoolRelay(
+                    [
+                        f"tcp://{host}:{port}"
+                        for host, port in zip(self._hosts(), self.event_ports, strict=True)
+                    ],
+                    [f"tcp://*:{port}" for port in self.relay_ports],
+                )
+            )
         self.use_policy(spec.policy)
 
     def use_policy(self, policy: str, router_args: tuple[str, ...] | None = None) -> None:
@@ -169,21 +198,23 @@ class Fleet:
         return args
 
     def _kv_aware_args(self) -> list[str]:
-        """The router's event sources: per replica its own stream, and every replica's pool stream.
+        """The router's event sources: per replica its own stream, and its stream of the pool relay.
 
         The router credits a block to the worker whose stream carried it; a chunk in
-        the store is reachable from every replica, so each worker takes every pool
-        stream (kvpipe's events there name the shared pool: the router's external tier).
+        the store is reachable from every replica, so each worker also takes the
+        relay's stream of every replica's pool events (:mod:`.pool_relay`).
         :raises ValueError: the replicas publish no KV events.
         """
         if not self.kv_events:
             raise ValueError(
                 "policy: kv_aware needs the replicas' KV events (FleetSpec.kv_events), got them off"
             )
-        pools = [f"tcp://{LOOPBACK}:{port}" for port in self.pool_ports]
         args = ["--kv-event-block-size", str(self.spec.block_size), "--kv-event-model", str(self.model)]
-        for served, port in zip(self.replicas, self.event_ports, strict=True):
-            args += ["--kv-event-source", f"{served.url}=" + ",".join([f"tcp://{LOOPBACK}:{port}", *pools])]
+        for i, (served, host) in enumerate(zip(self.replicas, self._hosts(), strict=True)):
+            streams = [f"tcp://{host}:{self.event_ports[i]}"]
+            if self.relay_ports:
+                streams.append(f"tcp://{LOOPBACK}:{self.relay_ports[i]}")
+            args += ["--kv-event-source", f"{served.url}=" + ",".join(streams)]
         return args
 
     def _start_store(self) -> None:
@@ -194,26 +225,45 @@ class Fleet:
             )
             self.store_nodes = self.cluster.store_nodes
             return
-        self.master = self._stack.enter_context(LocalMaster())
+        self.master = LocalMaster()
+        self._stack.callback(self.master.stop)
+        if self.network is None:
+            self.master.start()
+        else:  # on the bridge, where every namespace reaches it
+            gateway = self.network.gateway
+            self.master.start(MasterEndpoints(gateway, *free_ports(2, host=gateway)))
         assert self.master.endpoints is not None
         metrics = [f"{self.master.endpoints.host}:{self.master.endpoints.metrics_port}"]
         for _ in range(spec.store_nodes):
+            host = self.network.add_host() if self.network is not None else None
             node = StoreNodeProcess(
-                self.master.endpoints.master_address, segment=spec.node_segment, metrics=metrics
+                self.master.endpoints.master_address,
+                segment=spec.node_segment,
+                metrics=metrics,
+                local_hostname=host.address if host else LOOPBACK,
+                launcher=host.launcher if host else (),
             )
             self._stack.callback(node.stop)
             self.store_nodes.append(node)
+            if host is not None:
+                self.node_hosts.append(host)
 
-    def _connector(self, index: int) -> tuple[dict[str, Any] | None, dict[str, str]]:
-        """Replica ``index``'s ``--kv-transfer-config`` and environment for the chosen connector."""
+    def _hosts(self) -> list[str]:
+        """Each replica's address (loopback, or its namespace's)."""
+        return [h.address for h in self.replica_hosts] or [LOOPBACK] * len(self.replicas)
+
+    def _connector(self, local_hostname: str) -> tuple[dict[str, Any] | None, dict[str, str]]:
+        """A replica's ``--kv-transfer-config`` and environment for the chosen connector."""
         address = self.store_address
         # A load the store fails is recomputed, never a failed request (vLLM's default fails it).
         recompute = {"kv_load_failure_policy": "recompute"}
         if self.spec.connector is Contender.KVPIPE:
-            store = {**launch.store_section(address), "replicas": self.spec.copies}
-            settings: dict[str, Any] = {"store": store, **self.spec.connector_settings}
-            if self.pool_ports:
-                settings["kv_events_endpoint"] = f"tcp://*:{self.pool_ports[index]}"
+            store = {
+                **launch.store_section(address),
+                "replicas": self.spec.copies,
+                "local_hostname": local_hostname,
+            }
+            settings = {"store": store, **self.spec.connector_settings}
             return {**launch.kvpipe_transfer(settings), **recompute}, {}
         if self.spec.connector is Contender.VLLM:
             path = self.log_dir / "mooncake.json"

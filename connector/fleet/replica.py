@@ -44,10 +44,18 @@ def http_ok(url: str, timeout_s: float = 2.0) -> bool:
 class Served:
     """An HTTP server process: started, then ready when ``/health`` answers; stopped as a group."""
 
-    def __init__(self, name: str, command: Sequence[str], port: int, log_path: Path, env: Mapping[str, str]):
+    def __init__(
+        self,
+        name: str,
+        command: Sequence[str],
+        port: int,
+        log_path: Path,
+        env: Mapping[str, str],
+        host: str = LOOPBACK,
+    ):
         self.name = name
         self.port = port
-        self.url = f"http://{LOOPBACK}:{port}"
+        self.url = f"http://{host}:{port}"
         self.process = GroupProcess(name, command, log_path, env)
         self.start_seconds: float | None = None  # from spawn to a healthy /health
         self._started_at = 0.0
@@ -98,10 +106,17 @@ def replica(
     max_model_len: int,
     kv_cache_memory_bytes: int,
     extra_args: Sequence[str] = (),
+    host: str = LOOPBACK,
+    launcher: Sequence[str] = (),
 ) -> Served:
-    """A ``vllm serve`` replica on ``model`` (dummy weights) on a free loopback port, not started."""
-    port = free_port()
+    """A ``vllm serve`` replica on ``model`` (dummy weights) on a free port of ``host``, not started.
+
+    ``launcher``: what the command runs under (e.g. ``ip netns exec NS``, with ``host``
+    that namespace's address).
+    """
+    port = free_port() if host == LOOPBACK else 8000  # a namespace of its own: nothing else listens there
     command = [
+        *launcher,
         sys.executable, "-m", "vllm.entrypoints.openai.api_server",
         "--model", str(model),
         "--load-format", "dummy",
@@ -109,15 +124,15 @@ def replica(
         "--max-model-len", str(max_model_len),
         "--kv-cache-memory-bytes", str(kv_cache_memory_bytes),
         "--enable-prompt-tokens-details",
-        "--host", LOOPBACK,
+        "--host", host,
         "--port", str(port),
         *(("--kv-transfer-config", json.dumps(dict(transfer))) if transfer else ()),
         *extra_args,
     ]  # fmt: skip
-    environment = {**os.environ, "MOONCAKE_REQUESTER_LOCAL_HOSTNAME": LOOPBACK, **env}
+    environment = {**os.environ, "MOONCAKE_REQUESTER_LOCAL_HOSTNAME": host, **env}
     # vLLM's default: an engine-core child (an embedding process may have turned it off)
     environment.pop("VLLM_ENABLE_V1_MULTIPROCESSING", None)
-    return Served(name, command, port, log_path, environment)
+    return Served(name, command, port, log_path, environment, host)
 
 
 def router(workers: Sequence[str], policy: str, log_dir: Path, extra_args: Sequence[str] = ()) -> Served:

@@ -16,8 +16,6 @@ Load it with::
   ``load_deadline_s`` (5): past its deadline a job starts no new store call.
   ``save_nice`` (19, 0 to 19): how much nicer than the engine's threads the save
   pipeline's run (Linux): saves take the CPU the engine's steps leave.
-- ``kv_events_endpoint``: a ZMQ endpoint where kvpipe's KV events also go out alone
-  (:class:`~.events.PoolPublisher`), for a router to take under every replica.
 - ``config``: a kvpipe YAML file whose ``store`` and ``save`` sections give defaults;
   keys given inline override them.
 - ``load_async`` (true): loads run beside the engine's steps and are reported by

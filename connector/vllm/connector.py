@@ -35,7 +35,7 @@ from kvpipe.stages import shared_pool_id
 from kvpipe.stages.flags import ConfigError
 
 from .engine_cache import EngineCache, open_store
-from .events import ChunkAnnouncer, PoolPublisher
+from .events import ChunkAnnouncer
 from .messages import GAUGES, OPS, KVPipeKVEvents, KVPipeMetadata, KVPipeStats
 from .prom import RECORDS_DROPPED, KVPipePromMetrics
 from .scheduler import SchedulerSide
@@ -94,15 +94,8 @@ class KVPipeConnector(KVConnectorBase_V1, SupportsHMA):
         )
         events_config = vllm_config.kv_events_config
         self.kv_events = bool(events_config and events_config.enable_kv_cache_events)
-        if self.settings.kv_events_endpoint is not None and not self.kv_events:
-            raise ConfigError(
-                "kv_connector_extra_config.kv_events_endpoint: needs vLLM's KV events "
-                "(kv_events_config.enable_kv_cache_events), got "
-                f"{self.settings.kv_events_endpoint!r} with them off"
-            )
         self.scheduler: SchedulerSide | None = None
         self.worker: WorkerSide | None = None
-        self._pool_publisher: PoolPublisher | None = None
         if self.is_scheduler:
             announcer = None
             if self.kv_events:
@@ -114,8 +107,6 @@ class KVPipeConnector(KVConnectorBase_V1, SupportsHMA):
                 ]
                 pool = shared_pool_id(cache.namespace(0))
                 announcer = ChunkAnnouncer(cache.store_groups, cache.hash_block_size, ranks, pool)
-                if self.settings.kv_events_endpoint is not None:
-                    self._pool_publisher = PoolPublisher(self.settings.kv_events_endpoint)
             self.scheduler = SchedulerSide(self.cache, self.settings, store, announcer=announcer)
             self._source = "scheduler"
         else:
@@ -192,10 +183,7 @@ class KVPipeConnector(KVConnectorBase_V1, SupportsHMA):
         """KV events of chunks every rank stored, and of loads that found chunks gone (:mod:`.events`)."""
         if self.scheduler is None or self.scheduler.announcer is None:
             return ()
-        events = self.scheduler.announcer.take()
-        if self._pool_publisher is not None:
-            self._pool_publisher.publish(events)
-        return events
+        return self.scheduler.announcer.take()
 
     def reset_cache(self) -> bool | None:
         """vLLM's ``reset_prefix_cache(reset_connector=True)``: remove this deployment's objects only.
@@ -313,8 +301,6 @@ class KVPipeConnector(KVConnectorBase_V1, SupportsHMA):
         if self._shut:
             return
         self._shut = True
-        if self._pool_publisher is not None:
-            self._pool_publisher.close()
         if self.worker is not None:
             self.worker.shutdown(self._owns_store)
         elif self.scheduler is not None and self._owns_store:

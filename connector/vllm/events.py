@@ -23,9 +23,8 @@ its external tier (credited ``--kv-penalty-external``), where an event without o
 would be the writer's own host-memory blocks (``--kv-penalty-host``), credited to the
 writer alone. The router credits a pool's chunk to the worker whose event stream
 carried it, so a chunk one replica stored is reachable through every other replica
-only if every replica's stream carries it: :class:`PoolPublisher` publishes the events
-on an endpoint of kvpipe's own (``kv_events_endpoint``), which the router subscribes
-under every replica (``kvpipe fleet`` wires it so).
+only if every replica's stream carries it: ``kvpipe fleet`` relays the pool's events
+to every replica's router stream (:mod:`kvpipe.connector.fleet.pool_relay`).
 
 The medium is vLLM's ``MEDIUM_CPU``: Mooncake keeps objects in host DRAM segments,
 which is what the CPU tier means to vLLM's own offloading events; ``MEDIUM_STORAGE``
@@ -44,13 +43,12 @@ the reports and publishes.
 from __future__ import annotations
 
 import threading
-import time
 from collections import OrderedDict
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
-from vllm.distributed.kv_events import MEDIUM_CPU, BlockRemoved, BlockStored, KVCacheEvent, KVEventBatch
+from vllm.distributed.kv_events import MEDIUM_CPU, BlockRemoved, BlockStored, KVCacheEvent
 from vllm.v1.core.kv_cache_utils import ExternalBlockHash, maybe_convert_block_hash
 
 from kvpipe.stages import LoadRequest, ObjectStatus, SaveRequest, StoreObject, chunk_hash_at, chunks_to_save
@@ -236,29 +234,3 @@ class ChunkAnnouncer:
         ready, self._ready = self._ready, []
         return ready
 
-
-class PoolPublisher:
-    """kvpipe's own ZMQ event stream (vLLM's publisher and wire format, topic ``kv``).
-
-    vLLM's stream of an engine carries its own blocks too; a router that took
-    another engine's stream under a worker would credit that worker with blocks it
-    does not hold. This one carries only the pool's chunks, so a router may take
-    every replica's under every worker. Batches name data-parallel rank 0 (the
-    router reads the rank from the batch). ``publish`` queues: it never blocks the
-    scheduler.
-    """
-
-    TOPIC = "kv"
-
-    def __init__(self, endpoint: str) -> None:
-        from vllm.distributed.kv_events import ZmqEventPublisher
-
-        self.endpoint = endpoint
-        self._publisher = ZmqEventPublisher(data_parallel_rank=0, endpoint=endpoint, topic=self.TOPIC)
-
-    def publish(self, events: Sequence[KVCacheEvent]) -> None:
-        if events:
-            self._publisher.publish(KVEventBatch(ts=time.time(), events=list(events), data_parallel_rank=0))
-
-    def close(self) -> None:
-        self._publisher.shutdown()

@@ -52,6 +52,11 @@ COUNTERS: dict[str, str] = {
     "saves_planned": "Save requests the scheduler planned (chunks an engine step completes).",
     "saves_submitted": "Save requests a worker staged and handed to its save pipeline.",
     "saves_dropped_no_staging": "Save requests dropped because no staging slot was free (a step never waits).",
+    "saves_landed": "Save requests whose every object was stored.",
+    "save_landing_ms": (
+        "Milliseconds from the step that computed a save to its objects stored, summed over saves_landed: "
+        "their mean is how long another replica waits before it can hit what a step computed."
+    ),
     "lookup_calls": "batch_is_exist calls of the scheduler's lookups (one per scheduling step at most).",
     "lookup_hit_tokens": "Tokens lookups found in the store beyond the engine's own prefix cache.",
     "lookups_deferred": "Lookups told to ask again because another request was loading the same prefix.",

@@ -48,10 +48,6 @@ class ConnectorSettings(BaseModel):
     # ... unless no running request would wait for the load (see the scheduler's docstring)
     load_sync_when_idle: StrictFlag = True
     save_decode_cache: StrictFlag = False
-    # A ZMQ endpoint (e.g. tcp://*:5600) where the scheduler also publishes kvpipe's KV
-    # events, apart from vLLM's stream, for a router to take under every replica
-    # (needs vLLM's kv_events_config enabled).
-    kv_events_endpoint: str | None = Field(None, pattern=r"^(tcp|ipc|inproc)://.+")
     config: str | None = None
 
     def staging_slots(self, block_sizes: Sequence[int]) -> int:

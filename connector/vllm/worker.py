@@ -35,7 +35,7 @@ import torch
 
 from kvpipe.connector.store.breaker import breaker_of
 from kvpipe.connector.store.protocol import Store
-from kvpipe.pipeline import Job, SyncPipeline
+from kvpipe.pipeline import Job, Outcome, SyncPipeline
 from kvpipe.stages import (
     BlockLayout,
     KVCache,
@@ -275,6 +275,10 @@ class WorkerSide:
         for job in self._save_pipeline.completed():
             self._staging.give_back(self._job_slots.pop(job.id, ()))
             self.stats[f"save_jobs_{job.outcome.value if job.outcome else 'unknown'}"] += 1
+            if job.outcome is Outcome.OK and job.elapsed_s is not None:
+                # from the step that computed it to stored: when another replica can hit it
+                self.stats["saves_landed"] += 1
+                self.stats["save_landing_ms"] += round(job.elapsed_s * 1000)
             if self.reporter is not None:
                 self.reporter.ended(job.id)
 

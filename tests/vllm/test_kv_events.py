@@ -7,7 +7,6 @@ against what the store holds.
 
 from __future__ import annotations
 
-import time
 from collections.abc import Iterator
 from pathlib import Path
 from types import SimpleNamespace
@@ -19,7 +18,7 @@ from vllm.v1.core.kv_cache_utils import maybe_convert_block_hash
 
 from kvpipe.connector.bench.launch import close_llm, kvpipe_transfer
 from kvpipe.connector.store.mooncake import MooncakeStore
-from kvpipe.connector.vllm.events import ChunkAnnouncer, ChunkReporter, PoolPublisher
+from kvpipe.connector.vllm.events import ChunkAnnouncer, ChunkReporter
 from kvpipe.stages import (
     GroupKind,
     GroupSpec,
@@ -82,38 +81,6 @@ def test_a_removed_chunk_leaves_the_shared_pool() -> None:
     announce.load_failed(LoadRequest("r", HASHES, ((7, 8, 9),), 0, 12), {8})
     [event] = announce.take()
     assert event.ownership == POOL
-
-
-def test_the_pool_publisher_sends_vllms_batches_on_its_own_endpoint(tmp_path: Path) -> None:
-    import msgspec
-    import zmq
-    from vllm.distributed.kv_events import KVEventBatch
-
-    endpoint = f"ipc://{tmp_path / 'pool'}"
-    publisher = PoolPublisher(endpoint)
-    context = zmq.Context()
-    subscriber = context.socket(zmq.SUB)
-    subscriber.connect(endpoint)
-    subscriber.setsockopt(zmq.SUBSCRIBE, PoolPublisher.TOPIC.encode())
-    announce = announcer()
-    announce.expect(request(), save())
-    announce.reported([(rank, pp, HASHES[0], True) for rank, pp in RANKS])
-    events = announce.take()
-    try:
-        deadline = time.monotonic() + 10
-        frames: list[bytes] = []
-        while not frames and time.monotonic() < deadline:
-            publisher.publish(events)  # a SUB misses what went out before it joined: send until it hears
-            if subscriber.poll(200):
-                frames = subscriber.recv_multipart()
-        topic, _seq, payload = frames
-        batch = msgspec.msgpack.Decoder(type=KVEventBatch).decode(payload)
-    finally:
-        subscriber.close(linger=0)
-        context.term()
-        publisher.close()
-    assert topic == b"kv" and batch.data_parallel_rank == 0
-    assert batch.events == events
 
 
 def test_an_announced_chunk_names_its_parent_and_its_own_tokens() -> None:

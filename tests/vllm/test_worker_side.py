@@ -118,6 +118,19 @@ def test_a_step_may_wait_for_its_sync_loads_and_leave_its_async_ones_running() -
     loader.shutdown(owns_store=False)
 
 
+def test_a_stored_save_counts_as_landed_with_the_time_it_took() -> None:
+    store = MemoryStore(16 << 20)
+    side = worker(store, KVCacheLayout.LBHNC)
+    side.register_kv_caches(engine_views(KVCacheLayout.LBHNC))
+    before = time.monotonic()
+    side.wait_for_save(KVPipeMetadata(saves=[SaveRequest("s", HASHES, ((4, 1, 5),), 3 * BLOCK)]))
+    assert side.drain(10.0)
+    took_ms = (time.monotonic() - before) * 1000
+    assert side.stats["saves_landed"] == 1
+    assert 0 <= side.stats["save_landing_ms"] <= took_ms + 1
+    side.shutdown(owns_store=False)
+
+
 def test_a_load_of_chunks_another_worker_put_counts_them_as_from_others() -> None:
     loader, _, _ = loader_after_three_saves()
     loader.start_load_kv(KVPipeMetadata(loads=[LoadRequest("l", HASHES, ((0, 2, 3),), 0, 3 * BLOCK)]))

@@ -15,6 +15,14 @@ adds only what the raw client lacks and production needs:
   30 s before -901; ``rpc_timeout_ms`` (2 s by default) bounds that wait. The
   client reads it from ``MC_RPC_TIMEOUT_MS`` at set-up, so it is the process's:
   an explicit ``MC_RPC_TIMEOUT_MS`` in the environment wins.
+- **A deadline on every transfer.** A store node cut off by the network (packets
+  dropped, no connection refused) makes a get or a put to its segment wait 30 s
+  before -800 (measured in network namespaces with the node's link down);
+  ``transfer_timeout_s`` (3 s) bounds it. The transport reads
+  ``MC_TCP_PROGRESS_TIMEOUT_SEC`` (no progress that long: the connection is
+  dropped) when it transfers, not at set-up, so opening a store sets it for the
+  rest of the process (the last store opened wins; processes started later inherit
+  it) unless the environment had one: then it is the user's and stays.
 - **No 4.5 s calls while the master is gone.** A killed master makes the first
   call fail at once (-900), but every later one spends ~4.5 s in the client's
   reconnection attempts, whatever ``MC_RPC_TIMEOUT_MS`` says. So after a call
@@ -66,8 +74,10 @@ __all__ = ["MooncakeError", "MooncakeStore"]
 log = logging.getLogger(__name__)
 
 RPC_TIMEOUT_ENV = "MC_RPC_TIMEOUT_MS"
-#: set by whoever started the process: then it is theirs, and settings leave it alone
-_RPC_TIMEOUT_FROM_USER = RPC_TIMEOUT_ENV in os.environ
+TRANSFER_TIMEOUT_ENV = "MC_TCP_PROGRESS_TIMEOUT_SEC"
+#: the deadlines the client reads from the environment at set-up; set by whoever started
+#: the process, one is theirs, and settings leave it alone
+_FROM_USER = {name for name in (RPC_TIMEOUT_ENV, TRANSFER_TIMEOUT_ENV) if name in os.environ}
 INSTALL_HINT = "pip install 'kvpipe[mooncake]' (mooncake-transfer-engine-non-cuda==0.3.13.post1)"
 
 
@@ -171,7 +181,7 @@ class MooncakeStore:
             etcd = _one_etcd_per_process(master_address)
             client = client_cls()
             extra = {} if settings.tenant_id == "default" else {"tenant_id": settings.tenant_id}
-            with _rpc_timeout_for_setup(settings):
+            with _deadlines_for_setup(settings):
                 code = client.setup(
                     settings.local_hostname,
                     metadata_server,
@@ -292,11 +302,15 @@ class MooncakeStore:
         return config
 
     def batch_is_exist(self, keys: Sequence[str]) -> list[int]:
-        """The master's answers, less objects whose every replica is on a node that is gone.
+        """The master's answers, less objects with a replica on a node that does not answer.
 
         The master counts a dead node's objects for its client TTL (10 s) after the
         node died, and every read of them fails: :mod:`.segment_liveness` tells
         them apart (``verify_replicas``), at the cost of one more RPC when any key exists.
+        A read may go to any of an object's replicas, and one that goes to a node cut
+        off by the network (packets dropped, not refused) waits for the kernel to give
+        up its connection, tens of seconds (measured: ~33 s): so an object is present
+        only when every replica it may be read from is on a node that answers.
         """
         answers = self._master_call(len(keys), lambda c: c.batch_is_exist(list(keys)))
         if not self.settings.verify_replicas or 1 not in answers:
@@ -309,7 +323,7 @@ class MooncakeStore:
         ]
 
     def _on_lost_nodes(self, keys: list[str]) -> set[str]:
-        """Those of ``keys`` with no replica on a node that accepts connections (none if unknown)."""
+        """Those of ``keys`` with a replica on a node that does not accept connections (none if unknown)."""
         if not self._enter():
             return set()
         try:
@@ -324,16 +338,16 @@ class MooncakeStore:
         complete = ReplicaStatus.COMPLETE
         alive: dict[str, bool] = {}  # per endpoint, for this call: most keys share their nodes
 
-        def on_a_live_node(key: str) -> bool:
+        def on_live_nodes(key: str) -> bool:
             for endpoint in _endpoints(replicas.get(key, ()), complete):
                 answer = alive.get(endpoint)
                 if answer is None:
                     answer = alive[endpoint] = self._liveness.alive(endpoint)
-                if answer:
-                    return True
-            return False
+                if not answer:
+                    return False
+            return True
 
-        return {key for key in keys if not on_a_live_node(key)}
+        return {key for key in keys if not on_live_nodes(key)}
 
     def batch_put_from_multi_buffers(
         self,
@@ -461,13 +475,16 @@ class MooncakeStore:
 
 
 @contextmanager
-def _rpc_timeout_for_setup(settings: MooncakeSettings) -> Iterator[None]:
-    """``MC_RPC_TIMEOUT_MS`` as ``setup()`` must read it, then as it was.
+def _deadlines_for_setup(settings: MooncakeSettings) -> Iterator[None]:
+    """``MC_RPC_TIMEOUT_MS`` as ``setup()`` must read it, then as it was; ``MC_TCP_PROGRESS_TIMEOUT_SEC`` for good.
 
-    Left set, it would outlive this store: processes started later (an engine's
-    workers) inherit the environment and would take it for the user's.
+    The RPC deadline left set would outlive this store: processes started later (an
+    engine's workers) inherit the environment and would take it for the user's.
+    The transfer deadline is read at each transfer, so it must stay.
     """
-    if _RPC_TIMEOUT_FROM_USER:
+    if TRANSFER_TIMEOUT_ENV not in _FROM_USER:
+        os.environ[TRANSFER_TIMEOUT_ENV] = str(settings.transfer_timeout_s)
+    if RPC_TIMEOUT_ENV in _FROM_USER:
         yield
         return
     previous = os.environ.get(RPC_TIMEOUT_ENV)
@@ -483,7 +500,7 @@ def _rpc_timeout_for_setup(settings: MooncakeSettings) -> Iterator[None]:
 
 def _rpc_timeout_ms(settings: MooncakeSettings) -> int:
     """The RPC deadline the client was set up with: the user's ``MC_RPC_TIMEOUT_MS`` or ours."""
-    if _RPC_TIMEOUT_FROM_USER:
+    if RPC_TIMEOUT_ENV in _FROM_USER:
         try:
             return max(1, int(os.environ[RPC_TIMEOUT_ENV]))
         except (KeyError, ValueError):

@@ -27,6 +27,7 @@ import tempfile
 import threading
 import time
 from collections import deque
+from collections.abc import Sequence
 from contextlib import AbstractContextManager
 from pathlib import Path
 from typing import Self
@@ -61,12 +62,23 @@ class StoreNodeProcess:
     """
 
     def __init__(
-        self, master_address: str, *, segment: str, metrics: list[str], startup_timeout_s: float = 30.0
+        self,
+        master_address: str,
+        *,
+        segment: str,
+        metrics: list[str],
+        startup_timeout_s: float = 30.0,
+        local_hostname: str = LOOPBACK,
+        launcher: Sequence[str] = (),
     ) -> None:
+        """``local_hostname``: its address as clients reach it; ``launcher``: what the command runs
+        under (e.g. ``ip netns exec NS``: a node in a network namespace of its own)."""
         command = [
+            *launcher,
             sys.executable, "-m", "kvpipe.connector.cli.main", "store",
             "--master", master_address, "--metadata-server", P2P_HANDSHAKE,
             "--segment", segment, "--json", "--report-every", "1",
+            "--local-hostname", local_hostname,
             *(f"--master-metrics={endpoint}" for endpoint in metrics),
         ]  # fmt: skip
         self._process = subprocess.Popen(

@@ -176,6 +176,9 @@ class MooncakeSettings(BaseModel):
     tenant_id: str = "default"
     connect_timeout_s: float = Field(5.0, gt=0)
     rpc_timeout_ms: int = Field(2000, gt=0)
+    # A TCP transfer that makes no progress this long fails (-800): a store node cut off
+    # by the network costs a load or a put this long, not Mooncake's 30 s default.
+    transfer_timeout_s: int = Field(3, gt=0)
     lease_ttl_ms: int | None = Field(None, ge=0)
     eviction_high_watermark: float | None = Field(None, gt=0, le=1)
     eviction_ratio: float | None = Field(None, ge=0, le=1)

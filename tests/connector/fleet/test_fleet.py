@@ -54,3 +54,25 @@ def test_a_prefix_stored_through_one_replica_hits_on_the_other_with_equal_output
     assert sorted(hits) == [0, whole_blocks * BLOCK]  # one replica computed, the other loaded
     assert second.text == first.text
     assert not [pid for pid in started if psutil.pid_exists(pid) and psutil.Process(pid).status() != "zombie"]
+
+
+def test_under_kv_aware_the_router_takes_each_replicas_stream_and_the_pools(tmp_path: Path) -> None:
+    spec = FleetSpec(replicas=2, policy="kv_aware", log_dir=tmp_path)
+    with Fleet(spec) as fleet:
+        model = str(fleet.model)
+        prompt = words(seed=2, count=PROMPT_TOKENS)
+        first = complete(fleet.replicas[0].url, model, prompt, max_tokens=8)
+        wait_for_keys(fleet, PROMPT_TOKENS // BLOCK)
+        again = [complete(fleet.url, model, prompt, max_tokens=8) for _ in range(3)]
+        assert fleet.relay is not None
+        deadline = time.monotonic() + SAVED_WITHIN_S
+        while fleet.relay.relayed < PROMPT_TOKENS // BLOCK and time.monotonic() < deadline:
+            time.sleep(0.2)
+        relayed = fleet.relay.relayed
+        log = (tmp_path / "router-kv_aware.log").read_text(errors="replace")
+    assert [a.text for a in again] == [first.text] * 3
+    assert [a.cached_tokens for a in again] == [PROMPT_TOKENS // BLOCK * BLOCK] * 3
+    assert relayed >= PROMPT_TOKENS // BLOCK  # the chunks replica 0 stored, to every worker's stream
+    assert "discovery failed" not in log
+    for served in fleet.replicas:
+        assert log.count(f"kv_index subscriber for {served.url}") == 2  # its own stream and the pool's

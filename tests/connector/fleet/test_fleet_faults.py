@@ -24,6 +24,7 @@ import pytest
 
 from kvpipe.connector.bench import launch
 from kvpipe.connector.fleet.fleet import Fleet, FleetSpec
+from kvpipe.connector.fleet.network import NetworkUnavailable
 
 from .client import Answer, Traffic, complete, words
 
@@ -35,6 +36,7 @@ PROBE_TOKENS = 3 * BLOCK + 40  # three whole blocks and a tail
 WHOLE = 3 * BLOCK
 SAVED_WITHIN_S = 30.0
 CLIENT_TTL_S = 10  # Mooncake's default: the master drops a dead client's segment after it
+PARTITION_S = 8.0  # shorter than the client TTL: the master keeps the cut node's segment
 HITS_RESUME_WITHIN_S = 90.0
 #: no request waits on the store beyond a job's deadline (kvpipe's load_deadline_s, 5 s) and
 #: a stalled RPC's (Mooncake's is 30 s); compute here is ~0.1 s a request
@@ -82,8 +84,21 @@ class Running:
 
 
 @contextmanager
+def started(spec: FleetSpec) -> Iterator[Fleet]:
+    """The fleet of ``spec``; a test that needs network namespaces where none can be made skips, saying why."""
+    try:
+        fleet = Fleet(spec).__enter__()
+    except NetworkUnavailable as error:
+        pytest.skip(f"network namespaces cannot be made here: {error}")
+    try:
+        yield fleet
+    finally:
+        fleet.__exit__(None, None, None)
+
+
+@contextmanager
 def running(tmp_path: Path, **spec: object) -> Iterator[Running]:
-    with Fleet(FleetSpec.model_validate({"replicas": 2, "log_dir": tmp_path, **spec})) as fleet:
+    with started(FleetSpec.model_validate({"replicas": 2, "log_dir": tmp_path, **spec})) as fleet:
         traffic = Traffic(fleet.url, str(fleet.model)).start()
         try:
             model = str(fleet.model)
@@ -179,3 +194,24 @@ def test_the_leading_master_killed_serves_by_recompute_and_hits_resume(tmp_path:
         check(run, probes)
         assert gap < HITS_RESUME_WITHIN_S
         assert [a.cached_tokens for a in probes] == [WHOLE] * PROBES  # the standby kept every object
+
+
+def test_a_store_node_partitioned_and_back_costs_no_request_and_no_wrong_answer(tmp_path: Path) -> None:
+    """Every replica and store node in a network namespace of its own; one node's link goes down."""
+    with running(tmp_path, store_nodes=2, copies=2, network_namespaces=True) as run:
+        network = run.fleet.network
+        assert network is not None and len(run.fleet.node_hosts) == 2
+        fault = time.monotonic()
+        network.cut(run.fleet.node_hosts[0])
+        time.sleep(PARTITION_S)
+        during = run.ask_replica_1()  # the cut node's copies cannot be read: the other copy, or recompute
+        network.restore(run.fleet.node_hosts[0])
+        time.sleep(3.0)
+        probes = run.ask_replica_1()
+        gap = run.wait_for_hits(fault, HITS_RESUME_WITHIN_S)
+        report(f"store node partitioned for {PARTITION_S:g} s, 2 copies", run, fault, probes, gap)
+        print(f"  probes hit {sum(1 for a in during if a.cached_tokens >= WHOLE)}/{PROBES} during it")
+        check(run, probes)
+        assert [a.text for a in during] == [a.text for a in run.probes.values()]
+        assert gap < HITS_RESUME_WITHIN_S
+        assert [a.cached_tokens for a in probes] == [WHOLE] * PROBES  # nothing lost

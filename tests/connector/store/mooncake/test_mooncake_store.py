@@ -416,6 +416,28 @@ def test_stores_join_an_existing_master_from_vllms_file_and_leave_it_running(tmp
         assert is_listening("127.0.0.1", master.endpoints.rpc_port)
 
 
+def test_an_open_store_leaves_its_transfer_deadline_where_the_transport_reads_it_at_each_transfer(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    from kvpipe.connector.store.mooncake import client
+
+    monkeypatch.setattr(client, "_FROM_USER", set())  # whatever the test process was started with
+    monkeypatch.delenv(client.TRANSFER_TIMEOUT_ENV, raising=False)
+    settings = MooncakeSettings(global_segment_size="16MB", local_buffer_size=0, transfer_timeout_s=4)
+    with MooncakeStore.open(settings):
+        assert os.environ[client.TRANSFER_TIMEOUT_ENV] == "4"
+
+
+def test_a_transfer_deadline_the_user_set_is_kept(monkeypatch: pytest.MonkeyPatch) -> None:
+    from kvpipe.connector.store.mooncake import client
+
+    monkeypatch.setattr(client, "_FROM_USER", {client.TRANSFER_TIMEOUT_ENV})
+    monkeypatch.setenv(client.TRANSFER_TIMEOUT_ENV, "7")
+    settings = MooncakeSettings(global_segment_size="16MB", local_buffer_size=0, transfer_timeout_s=4)
+    with MooncakeStore.open(settings):
+        assert os.environ[client.TRANSFER_TIMEOUT_ENV] == "7"
+
+
 # -- a spawned master, and closing ---------------------------------------------------------
 
 
