@@ -189,6 +189,11 @@ class Measured:
             "chunks from the other replica": (
                 int(self.counters[FROM_OTHERS]) if self.contender is Contender.KVPIPE else "-"
             ),
+            "save lands ms (mean)": (
+                round(self.counters[LANDING_MS] / self.counters[LANDED])
+                if self.contender is Contender.KVPIPE and self.counters[LANDED]
+                else "-"
+            ),
             "outputs = none's": "-"
             if reference is None or reference is self
             else self.outputs == reference.outputs,

@@ -63,6 +63,9 @@ def test_under_kv_aware_the_router_takes_each_replicas_stream_and_the_pools(tmp_
         prompt = words(seed=2, count=PROMPT_TOKENS)
         first = complete(fleet.replicas[0].url, model, prompt, max_tokens=8)
         wait_for_keys(fleet, PROMPT_TOKENS // BLOCK)
+        # the stored chunks' events ride on the writer's next engine step (its workers'
+        # reports reach the scheduler with a step's output): give it one
+        complete(fleet.replicas[0].url, model, words(seed=3, count=8), max_tokens=1)
         again = [complete(fleet.url, model, prompt, max_tokens=8) for _ in range(3)]
         assert fleet.relay is not None
         deadline = time.monotonic() + SAVED_WITHIN_S
