@@ -8,8 +8,6 @@ import time
 from pathlib import Path
 from typing import Any
 
-from pydantic import ValidationError
-
 from kvpipe.connector.fleet.fleet import Contender, Fleet, FleetSpec
 from kvpipe.connector.fleet.network import NetworkUnavailable
 from kvpipe.connector.fleet.processes import ProcessError
@@ -17,7 +15,7 @@ from kvpipe.connector.fleet.replica import POLICIES
 from kvpipe.connector.store.mooncake.master import MasterError
 from kvpipe.pipeline.config import one_line
 
-from .flags import flag_error
+from .flags import FlagError, from_flags
 
 #: how often the running fleet checks that its replicas still answer
 WATCH_EVERY_S = 5.0
@@ -68,9 +66,9 @@ def fleet_command(args: argparse.Namespace, usage_error: type[Exception]) -> int
         "network_namespaces": args.network_namespaces,
     }
     try:
-        spec = FleetSpec.model_validate({k: v for k, v in fields.items() if v is not None})
-    except ValidationError as error:
-        raise usage_error(flag_error(error, {"node_segment": "segment"})) from None
+        spec = from_flags(FleetSpec, fields, {"node_segment": "segment"})
+    except FlagError as error:
+        raise usage_error(str(error)) from None
     if spec.network_namespaces and spec.masters > 1:
         raise usage_error(f"--masters: network namespaces run one master, got {spec.masters}")
     if spec.model is not None and not (spec.model / "config.json").is_file():

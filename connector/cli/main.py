@@ -39,7 +39,7 @@ from kvpipe.pipeline.config import describe_validation_error, load_yaml, one_lin
 from kvpipe.stages import key_model_name
 
 from . import fleet
-from .flags import flag_error
+from .flags import FlagError, from_flags
 from .run.config import RunConfig, apply_override
 from .run.job import RunResult, run
 from .run.report import ProgressLine, summary_table
@@ -257,9 +257,9 @@ def _store_command(args: argparse.Namespace) -> int:
         "local_hostname": args.local_hostname,
     }
     try:
-        settings = MooncakeSettings.model_validate({k: v for k, v in fields.items() if v is not None})
-    except ValidationError as error:
-        raise UsageError(flag_error(error, {"global_segment_size": "segment"})) from None
+        settings = from_flags(MooncakeSettings, fields, {"global_segment_size": "segment"})
+    except FlagError as error:
+        raise UsageError(str(error)) from None
     if settings.global_segment_size == 0:
         raise UsageError(
             f"--segment: a store node lends memory, so it must be at least 16 MiB, got {args.segment!r}"

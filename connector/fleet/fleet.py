@@ -16,6 +16,10 @@ machine:
    worker the shared pool's events (kvpipe's), so a chunk one replica stored is
    credited to every replica at the router's external tier.
 
+With ``network_namespaces`` each replica and store node runs in a network namespace
+of its own on a bridge, the master and the router on the bridge's address
+(:mod:`.network`), so a partition can be made (:meth:`.network.Network.cut`).
+
 Its :attr:`Fleet.url` is the one address clients use. Leaving the ``with`` block
 (normally, on an error, on Ctrl-C, on SIGTERM where :func:`sigterm_unwinds` holds)
 stops every process it started, router first, store last; an error while starting
