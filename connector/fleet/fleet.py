@@ -34,7 +34,7 @@ from collections.abc import Iterator
 from contextlib import ExitStack
 from enum import StrEnum
 from pathlib import Path
-from typing import Any, Self
+from typing import TYPE_CHECKING, Any, Self
 
 from pydantic import BaseModel, ConfigDict, Field
 
@@ -43,9 +43,11 @@ from kvpipe.connector.store.mooncake.cluster import LocalCluster, StoreNodeProce
 from kvpipe.connector.store.mooncake.master import LOOPBACK, LocalMaster, MasterEndpoints, free_ports
 
 from .network import Host, Network
-from .pool_relay import PoolRelay
 from .replica import POLICIES, Served, replica, router
 from .tokenizer import write_tokenizer
+
+if TYPE_CHECKING:
+    from .pool_relay import PoolRelay
 
 #: the router answers within seconds; replicas take most of a fleet's start
 ROUTER_READY_S = 60.0
@@ -105,7 +107,7 @@ class Fleet:
         # per replica: where vLLM publishes its KV events; per worker: the pool relay's stream
         self.event_ports: list[int] = []
         self.relay_ports: list[int] = []
-        self.relay: PoolRelay | None = None
+        self.relay: PoolRelay | None = None  # with kv_aware and kvpipe's connector
         self.network: Network | None = None
         self.node_hosts: list[Host] = []  # with network namespaces: each store node's
         self.replica_hosts: list[Host] = []  # and each replica's
@@ -160,6 +162,8 @@ class Fleet:
         for served in self.replicas:
             served.wait_ready(spec.startup_timeout_s)
         if self.kv_events and spec.connector is Contender.KVPIPE:
+            from .pool_relay import PoolRelay  # imports vLLM (~6 s): only a fleet that relays pays it
+
             self.relay_ports = free_ports(spec.replicas)
             self.relay = self._stack.enter_context(
                 PoolRelay(

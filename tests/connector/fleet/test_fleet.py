@@ -63,15 +63,15 @@ def test_under_kv_aware_the_router_takes_each_replicas_stream_and_the_pools(tmp_
         prompt = words(seed=2, count=PROMPT_TOKENS)
         first = complete(fleet.replicas[0].url, model, prompt, max_tokens=8)
         wait_for_keys(fleet, PROMPT_TOKENS // BLOCK)
-        # the stored chunks' events ride on the writer's next engine step (its workers'
-        # reports reach the scheduler with a step's output): give it one
-        complete(fleet.replicas[0].url, model, words(seed=3, count=8), max_tokens=1)
-        again = [complete(fleet.url, model, prompt, max_tokens=8) for _ in range(3)]
+        # the stored chunks' events ride on the writer's engine steps (its workers' reports
+        # reach its scheduler with a step's output): give it steps until they are out
         assert fleet.relay is not None
         deadline = time.monotonic() + SAVED_WITHIN_S
         while fleet.relay.relayed < PROMPT_TOKENS // BLOCK and time.monotonic() < deadline:
+            complete(fleet.replicas[0].url, model, words(seed=3, count=8), max_tokens=1)
             time.sleep(0.2)
         relayed = fleet.relay.relayed
+        again = [complete(fleet.url, model, prompt, max_tokens=8) for _ in range(3)]
         log = (tmp_path / "router-kv_aware.log").read_text(errors="replace")
     assert [a.text for a in again] == [first.text] * 3
     assert [a.cached_tokens for a in again] == [PROMPT_TOKENS // BLOCK * BLOCK] * 3

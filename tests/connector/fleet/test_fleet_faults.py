@@ -38,6 +38,7 @@ SAVED_WITHIN_S = 30.0
 CLIENT_TTL_S = 10  # Mooncake's default: the master drops a dead client's segment after it
 PARTITION_S = 8.0  # shorter than the client TTL: the master keeps the cut node's segment
 HITS_RESUME_WITHIN_S = 90.0
+ALL_HIT_WITHIN_S = 90.0
 #: no request waits on the store beyond a job's deadline (kvpipe's load_deadline_s, 5 s) and
 #: a stalled RPC's (Mooncake's is 30 s); compute here is ~0.1 s a request
 STALL_BOUND_S = 10.0
@@ -67,6 +68,19 @@ class Running:
     def ask_replica_1(self) -> list[Answer]:
         """Every probe, straight to replica 1 (which never computed one)."""
         return [complete(self.fleet.replicas[1].url, self.model, prompt) for prompt in self.probes]
+
+    def until_every_probe_hits(self, timeout_s: float = ALL_HIT_WITHIN_S) -> list[Answer]:
+        """:meth:`ask_replica_1` until every probe hits whole (the last answers at the deadline).
+
+        How soon depends on the master: it drops a dead node's copies after its client TTL,
+        and a busy machine stretches that (measured 10-45 s).
+        """
+        deadline = time.monotonic() + timeout_s
+        while True:
+            answers = self.ask_replica_1()
+            if all(a.cached_tokens >= WHOLE for a in answers) or time.monotonic() >= deadline:
+                return answers
+            time.sleep(2.0)
 
     def wait_for_hits(self, since: float, timeout_s: float) -> float:
         """Seconds from ``since`` until the traffic hits again: the first pair's second request
@@ -146,7 +160,7 @@ def test_a_killed_replicas_traffic_goes_to_the_other_and_what_it_stored_still_hi
         report("replica killed", run, fault, probes, 0.0)
         check(run, probes)
         assert [a.cached_tokens for a in probes] == [WHOLE] * PROBES
-        assert len(run.traffic.sent) - len([s for s in run.traffic.sent if s.started < fault]) > 10
+        assert len([s for s in run.traffic.sent if s.started > fault]) >= 4  # it went on through the router
 
 
 def test_a_killed_store_node_loses_nothing_when_every_object_has_two_copies(tmp_path: Path) -> None:
@@ -155,8 +169,8 @@ def test_a_killed_store_node_loses_nothing_when_every_object_has_two_copies(tmp_
         run.fleet.store_nodes[0].kill()
         time.sleep(2.0)
         early = run.ask_replica_1()  # within the master's client TTL: the dead copies still listed
-        time.sleep(CLIENT_TTL_S + 2)
-        probes = run.ask_replica_1()
+        time.sleep(CLIENT_TTL_S)
+        probes = run.until_every_probe_hits()
         gap = run.wait_for_hits(fault, HITS_RESUME_WITHIN_S)
         report("store node killed, 2 copies", run, fault, probes, gap)
         print(f"  probes hit {sum(1 for a in early if a.cached_tokens >= WHOLE)}/{PROBES} 2 s after it")
@@ -189,7 +203,7 @@ def test_the_leading_master_killed_serves_by_recompute_and_hits_resume(tmp_path:
         fault = time.monotonic()
         leader.kill()
         gap = run.wait_for_hits(fault, HITS_RESUME_WITHIN_S)
-        probes = run.ask_replica_1()
+        probes = run.until_every_probe_hits()
         report("leading master killed", run, fault, probes, gap)
         check(run, probes)
         assert gap < HITS_RESUME_WITHIN_S
@@ -206,8 +220,7 @@ def test_a_store_node_partitioned_and_back_costs_no_request_and_no_wrong_answer(
         time.sleep(PARTITION_S)
         during = run.ask_replica_1()  # the cut node's copies cannot be read: the other copy, or recompute
         network.restore(run.fleet.node_hosts[0])
-        time.sleep(3.0)
-        probes = run.ask_replica_1()
+        probes = run.until_every_probe_hits()
         gap = run.wait_for_hits(fault, HITS_RESUME_WITHIN_S)
         report(f"store node partitioned for {PARTITION_S:g} s, 2 copies", run, fault, probes, gap)
         print(f"  probes hit {sum(1 for a in during if a.cached_tokens >= WHOLE)}/{PROBES} during it")
