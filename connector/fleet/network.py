@@ -111,6 +111,7 @@ def _ip(*args: str) -> None:
 
 
 def _run(command: list[str]) -> None:
-    done = subprocess.run(command, capture_output=True, text=True, check=False)
+    argv = [*command]  # an argument list, never a shell line
+    done = subprocess.run(argv, capture_output=True, text=True, check=False)
     if done.returncode != 0:
         raise NetworkUnavailable(f"{' '.join(command)}: {done.stderr.strip() or done.returncode}")
