@@ -17,6 +17,7 @@
   vLLM's router over one Mooncake store, every process in a group stopped whole.
 
 Rooms import downwards only: ``store`` imports neither ``vllm``, ``cli`` nor
-``bench``; ``vllm`` imports ``store``; ``cli`` and ``bench`` may import all; ``fleet`` imports ``store`` and ``bench.launch`` (it runs
-the connector in processes of its own, and reads vLLM's KV events).
+``bench``; ``vllm`` imports ``store``; ``cli`` and ``bench`` may import all;
+``fleet`` imports ``store`` and ``bench.launch`` (it runs the connector in processes
+of its own, and reads vLLM's KV events).
 """

@@ -44,7 +44,7 @@ from typing import Any
 from prometheus_client.parser import text_string_to_metric_families
 
 from kvpipe.connector.fleet.fleet import Contender, Fleet, FleetSpec
-from kvpipe.connector.fleet.tokenizer import SPECIAL, word
+from kvpipe.connector.fleet.tokenizer import random_text
 
 from . import launch
 from .result import BenchOptions, Target, WorkloadResult
@@ -120,7 +120,7 @@ class ChatLoad:
         rng = random.Random(seed)
 
         def text(tokens: int) -> str:
-            return " ".join(word(rng.randrange(len(SPECIAL), 1024)) for _ in range(tokens))
+            return random_text(rng, tokens)
 
         contexts = [text(self.system_tokens) for _ in range(self.conversations)]
         rounds = []
@@ -200,9 +200,9 @@ class Measured:
         }
 
 
-def replica_counters(urls: Sequence[str]) -> dict[str, float]:
-    """The fleet's counters now: each of :data:`COUNTERS`, summed over the replicas."""
-    totals = dict.fromkeys(COUNTERS, 0.0)
+def replica_counters(urls: Sequence[str], names: Sequence[str] = COUNTERS) -> dict[str, float]:
+    """The replicas' counters now (their ``/metrics``): each of ``names``, summed over them."""
+    totals = dict.fromkeys(names, 0.0)
     for url in urls:
         with urllib.request.urlopen(f"{url}/metrics", timeout=30) as response:  # noqa: S310 - loopback
             text = response.read().decode()
@@ -217,8 +217,7 @@ def warm(fleet: Fleet) -> None:
     """One short request straight to each replica: a replica's first request pays its warm-up
     (seconds on this CPU build), which is no contender's cost. Its words are no workload's."""
     for index, served in enumerate(fleet.replicas):
-        rng = random.Random(-1 - index)
-        prompt = " ".join(word(rng.randrange(len(SPECIAL), 1024)) for _ in range(64))
+        prompt = random_text(random.Random(-1 - index), 64)
         body = {"model": str(fleet.model), "prompt": prompt, "max_tokens": 2, "temperature": 0}
         request = urllib.request.Request(
             f"{served.url}/v1/completions", json.dumps(body).encode(), {"Content-Type": "application/json"}

@@ -69,8 +69,6 @@ def fleet_command(args: argparse.Namespace, usage_error: type[Exception]) -> int
         spec = from_flags(FleetSpec, fields, {"node_segment": "segment"})
     except FlagError as error:
         raise usage_error(str(error)) from None
-    if spec.network_namespaces and spec.masters > 1:
-        raise usage_error(f"--masters: network namespaces run one master, got {spec.masters}")
     if spec.model is not None and not (spec.model / "config.json").is_file():
         raise usage_error(f"--model: {str(spec.model)!r} holds no config.json")
     print(f"kvpipe fleet: starting (logs in {spec.log_dir or 'a temporary folder'})", flush=True)

@@ -36,7 +36,8 @@ from enum import StrEnum
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Self
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, ValidationInfo, field_validator
+from pydantic_core import PydanticCustomError
 
 from kvpipe.connector.bench import launch
 from kvpipe.connector.store.mooncake.cluster import LocalCluster, StoreNodeProcess
@@ -69,6 +70,9 @@ class FleetSpec(BaseModel):
     replicas: int = Field(2, ge=1, le=16)
     connector: Contender = Contender.KVPIPE
     policy: str = Field("round_robin", pattern="^(" + "|".join(POLICIES) + ")$")
+    # Each replica and store node in a network namespace of its own on a bridge, the master
+    # and the router on the bridge's address: partitions can be made (Network.cut). Root only.
+    network_namespaces: bool = False
     masters: int = Field(1, ge=1, le=5)
     store_nodes: int = Field(1, ge=1, le=16)
     node_segment: str = "512MB"
@@ -80,14 +84,18 @@ class FleetSpec(BaseModel):
     # Replicas publish KV events (vLLM's, and kvpipe's pool stream), so the router may
     # run kv_aware; on whenever the first policy is kv_aware.
     kv_events: bool = False
-    # Each replica and store node in a network namespace of its own on a bridge, the master
-    # and the router on the bridge's address: partitions can be made (Network.cut). Root only.
-    network_namespaces: bool = False
     connector_settings: dict[str, Any] = Field(default_factory=dict)  # kvpipe's extra config
     replica_args: tuple[str, ...] = ()  # more ``vllm serve`` arguments
     router_args: tuple[str, ...] = ()
     log_dir: Path | None = None
     startup_timeout_s: float = Field(300.0, gt=0)
+
+    @field_validator("masters")
+    @classmethod
+    def _one_master_in_namespaces(cls, masters: int, info: ValidationInfo) -> int:
+        if masters > 1 and info.data.get("network_namespaces"):
+            raise PydanticCustomError("masters", "network namespaces run one master")
+        return masters
 
 
 class Fleet:
@@ -131,17 +139,15 @@ class Fleet:
         self.log_dir.mkdir(parents=True, exist_ok=True)
         write_tokenizer(self.model, int(json.loads((self.model / "config.json").read_text())["vocab_size"]))
         if spec.network_namespaces:
-            if spec.masters > 1:
-                raise ValueError(f"masters: network namespaces run one master, got {spec.masters}")
             self.network = self._stack.enter_context(Network())  # torn down after every process
             self.replica_hosts = [self.network.add_host() for _ in range(spec.replicas)]
         self._start_store()
         if self.kv_events:
             self.event_ports = free_ports(spec.replicas)
         self.replicas = []
-        for i in range(spec.replicas):
-            host = self.replica_hosts[i] if self.replica_hosts else None
-            transfer, env = self._connector(host.address if host else LOOPBACK)
+        for i, address in enumerate(self._hosts()):
+            launcher = self.replica_hosts[i].launcher if self.replica_hosts else ()
+            transfer, env = self._connector(address)
             self.replicas.append(
                 replica(
                     f"replica {i}",
@@ -152,8 +158,8 @@ class Fleet:
                     max_model_len=spec.max_model_len,
                     kv_cache_memory_bytes=spec.kv_cache_memory_bytes,
                     extra_args=[*self._replica_args(i), *spec.replica_args],
-                    host=host.address if host else LOOPBACK,
-                    launcher=host.launcher if host else (),
+                    host=address,
+                    launcher=launcher,
                 )
             )
         for served in self.replicas:  # side by side: each start is mostly waiting
@@ -258,7 +264,7 @@ class Fleet:
 
     def _hosts(self) -> list[str]:
         """Each replica's address (loopback, or its namespace's)."""
-        return [h.address for h in self.replica_hosts] or [LOOPBACK] * len(self.replicas)
+        return [h.address for h in self.replica_hosts] or [LOOPBACK] * self.spec.replicas
 
     def _connector(self, local_hostname: str) -> tuple[dict[str, Any] | None, dict[str, str]]:
         """A replica's ``--kv-transfer-config`` and environment for the chosen connector."""

@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import json
 import os
+import random
 from pathlib import Path
 
 #: the token ids a Llama config names by default: <unk>, <s>, </s>
@@ -33,6 +34,11 @@ CHAT_TEMPLATE = (
 def word(token_id: int) -> str:
     """The word of a token id (the special ones aside)."""
     return f"w{token_id}"
+
+
+def random_text(rng: random.Random, tokens: int, vocab_size: int = 1024) -> str:
+    """``tokens`` random words (no special token): a prompt of exactly that many tokens."""
+    return " ".join(word(rng.randrange(len(SPECIAL), vocab_size)) for _ in range(tokens))
 
 
 def write_tokenizer(folder: Path, vocab_size: int) -> Path:

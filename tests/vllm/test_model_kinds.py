@@ -73,25 +73,17 @@ def _hit_blocks(block_size: int) -> int:
     return (PROMPT_TOKENS - 1) // block_size
 
 
+def mla(backend: str, needs: Callable[[], str | None] = lambda: None) -> Kind:
+    """The tiny DeepSeek-V2 on MLA backend ``backend``: every whole block of latent is stored."""
+    name = f"deepseek-v2-{backend.lower().replace('_', '-')}"
+    engine_args = {"attention_backend": backend}
+    return Kind(name, launch.TINY_DEEPSEEK_V2, engine_args, 1, _whole_blocks, _hit_blocks, needs)
+
+
 KINDS = [
     # every whole block of latent: 87 at CPU_MLA's 16 tokens, 10 at AMX_MLA's 128
-    Kind(
-        "deepseek-v2-cpu-mla",
-        launch.TINY_DEEPSEEK_V2,
-        {"attention_backend": "CPU_MLA"},
-        groups=1,
-        objects_per_prompt=_whole_blocks,
-        loads_per_prompt=_hit_blocks,
-    ),
-    Kind(
-        "deepseek-v2-amx-mla",
-        launch.TINY_DEEPSEEK_V2,
-        {"attention_backend": "AMX_MLA"},
-        groups=1,
-        objects_per_prompt=_whole_blocks,
-        loads_per_prompt=_hit_blocks,
-        needs=_amx,
-    ),
+    mla("CPU_MLA"),
+    mla("AMX_MLA", needs=_amx),
     # three attention chunks; per mamba group the state at 1,152, where vLLM ends the first step
     Kind(
         "qwen3-next",

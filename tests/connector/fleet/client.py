@@ -12,9 +12,8 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
-from prometheus_client.parser import text_string_to_metric_families
-
-from kvpipe.connector.fleet.tokenizer import SPECIAL, word
+from kvpipe.connector.bench.serve import replica_counters
+from kvpipe.connector.fleet.tokenizer import random_text
 
 #: vLLM's counters: prompt tokens a connector served; requests a replica finished
 EXTERNAL_HITS = "vllm:external_prefix_cache_hits_total"
@@ -33,8 +32,7 @@ class Answer:
 
 def words(seed: int, count: int, vocab_size: int = 1024) -> str:
     """A prompt of ``count`` tokens: random words of the fleet's tokenizer."""
-    rng = random.Random(seed)
-    return " ".join(word(rng.randrange(len(SPECIAL), vocab_size)) for _ in range(count))
+    return random_text(random.Random(seed), count, vocab_size)
 
 
 def complete(url: str, model: str, prompt: str, max_tokens: int = 4) -> Answer:
@@ -81,14 +79,7 @@ def complete(url: str, model: str, prompt: str, max_tokens: int = 4) -> Answer:
 
 def counter(url: str, name: str) -> float:
     """The sum of a replica's ``name`` samples (its ``/metrics``)."""
-    with urllib.request.urlopen(f"{url}/metrics", timeout=10) as response:  # noqa: S310 - loopback
-        text = response.read().decode()
-    return sum(
-        sample.value
-        for family in text_string_to_metric_families(text)
-        for sample in family.samples
-        if sample.name == name
-    )
+    return replica_counters([url], [name])[name]
 
 
 @dataclass(frozen=True)
