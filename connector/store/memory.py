@@ -1,4 +1,4 @@
-"""An in-process Mooncake Store: the facts of MOONCAKE.md, with real bytes.
+"""An in-process Mooncake Store: the facts of docs/mooncake-store-behaviour.md, with real bytes.
 
 Stage and pipeline tests need a store that behaves like the real one where it
 matters (per-key codes, put-of-existing is a no-op, leases granted by reads,

@@ -1,6 +1,6 @@
 """The store contract: what every backend does, one behaviour per test.
 
-This is MOONCAKE.md's "API behaviour" and "Group semantics" as executable
+This is docs/mooncake-store-behaviour.md's "API behaviour" and "Group semantics" as executable
 specification, run against every backend in ``conftest.BACKENDS``. A test here
 asserts only what the real store lets one observe: eviction is checked through
 what survives (never through counts or order), timing through generous margins
