@@ -327,12 +327,13 @@ def _result(
             targets.append(
                 _ratio(f"{load}: kvpipe TTFT p50 / vLLM connector's (round_robin)", ttft, vllm_rr, 0.8)
             )
+            # both counters: kvpipe loads a shared prefix once and the requests that waited
+            # for that load hit it in the engine's own cache (vLLM's loads a copy per request)
             targets.append(
                 Target(
-                    name=f"{load}: kvpipe connector hit tokens / vLLM connector's (round_robin)",
-                    measured=round(
-                        kvpipe_rr.counters[CONNECTOR_HITS] / max(1.0, vllm_rr.counters[CONNECTOR_HITS]), 3
-                    ),
+                    name=f"{load}: kvpipe prompt tokens from cache (local + connector) / vLLM connector's "
+                    "(round_robin)",
+                    measured=round(cached_tokens(kvpipe_rr) / max(1.0, cached_tokens(vllm_rr)), 3),
                     goal=1.0,
                 )
             )
@@ -364,6 +365,11 @@ def _result(
         ],
         parameters={"quick": options.quick, "median_of": 1},
     )
+
+
+def cached_tokens(run: Measured) -> float:
+    """Prompt tokens a run's replicas did not compute: their own prefix caches' and the connector's."""
+    return run.counters[LOCAL_HITS] + run.counters[CONNECTOR_HITS]
 
 
 def _ratio(name: str, value: float, other: Measured, goal: float) -> Target:

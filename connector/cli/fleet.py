@@ -46,6 +46,11 @@ def add_parser(commands: Any, usage_error: type[Exception]) -> None:
         action="store_true",
         help="each replica and store node in a network namespace of its own (root; for partition drills)",
     )
+    parser.add_argument(
+        "--share-cores",
+        action="store_true",
+        help="every replica's engine threads on every core (vLLM's default); without it each gets its own",
+    )
     parser.add_argument("--model", type=Path, help="a model folder with config.json (default: a tiny Llama)")
     parser.add_argument("--log-dir", type=Path, help="the processes' logs (default: a new temporary folder)")
     parser.add_argument("--json", action="store_true", help="print the fleet as one JSON object")
@@ -64,6 +69,7 @@ def fleet_command(args: argparse.Namespace, usage_error: type[Exception]) -> int
         "model": args.model,
         "log_dir": args.log_dir,
         "network_namespaces": args.network_namespaces,
+        "bind_cores": not args.share_cores,
     }
     try:
         spec = from_flags(FleetSpec, fields, {"node_segment": "segment"})

@@ -10,7 +10,9 @@ machine:
 2. ``replicas`` ``vllm serve`` processes on one model with kvpipe's connector,
    vLLM's ``MooncakeStoreConnector`` (same store, for comparison) or none; a
    dummy-weight model folder gets a word-level tokenizer (:mod:`.tokenizer`) so
-   text clients work with no download;
+   text clients work with no download; each replica's engine threads are bound to
+   cores of its own (``bind_cores``: replicas that share cores spin against each
+   other, see :func:`~.replica.core_shares`);
 3. vLLM's router over them with a load-balancing ``policy``; for ``kv_aware``, the
    replicas publish vLLM's KV events and a :class:`~.pool_relay.PoolRelay` gives every
    worker the shared pool's events (kvpipe's), so a chunk one replica stored is
@@ -29,6 +31,7 @@ stops what had started.
 from __future__ import annotations
 
 import json
+import os
 import tempfile
 from collections.abc import Iterator
 from contextlib import ExitStack
@@ -44,7 +47,7 @@ from kvpipe.connector.store.mooncake.cluster import LocalCluster, StoreNodeProce
 from kvpipe.connector.store.mooncake.master import LOOPBACK, LocalMaster, MasterEndpoints, free_ports
 
 from .network import Host, Network
-from .replica import POLICIES, Served, replica, router
+from .replica import POLICIES, Served, core_shares, ranks_of, replica, router, thread_binding
 from .tokenizer import write_tokenizer
 
 if TYPE_CHECKING:
@@ -85,6 +88,9 @@ class FleetSpec(BaseModel):
     # run kv_aware; on whenever the first policy is kv_aware.
     kv_events: bool = False
     connector_settings: dict[str, Any] = Field(default_factory=dict)  # kvpipe's extra config
+    # Each replica's engine threads on cores of its own (this process's CPUs, shared out by
+    # replica.core_shares); off: vLLM's default, every replica on every core.
+    bind_cores: bool = True
     replica_args: tuple[str, ...] = ()  # more ``vllm serve`` arguments
     router_args: tuple[str, ...] = ()
     log_dir: Path | None = None
@@ -145,9 +151,13 @@ class Fleet:
         if self.kv_events:
             self.event_ports = free_ports(spec.replicas)
         self.replicas = []
+        shares = core_shares(sorted(os.sched_getaffinity(0)), spec.replicas)
+        ranks = ranks_of(spec.replica_args)
         for i, address in enumerate(self._hosts()):
             launcher = self.replica_hosts[i].launcher if self.replica_hosts else ()
             transfer, env = self._connector(address)
+            if spec.bind_cores:
+                env = {**env, "VLLM_CPU_OMP_THREADS_BIND": thread_binding(shares[i], ranks)}
             self.replicas.append(
                 replica(
                     f"replica {i}",

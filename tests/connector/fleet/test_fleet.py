@@ -8,6 +8,7 @@ process it started outlives it.
 
 from __future__ import annotations
 
+import contextlib
 import time
 from pathlib import Path
 
@@ -16,6 +17,7 @@ import pytest
 
 from kvpipe.connector.bench import launch
 from kvpipe.connector.fleet.fleet import Fleet, FleetSpec
+from kvpipe.connector.fleet.replica import core_shares
 
 from .client import EXTERNAL_HITS, complete, counter, words
 
@@ -54,6 +56,27 @@ def test_a_prefix_stored_through_one_replica_hits_on_the_other_with_equal_output
     assert sorted(hits) == [0, whole_blocks * BLOCK]  # one replica computed, the other loaded
     assert second.text == first.text
     assert not [pid for pid in started if psutil.pid_exists(pid) and psutil.Process(pid).status() != "zombie"]
+
+
+def engine_cores(served_pid: int) -> set[frozenset[int]]:
+    """The CPU sets a replica's processes run on, where narrower than the machine's (its bound engine)."""
+    machine = set(psutil.Process().cpu_affinity())
+    found = set()
+    for process in psutil.Process(served_pid).children(recursive=True):
+        with contextlib.suppress(psutil.NoSuchProcess):
+            cores = set(process.cpu_affinity())
+            if cores != machine:
+                found.add(frozenset(cores))
+    return found
+
+
+@pytest.mark.skipif(len(psutil.Process().cpu_affinity()) < 2, reason="one core: nothing to share out")
+def test_each_replica_engine_runs_on_cores_of_its_own(tmp_path: Path) -> None:
+    with Fleet(FleetSpec(replicas=2, log_dir=tmp_path)) as fleet:
+        pids = [r.process.pid for r in fleet.replicas]
+        bound = [engine_cores(pid) for pid in pids if pid is not None]
+    shares = core_shares(sorted(psutil.Process().cpu_affinity()), 2)
+    assert bound == [{frozenset(share)} for share in shares]
 
 
 def test_under_kv_aware_the_router_takes_each_replicas_stream_and_the_pools(tmp_path: Path) -> None:
