@@ -8,6 +8,13 @@ weight, and each step gets longer by what the pipeline's threads took. A thread
 as 1024 to 110, against nice 19 as 1024 to 15) and all of an idle one: its work
 fills the time the engine leaves.
 
+The other side of yielding: a nicer thread waits longer for a CPU while the engine
+computes, so a call it makes looks slower than what it called.
+:func:`cpu_wait_seconds` reads how long the calling thread has waited in the run
+queue, so a caller can tell the time its callee took from the time it spent
+yielding (the put stage's slow-store throttle must not read a busy engine as a
+slow store).
+
 On Linux a nice value belongs to one thread (``setpriority`` on a thread id),
 and a thread inherits the value of the thread that starts it: a pipeline's
 worker threads, started from its loop thread, run as nice as the loop. Other
@@ -51,3 +58,16 @@ def lower_this_thread(increment: int) -> bool:
     except OSError:
         return False
     return True
+
+
+def cpu_wait_seconds() -> float:
+    """Seconds the calling thread has spent runnable but waiting for a CPU, since it started.
+
+    The second field of ``/proc/thread-self/schedstat`` (Linux with schedstats);
+    0.0 where there is none, so a difference of two readings is never negative.
+    """
+    try:
+        with open("/proc/thread-self/schedstat", "rb") as stats:
+            return int(stats.read().split()[1]) / 1e9
+    except (OSError, IndexError, ValueError):
+        return 0.0

@@ -8,10 +8,15 @@ after the transfer engine's own timeout (~1 s), which the circuit breaker rightl
 ignores (the master answers; the transfer fails).
 
 The put stage tells :class:`SlowStoreThrottle` how long each call took and how
-many bytes it moved. What counts is the time *not* explained by the bytes: a
-call's seconds minus ``bytes / min_bandwidth``, so a large healthy put is never
-mistaken for a slow store. An exponential moving average of that excess
-(weight ``ema_weight`` per call) smooths single hiccups. The two thresholds are
+many bytes it moved. A call's time is measured in the thread that makes it, less
+what that thread waited for a CPU: saves run nicer than the engine, and on a core
+the engine keeps busy a fast put can wait hundreds of ms to run, which is the host
+at work, not the store (measured in a fleet of one core per replica: read as
+slowness, such waits started shedding 1-3 times per serving benchmark, and a chunk
+whose save was shed was a miss on the next turn). What counts is the time *not*
+explained by the bytes: that time minus ``bytes / min_bandwidth``, so a large
+healthy put is never mistaken for a slow store. An exponential moving average of
+that excess (weight ``ema_weight`` per call) smooths single hiccups. The two thresholds are
 the hysteresis:
 
 - above ``slow_s`` the throttle starts *shedding*: puts are skipped and their

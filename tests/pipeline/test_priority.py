@@ -10,7 +10,7 @@ import anyio
 import pytest
 
 from kvpipe.pipeline import Emit, Stage, SyncPipeline
-from kvpipe.pipeline.priority import checked_nice, lower_this_thread
+from kvpipe.pipeline.priority import checked_nice, cpu_wait_seconds, lower_this_thread
 
 from .toy_stages import chain
 
@@ -90,3 +90,27 @@ def test_a_nice_increment_outside_0_to_19_is_refused_naming_the_field(value: obj
         SyncPipeline(chain(NiceProbe()), nice=value)  # type: ignore[arg-type]
     with pytest.raises(ValueError, match="save_nice: must be"):
         checked_nice(value, "save_nice")
+
+
+def _run_queue_seconds() -> float:
+    with open("/proc/thread-self/schedstat") as stats:
+        return int(stats.read().split()[1]) / 1e9
+
+
+@pytest.mark.skipif(not os.path.exists("/proc/thread-self/schedstat"), reason="no schedstat here")
+def test_cpu_wait_is_the_calling_threads_time_in_the_run_queue() -> None:
+    before = _run_queue_seconds()
+    waited = cpu_wait_seconds()
+    after = _run_queue_seconds()
+
+    assert before <= waited <= after
+
+
+def test_cpu_wait_is_zero_where_the_system_does_not_say(monkeypatch: pytest.MonkeyPatch) -> None:
+    def no_schedstat(*args: object, **kwargs: object) -> None:
+        raise FileNotFoundError("/proc/thread-self/schedstat")
+
+    monkeypatch.setattr("builtins.open", no_schedstat)
+
+    assert cpu_wait_seconds() == 0.0
+

@@ -154,3 +154,22 @@ async def test_a_slow_call_sheds_the_calls_after_it_in_the_same_batch():
 
     assert store.put_keys == ["a"]
     assert (batch[0].emit.counts["put"], batch[0].emit.counts["throttled"]) == (1, 2)
+
+
+async def test_time_a_put_waited_for_a_cpu_is_not_the_stores_slowness():
+    # saves run nicer than the engine: on a busy core their thread waits in the run queue
+    waited = [0.0]
+
+    def starved_put(key: str) -> int:
+        time.sleep(0.05)  # as slow as the store that starts shedding above
+        waited[0] += 0.05  # ... all of it waiting for a CPU, not for the store
+        return 0
+
+    store = RecordingStore(ScriptedStore(put=starved_put))
+    stage = PutStage(PutParams(throttle=QUICK), store, cpu_wait=lambda: waited[0])
+
+    for key in ("a", "b", "c"):
+        await stage.process_batch(batch_of([(fake_record(key),)]))
+
+    assert store.put_keys == ["a", "b", "c"]
+    assert stage.throttle is not None and not stage.throttle.shedding
