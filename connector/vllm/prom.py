@@ -62,6 +62,7 @@ COUNTERS: dict[str, str] = {
     "lookups_deferred": "Lookups told to ask again because another request was loading the same prefix.",
     "lookups_missed_after_failed_load": "Lookups answered as misses because the request's load had failed.",
     "loads_planned": "Loads the scheduler planned.",
+    "loads_sync": "Loads run before the forward of the step computing their request (nothing else ran).",
     "loads": "Loads a worker submitted.",
     "loads_failed": "Loads that failed (the engine recomputes their blocks).",
     "loads_failed_no_staging": "Loads failed at once for want of staging slots (device caches).",
