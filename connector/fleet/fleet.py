@@ -151,13 +151,12 @@ class Fleet:
         if self.kv_events:
             self.event_ports = free_ports(spec.replicas)
         self.replicas = []
-        shares = core_shares(sorted(os.sched_getaffinity(0)), spec.replicas)
-        ranks = ranks_of(spec.replica_args)
+        bindings = self._thread_bindings()
         for i, address in enumerate(self._hosts()):
             launcher = self.replica_hosts[i].launcher if self.replica_hosts else ()
             transfer, env = self._connector(address)
-            if spec.bind_cores:
-                env = {**env, "VLLM_CPU_OMP_THREADS_BIND": thread_binding(shares[i], ranks)}
+            if bindings:
+                env = {**env, "VLLM_CPU_OMP_THREADS_BIND": bindings[i]}
             self.replicas.append(
                 replica(
                     f"replica {i}",
@@ -208,6 +207,14 @@ class Fleet:
         self._stack.callback(self.router.stop)
         self.router.start()
         self.router.wait_ready(ROUTER_READY_S)
+
+    def _thread_bindings(self) -> list[str]:
+        """Each replica's ``VLLM_CPU_OMP_THREADS_BIND`` (none with ``bind_cores`` off)."""
+        if not self.spec.bind_cores:
+            return []
+        shares = core_shares(sorted(os.sched_getaffinity(0)), self.spec.replicas)
+        ranks = ranks_of(self.spec.replica_args)
+        return [thread_binding(share, ranks) for share in shares]
 
     def _replica_args(self, index: int) -> list[str]:
         args = ["--block-size", str(self.spec.block_size)]
