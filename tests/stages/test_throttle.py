@@ -156,17 +156,22 @@ async def test_a_slow_call_sheds_the_calls_after_it_in_the_same_batch():
     assert (batch[0].emit.counts["put"], batch[0].emit.counts["throttled"]) == (1, 2)
 
 
+#: a threshold far above what a busy machine adds between two clock reads
+STARVED = ThrottleParams(slow_s=0.2, recovered_s=0.05, ema_weight=1.0, probe_every_s=60)
+
+
 async def test_time_a_put_waited_for_a_cpu_is_not_the_stores_slowness():
     # saves run nicer than the engine: on a busy core their thread waits in the run queue
     waited = [0.0]
 
     def starved_put(key: str) -> int:
-        time.sleep(0.05)  # as slow as the store that starts shedding above
-        waited[0] += 0.05  # ... all of it waiting for a CPU, not for the store
+        started = time.monotonic()
+        time.sleep(0.3)  # slower than slow_s: wall time alone would start shedding
+        waited[0] += time.monotonic() - started  # ... all of it waiting for a CPU, not for the store
         return 0
 
     store = RecordingStore(ScriptedStore(put=starved_put))
-    stage = PutStage(PutParams(throttle=QUICK), store, cpu_wait=lambda: waited[0])
+    stage = PutStage(PutParams(throttle=STARVED), store, cpu_wait=lambda: waited[0])
 
     for key in ("a", "b", "c"):
         await stage.process_batch(batch_of([(fake_record(key),)]))
