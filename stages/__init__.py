@@ -12,6 +12,7 @@ from .filter import FilterStage
 from .flags import ConfigError, StrictFlag, parse_flag
 from .gather import GatherParams, GatherStage
 from .group_ids import GroupIdsParams, GroupIdsStage
+from .integrity import Integrity, Seal, Verdict, fingerprint, is_seal_key, seal_key
 from .keys import GROUP_ID_SCOPE, group_id, key_model_name, object_key, shared_pool_id
 from .load import LoadObserver, LoadParams, LoadRequest, LoadStage, LoadTarget, load_targets
 from .load_pipeline import (
@@ -46,6 +47,7 @@ from .project import ProjectStage
 from .projection import ProjectionError, project_groups, storable_groups
 from .put import MAX_BUFFERS_PER_CALL, PutParams, PutStage, split_into_calls
 from .registry import KV_STAGES
+from .seal import SealMemory
 from .staging import StagingError, StagingPool, StagingSlot, copy_into_slots
 from .store import EXISTS, Code, LoadingStore, SavingStore, describe
 from .throttle import SlowStoreThrottle, ThrottleParams
@@ -70,6 +72,13 @@ __all__ = [
     "default_save_graph",
     "GROUP_ID_SCOPE",
     "KV_STAGES",
+    "Integrity",
+    "Seal",
+    "SealMemory",
+    "Verdict",
+    "fingerprint",
+    "is_seal_key",
+    "seal_key",
     "Backoff",
     "BlockLayout",
     "Buffer",

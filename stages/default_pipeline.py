@@ -13,6 +13,7 @@ from typing import Any
 
 from kvpipe.pipeline import Graph, build_graph
 
+from .integrity import Integrity
 from .model import KVCache
 from .object_status import ObjectObserver
 from .put import MAX_BUFFERS_PER_CALL
@@ -56,6 +57,7 @@ DEFAULT_SAVE_PIPELINE: dict[str, Any] = {
             "params": {
                 "max_buffers_per_call": MAX_BUFFERS_PER_CALL,
                 "throttle": {"slow_s": 0.25, "recovered_s": 0.05, "probe_every_s": 0.5},
+                "seal": True,
             },
         },
     ]
@@ -71,6 +73,7 @@ def default_save_graph(
     gather: str = "auto",
     throttle: ThrottleParams | None = DEFAULT_THROTTLE,
     observer: ObjectObserver | None = None,
+    integrity: Integrity | str = Integrity.VERIFY,
 ) -> Graph:
     """The default save graph over ``kv`` and ``store``.
 
@@ -78,7 +81,8 @@ def default_save_graph(
     accepted, anything else is an error naming the field). ``gather`` is the
     gather stage's mode (``auto``, ``always``, ``never``). ``throttle`` is the
     put stage's slow-store detector (None: never skip a put). ``observer`` is
-    told the final status of every object.
+    told the final status of every object. ``integrity`` ``off`` writes no
+    seals; ``verify`` and ``required`` seal every object put (:mod:`.integrity`).
     """
     document = copy.deepcopy(DEFAULT_SAVE_PIPELINE)
     stages = {stage["name"]: stage for stage in document["stages"]}
@@ -86,4 +90,5 @@ def default_save_graph(
     stages["put"]["params"]["max_buffers_per_call"] = max_buffers_per_call
     stages["gather"]["params"]["mode"] = gather
     stages["put"]["params"]["throttle"] = None if throttle is None else throttle.model_dump()
+    stages["put"]["params"]["seal"] = Integrity(integrity) is not Integrity.OFF
     return build_graph(document, KV_STAGES, {"kv": kv, "store": store, "observer": observer})

@@ -6,6 +6,8 @@ name every chunk identically, so the formats below copy vLLM's byte for byte:
 - key: ``{cache_prefix@}{model}@tp_rank:{tp}@pcp{pcp}@dcp{dcp}@pp_rank:{pp}@group:{g}@{hash}``
 - group id: ``vllm-mooncake-store:{cache_prefix@}{model}@{hash}``
 
+- a seal (:mod:`.integrity`, kvpipe's own): ``{object key}@kvpipe-seal``
+
 ``cache_prefix@`` is omitted when the prefix is empty; ``hash`` is the chunk hash in
 lowercase hex; ``g`` is the *store* group (the storable projection's numbering).
 :func:`parse_object_key` reads a key back (the inverse of :func:`object_key`), so
@@ -56,8 +58,30 @@ def object_key_prefix(namespace: KeyNamespace, store_group: int) -> str:
     )
 
 
+#: a seal's key is its object's key with this appended: a seal sorts and scopes with its
+#: object (the reset's pattern anchors the model scope at the start and takes seals along),
+#: and vLLM's connector, which asks for object keys only, never sees one
+SEAL_SUFFIX = "@kvpipe-seal"
+
+
+def seal_key(key: str) -> str:
+    """The key of the seal of the object ``key``."""
+    return key + SEAL_SUFFIX
+
+
+def is_seal_key(key: str) -> bool:
+    return key.endswith(SEAL_SUFFIX)
+
+
+def sealed_key(seal: str) -> str:
+    """The object key a seal key belongs to (the inverse of :func:`seal_key`)."""
+    return seal[: -len(SEAL_SUFFIX)] if seal.endswith(SEAL_SUFFIX) else seal
+
+
 def key_chunk_hex(key: str) -> str:
-    """The chunk hash a key names, in hex: its last field (no parsing of the rest: a hot path)."""
+    """The chunk hash an object's or a seal's key names, in hex (no parsing of the rest: a hot path)."""
+    if key.endswith(SEAL_SUFFIX):
+        key = key[: -len(SEAL_SUFFIX)]
     return key.rsplit("@", 1)[1]
 
 

@@ -6,8 +6,12 @@ group and shard, exactly as the save path named it, with the buffers of the
 block it lands in; all records of a batch go to the store in as few
 ``batch_get_into_multi_buffers`` calls as the buffer budget allows.
 
-A record is loaded only when the store read exactly the object's size into it.
-Anything else (a missing object, a destination of the wrong size, an error) is
+A record is loaded only when the store read exactly the object's size into it
+and, with ``integrity`` on, its seal vouches for the bytes read (:mod:`.integrity`:
+the seal is read in the same call, into a registered :class:`~.seal.SealMemory`).
+An object its seal shows damaged is removed from the store (forced: a hot chunk's
+objects are leased by every lookup) and logged once per chunk; one written under
+another configuration's fingerprint is left to its writer. Anything else (a missing object, a destination of the wrong size, an error) is
 a failed load, never a partial success: the engine must not compute on half a
 block. Failed records are counted against the request's job and their block ids
 are told to the optional :class:`LoadObserver`, because the engine recomputes
@@ -16,22 +20,40 @@ from the first block that did not load (vLLM's ``get_block_ids_with_load_errors`
 
 from __future__ import annotations
 
+from collections import Counter, OrderedDict
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any, ClassVar, NamedTuple, Protocol, runtime_checkable
 
+import structlog
 from pydantic import BaseModel, ConfigDict, Field
 
 from kvpipe.pipeline.stage import BatchEntry, BatchStage, Emit
 
 from .batch_calls import StoreCallError, call_per_key
 from .chunks import chunk_hash_at, is_recurrent
+from .integrity import REFUSED, SEAL_SIZE, Integrity, Verdict, fingerprint, judge, seal_key
 from .keys import object_key
 from .model import KVCache, Shard, StoreGroup, StoreObject, spans
 from .object_status import DEADLINE_PASSED
 from .projection import storable_groups
 from .put import MAX_BUFFERS_PER_CALL, split_into_calls
-from .store import LoadingStore, describe
+from .seal import SealMemory, SealSlab
+from .store import Code, LoadingStore, describe
+
+log = structlog.get_logger(__name__)
+
+#: how many chunks' integrity failures are remembered as logged (each is logged once)
+LOGGED_CHUNKS = 4096
+
+_WHY = {
+    Verdict.CORRUPT: "its bytes are not those its seal describes (damaged or overwritten); removed",
+    Verdict.FOREIGN: (
+        "written by an engine of another configuration (dtype, layout, block size or revision) "
+        "under the same key; give each configuration its own cache_prefix"
+    ),
+    Verdict.UNSEALED: "it has no seal and integrity is 'required'",
+}
 
 
 @dataclass(frozen=True, slots=True)
@@ -62,6 +84,7 @@ class LoadParams(BaseModel):
     model_config = ConfigDict(extra="forbid")
 
     max_buffers_per_call: int = Field(MAX_BUFFERS_PER_CALL, gt=0)
+    integrity: Integrity = Integrity.VERIFY
 
 
 @runtime_checkable
@@ -194,6 +217,7 @@ class _Pending:
     request: LoadRequest
     failed_block_ids: set[int] = field(default_factory=set)
     loaded: int = 0
+    verdicts: Counter[Verdict] = field(default_factory=Counter)
     failures: list[str] = field(default_factory=list)
     rejected: str | None = None  # the request itself is invalid: nothing of it was sent
 
@@ -207,6 +231,8 @@ class _Pending:
         for _ in range(self.loaded):
             self.emit.count("loaded")
             self.emit.succeed()
+        for verdict, count in self.verdicts.items():
+            self.emit.count(f"integrity_{verdict.value}", count)
         for message in self.failures:
             self.emit.count("failed")
             self.emit.fail(message)
@@ -217,7 +243,8 @@ class LoadStage(BatchStage):
 
     Each loaded record counts ``loaded`` and succeeds; each failed one counts
     ``failed``, fails its job with the key and the reason, and adds its block id
-    to what the observer is told for that request.
+    to what the observer is told for that request. With ``integrity`` on, each
+    object read whole also counts ``integrity_<verdict>`` (:class:`~.integrity.Verdict`).
     """
 
     ports: ClassVar[tuple[str, ...]] = ()
@@ -232,10 +259,15 @@ class LoadStage(BatchStage):
         self._store = store
         self._observer = observer
         self._max_buffers = params.max_buffers_per_call
+        self._integrity = params.integrity
+        self._fingerprint = fingerprint(kv)
+        self._seals = SealMemory(store, params.max_buffers_per_call)
+        self._logged: OrderedDict[bytes, None] = OrderedDict()  # chunks whose failure was logged
 
     async def process_batch(self, batch: Sequence[BatchEntry[LoadRequest]]) -> None:
         pending = [_Pending(entry.emit, entry.item) for entry in batch]
         sendable: list[tuple[_Pending, LoadTarget]] = []
+        seal_buffers = 0 if self._integrity is Integrity.OFF else 1
         for holder in pending:
             try:
                 targets = load_targets(self._groups, self._shards, self._hash_block_size, holder.request)
@@ -246,11 +278,11 @@ class LoadStage(BatchStage):
             for target in targets:
                 if holder.emit.expired:  # its blocks are recomputed: a miss, not a late load
                     self._failed(holder, target, f"load {target.record.key}: {DEADLINE_PASSED}")
-                elif len(target.record.buffers) > self._max_buffers:
+                elif len(target.record.buffers) + seal_buffers > self._max_buffers:
                     self._failed(
                         holder,
                         target,
-                        f"load {target.record.key}: {len(target.record.buffers)} buffers exceed "
+                        f"load {target.record.key}: {len(target.record.buffers) + seal_buffers} buffers exceed "
                         f"max_buffers_per_call={self._max_buffers}; not sent",
                     )
                 else:
@@ -280,33 +312,110 @@ class LoadStage(BatchStage):
         for round_ in rounds:
             by_record = {id(target.record): (holder, target) for holder, target in round_.values()}
             records = [target.record for _, target in round_.values()]
-            for call in split_into_calls(records, self._max_buffers):
+            seal_buffers = 0 if self._integrity is Integrity.OFF else 1  # a seal is read beside each
+            for call in split_into_calls(records, self._max_buffers, seal_buffers):
                 calls.append([by_record[id(record)] for record in call])
         return calls
 
     async def _load(self, call: list[tuple[_Pending, LoadTarget]]) -> None:
-        """One store call; settle every record of it in its own job."""
+        """One store call (the objects and, with integrity on, their seals); settle every record in its job."""
         records = [target.record for _, target in call]
         keys = [record.key for record in records]
-        ptrs, sizes = zip(*(spans(record.buffers) for record in records), strict=True)
+        ptrs, sizes = (list(column) for column in zip(*(spans(record.buffers) for record in records), strict=True))
+        slab = None if self._integrity is Integrity.OFF else await self._seals.acquire(self)
         try:
-            results = await call_per_key(self, self._store.batch_get_into_multi_buffers, keys, ptrs, sizes)
-        except StoreCallError as error:
-            for holder, target in call:
-                self._failed(holder, target, f"load {target.record.key}: {error}")
-            return
-        for (holder, target), result in zip(call, results, strict=True):
+            if slab is not None:
+                for index, key in enumerate(list(keys)):
+                    keys.append(seal_key(key))
+                    ptrs.append([slab.address(index)])
+                    sizes.append([SEAL_SIZE])
+            try:
+                results = await call_per_key(self, self._store.batch_get_into_multi_buffers, keys, ptrs, sizes)
+            except StoreCallError as error:
+                for holder, target in call:
+                    self._failed(holder, target, f"load {target.record.key}: {error}")
+                return
+            verdicts: list[Verdict | str | None] = [None] * len(records)
+            if slab is not None:
+                verdicts = await self.run_blocking(self._judge_all, records, results, slab)
+        finally:
+            if slab is not None:
+                slab.release()
+        damaged: list[str] = []
+        for (holder, target), result, verdict in zip(call, results, verdicts, strict=False):
             expected = target.record.size
-            if result == expected:
-                holder.loaded += 1
-            elif result < 0:
-                self._failed(holder, target, f"load {target.record.key}: {describe(result)}")
+            if result != expected:
+                reason = describe(result) if result < 0 else f"read {result} bytes, the block holds {expected}"
+                self._failed(holder, target, f"load {target.record.key}: {reason}")
+                continue
+            if verdict is not None and not isinstance(verdict, Verdict):  # its seal was unreadable now
+                self._failed(holder, target, f"load {target.record.key}: its seal: {verdict}")
+                continue
+            if verdict is not None:
+                holder.verdicts[verdict] += 1
+                if verdict in REFUSED:
+                    self._refused(holder, target, verdict)
+                    if verdict is Verdict.CORRUPT:
+                        damaged += [target.record.key, seal_key(target.record.key)]
+                    continue
+            holder.loaded += 1
+        if damaged:
+            try:  # forced: every lookup leases a hot chunk's objects
+                await call_per_key(self, self._remove_each, damaged)
+            except StoreCallError as error:
+                log.warning("removing damaged objects failed", keys=damaged, error=str(error))
+
+    def _judge_all(
+        self, records: Sequence[StoreObject], results: Sequence[int], slab: SealSlab
+    ) -> list[Verdict | str | None]:
+        """Each object's verdict, in the worker thread.
+
+        None where its bytes were not read whole; the read's error where its seal
+        could not be read (a failed transfer says nothing of the bytes).
+        """
+        verdicts: list[Verdict | str | None] = []
+        count = len(records)
+        for index, record in enumerate(records):
+            seal_result = results[count + index]
+            if results[index] != record.size:
+                verdicts.append(None)
+                continue
+            if seal_result == SEAL_SIZE:
+                seal_bytes: bytes | None = slab.read(index)
+            elif seal_result == Code.NOT_FOUND:
+                seal_bytes = None
+            elif seal_result == Code.INVALID_PARAMS:  # a seal object of another size
+                verdicts.append(Verdict.CORRUPT)
+                continue
             else:
-                self._failed(
-                    holder,
-                    target,
-                    f"load {target.record.key}: read {result} bytes, the block holds {expected}",
-                )
+                verdicts.append(describe(seal_result))
+                continue
+            addresses, sizes = spans(record.buffers)
+            verdicts.append(judge(seal_bytes, addresses, sizes, self._fingerprint, self._integrity))
+        return verdicts
+
+    def _refused(self, holder: _Pending, target: LoadTarget, verdict: Verdict) -> None:
+        """A block whose bytes must not be used: failed, and the chunk's first such failure logged."""
+        record = target.record
+        self._failed(holder, target, f"load {record.key}: integrity: {verdict.value}")
+        if record.chunk_hash in self._logged:
+            return
+        self._logged[record.chunk_hash] = None
+        if len(self._logged) > LOGGED_CHUNKS:
+            self._logged.popitem(last=False)
+        log.warning(
+            "integrity check refused a stored object",
+            key=record.key,
+            verdict=verdict.value,
+            why=_WHY[verdict],
+        )
+
+    def _remove_each(self, keys: Sequence[str]) -> list[int]:
+        return [self._store.remove(key, force=True) for key in keys]
+
+    async def stop(self) -> None:
+        if self._seals.allocated:
+            await self.run_blocking(self._seals.close)
 
     def _failed(self, holder: _Pending, target: LoadTarget, message: str) -> None:
         holder.failures.append(message)

@@ -13,6 +13,7 @@ from typing import Any
 
 from kvpipe.pipeline import Graph, build_graph
 
+from .integrity import Integrity
 from .load import LoadObserver
 from .model import KVCache
 from .put import MAX_BUFFERS_PER_CALL
@@ -25,7 +26,7 @@ DEFAULT_LOAD_PIPELINE: dict[str, Any] = {
             "name": "load",
             "type": "load",
             "batch": {"max_items": 64, "max_wait_ms": 0},
-            "params": {"max_buffers_per_call": MAX_BUFFERS_PER_CALL},
+            "params": {"max_buffers_per_call": MAX_BUFFERS_PER_CALL, "integrity": "verify"},
         },
     ]
 }
@@ -37,8 +38,13 @@ def default_load_graph(
     load_observer: LoadObserver | None = None,
     *,
     max_buffers_per_call: int = MAX_BUFFERS_PER_CALL,
+    integrity: Integrity | str = Integrity.VERIFY,
 ) -> Graph:
-    """The default load graph; ``load_observer`` is told each request's failed block ids."""
+    """The default load graph; ``load_observer`` is told each request's failed block ids.
+
+    ``integrity`` is how loads check seals (:class:`~.integrity.Integrity`).
+    """
     document = copy.deepcopy(DEFAULT_LOAD_PIPELINE)
     document["stages"][0]["params"]["max_buffers_per_call"] = max_buffers_per_call
+    document["stages"][0]["params"]["integrity"] = Integrity(integrity).value
     return build_graph(document, KV_STAGES, {"kv": kv, "store": store, "load_observer": load_observer})

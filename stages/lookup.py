@@ -32,6 +32,7 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 
 from .chunks import chunk_hash_at, is_recurrent
+from .integrity import seal_key
 from .keys import object_key
 from .model import Shard, StoreGroup
 
@@ -85,6 +86,7 @@ def _ends(
     hash_block_size: int,
     request: LookupRequest,
     grain: int,
+    sealed: bool,
 ) -> list[tuple[StoreGroup, dict[int, tuple[str, ...] | None]]]:
     """Per group, the token ends that matter up to the limit and their keys (None: the engine's own).
 
@@ -106,7 +108,8 @@ def _ends(
                 keys[end] = None  # the engine has it already
                 continue
             chunk_hash = chunk_hash_at(request.block_hashes, end, hash_block_size)
-            keys[end] = tuple(object_key(shard.namespace, group.store_group, chunk_hash) for shard in shards)
+            objects = [object_key(shard.namespace, group.store_group, chunk_hash) for shard in shards]
+            keys[end] = tuple(objects + [seal_key(key) for key in objects] if sealed else objects)
         per_group.append((group, keys))
     return per_group
 
@@ -117,12 +120,17 @@ def lookup_keys(
     hash_block_size: int,
     request: LookupRequest,
     alignment: int | None = None,
+    sealed: bool = False,
 ) -> tuple[str, ...]:
-    """The keys whose existence decides ``request``'s hit, in prefix order, each once."""
+    """The keys whose existence decides ``request``'s hit, in prefix order, each once.
+
+    ``sealed`` (``integrity: required``): each object's seal too, so a chunk
+    without seals is a miss rather than a load that is refused.
+    """
     grain = _grain(groups, alignment)
     ends = [
         (end, index, key)
-        for index, (_, keys) in enumerate(_ends(groups, shards, hash_block_size, request, grain))
+        for index, (_, keys) in enumerate(_ends(groups, shards, hash_block_size, request, grain, sealed))
         for end, chunk in keys.items()
         if chunk is not None
         for key in chunk
@@ -137,6 +145,7 @@ def longest_stored_prefix(
     request: LookupRequest,
     exists: Mapping[str, bool],
     alignment: int | None = None,
+    sealed: bool = False,
 ) -> int:
     """The tokens, from 0, that the store and the engine together hold for every group and shard.
 
@@ -147,11 +156,12 @@ def longest_stored_prefix(
     group, every chunk up to its last block end within ``L`` and, when ``L``
     ends inside a block, the tail stored at ``L``; of every recurrent group, the
     state at ``L``. The hit is the longest such ``L``; it never reaches ``num_tokens``.
+    ``sealed``: an object counts only with its seal (as :func:`lookup_keys` asks).
     """
     grain = _grain(groups, alignment)
     limit = _hit_limit(hash_block_size, request, grain)
     present: list[tuple[StoreGroup, dict[int, bool], int]] = []
-    for group, keys in _ends(groups, shards, hash_block_size, request, grain):
+    for group, keys in _ends(groups, shards, hash_block_size, request, grain, sealed):
         stored = {
             end: chunk is None or all(exists.get(key, False) for key in chunk) for end, chunk in keys.items()
         }

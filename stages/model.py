@@ -167,6 +167,9 @@ class KVCache:
     hash_block_size: int
     shards: tuple[Shard, ...]
     hit_alignment: int | None = None
+    #: what else decides the objects' bytes, as the engine knows it (dtypes, per-layer
+    #: block shapes, layout, revision): (name, text) pairs, part of the seals' fingerprint
+    byte_facts: tuple[tuple[str, str], ...] = ()
 
 
 @dataclass(frozen=True, slots=True)

@@ -23,7 +23,9 @@ from kvpipe.pipeline.stage import BatchEntry, BatchStage, Emit
 from .backoff import Backoff
 from .batch_calls import StoreCallError, call_per_key
 from .model import Records, StoreObject
+from .integrity import SEAL_SIZE, seal_key, seal_of
 from .object_status import DEADLINE_PASSED, ObjectObserver, ObjectReporter
+from .seal import SealMemory, SealSlab
 from .store import Code, SavingStore, describe
 from .throttle import DEFAULT_THROTTLE, SlowStoreThrottle, ThrottleParams
 
@@ -41,6 +43,8 @@ class PutParams(BaseModel):
     backoff_initial_s: float = Field(0.01, ge=0)
     backoff_max_s: float = Field(0.2, ge=0)
     throttle: ThrottleParams | None = DEFAULT_THROTTLE  # None: never skip a put
+    #: store each object's seal beside it (:mod:`.integrity`); false: ``integrity: off``
+    seal: bool = True
 
     @model_validator(mode="after")
     def _backoff_grows(self) -> PutParams:
@@ -52,8 +56,13 @@ class PutParams(BaseModel):
         return self
 
 
-def split_into_calls(records: Sequence[StoreObject], max_buffers: int) -> list[list[StoreObject]]:
+def split_into_calls(
+    records: Sequence[StoreObject], max_buffers: int, extra_per_record: int = 0
+) -> list[list[StoreObject]]:
     """Runs of ``records`` whose buffer counts each sum to at most ``max_buffers``.
+
+    A record counts its :attr:`~.model.StoreObject.transfer_count` plus
+    ``extra_per_record`` (a load's seal, read in the same call).
 
     The objects of one chunk (one lifecycle group: every store group and shard of
     the same prefix) go into the same call whenever they fit the budget together,
@@ -61,7 +70,10 @@ def split_into_calls(records: Sequence[StoreObject], max_buffers: int) -> list[l
     refused. Chunks keep the order of their first record. Every record must fit
     the budget on its own (the caller fails those that don't).
     """
-    if sum(record.transfer_count for record in records) <= max_buffers:
+    def cost(record: StoreObject) -> int:
+        return record.transfer_count + extra_per_record
+
+    if sum(map(cost, records)) <= max_buffers:
         return [list(records)] if records else []  # one call: every chunk is whole in it
     chunks: dict[bytes, list[StoreObject]] = {}
     for record in records:
@@ -79,12 +91,12 @@ def split_into_calls(records: Sequence[StoreObject], max_buffers: int) -> list[l
         used += buffers
 
     for unit in chunks.values():
-        unit_buffers = sum(record.transfer_count for record in unit)
+        unit_buffers = sum(map(cost, unit))
         if unit_buffers <= max_buffers:
             add(unit, unit_buffers)
         else:  # too big to keep together: fill calls record by record
             for record in unit:
-                add([record], record.transfer_count)
+                add([record], cost(record))
     if current:
         calls.append(current)
     return calls
@@ -102,13 +114,22 @@ class PutStage(BatchStage):
         store: SavingStore,
         observer: ObjectObserver | None = None,
         cpu_wait: Callable[[], float] = cpu_wait_seconds,
+        fingerprint: bytes | None = None,
     ) -> None:
+        """``fingerprint``: the cache's (:func:`~.integrity.fingerprint`), for the seals; None: no seals."""
         self._store = store
         self._cpu_wait = cpu_wait
         self._reporter = ObjectReporter(observer)
         self._max_buffers = params.max_buffers_per_call
         self._backoff = Backoff(params.backoff_initial_s, params.backoff_max_s)
+        self._fingerprint = fingerprint
+        self._seals = SealMemory(store, params.max_buffers_per_call)  # registered at the first sealed put
         self.throttle = None if params.throttle is None else SlowStoreThrottle(params.throttle)
+
+    @property
+    def _seal_buffers(self) -> int:
+        """The buffers a record's seal adds to a call."""
+        return 0 if self._fingerprint is None else 1
 
     async def process_batch(self, batch: Sequence[BatchEntry[Records]]) -> None:
         try:
@@ -124,7 +145,7 @@ class PutStage(BatchStage):
         for entry in batch:
             emit = entry.emit
             for record in entry.item:
-                if (count := record.transfer_count) > self._max_buffers:
+                if (count := record.transfer_count + self._seal_buffers) > self._max_buffers:
                     self._reporter.failed(
                         emit,
                         record,
@@ -137,7 +158,7 @@ class PutStage(BatchStage):
                     sharing.append((emit, record))
         # requests sharing a prefix share keys: each key is put once
         first_of_each_key = [holding[0][1] for holding in holders.values()]
-        for call in split_into_calls(first_of_each_key, self._max_buffers):
+        for call in split_into_calls(first_of_each_key, self._max_buffers, self._seal_buffers):
             # Checked per call: the calls before it may have outlasted a job's deadline,
             # or shown the store to be slow.
             call = self._fail_expired(call, holders)
@@ -147,12 +168,14 @@ class PutStage(BatchStage):
                 self._shed(call, holders)
                 continue
             try:
-                codes = await self._put(call)
+                codes, unsealed = await self._put(call)
             except StoreCallError as error:
                 for record in call:
                     for emit, held in holders[record.key]:
                         self._reporter.failed(emit, held, f"put {held.key}: {error}")
                 continue
+            for key in unsealed:  # stored, but a load will find it unverified
+                holders[key][0][0].count("unsealed")
             rolled_back = await self._remove_torn_chunks(call, codes)
             stored: dict[int, tuple[Emit, list[StoreObject]]] = {}  # per job, counted at once
             for record, code in zip(call, codes, strict=True):
@@ -201,39 +224,92 @@ class PutStage(BatchStage):
         for emit, records in by_job.values():
             self._reporter.all_throttled(emit, records)
 
-    async def _put(self, call: Sequence[StoreObject]) -> list[int]:
-        """One store call for ``call``'s records, after any back-off; per-record codes."""
+    async def _put(self, call: Sequence[StoreObject]) -> tuple[list[int], set[str]]:
+        """One store call for ``call``'s records and their seals, after any back-off.
+
+        Returns per-record codes, and the keys of records stored whose seal was refused.
+        Each seal goes right after its object: a put of a key that exists keeps the
+        first value and still answers 0, so two writers racing on one chunk can leave
+        one's object beside the other's seal; adjacent keys keep that window as small
+        as a call allows, and a load that meets such a pair removes it as damaged (a
+        recompute, never a wrong byte).
+        """
         await self._backoff.wait()
+        slab = None if self._fingerprint is None else await self._seals.acquire(self)
+        try:
+            keys: list[str] = []
+            ptrs: list[Sequence[int]] = []
+            sizes: list[Sequence[int]] = []
+            group_ids: list[str] = []
+            for index, record in enumerate(call):
+                addresses, lengths = record.transfer_spans()
+                keys.append(record.key)
+                ptrs.append(addresses)
+                sizes.append(lengths)
+                group_ids.append(record.group_id or "")
+                if slab is not None:
+                    keys.append(seal_key(record.key))
+                    ptrs.append([slab.address(index)])
+                    sizes.append([SEAL_SIZE])
+                    group_ids.append(record.group_id or "")
+            codes = await self._timed_call(keys, ptrs, sizes, group_ids, slab)
+        finally:
+            if slab is not None:
+                slab.release()
+        self._backoff.record(pressured=Code.NO_SPACE in codes)
+        if slab is None:
+            return codes, set()
+        data_codes, seal_codes = codes[0::2], codes[1::2]
+        unsealed = {
+            record.key
+            for record, code, sealed in zip(call, data_codes, seal_codes, strict=True)
+            if code == Code.OK and sealed != Code.OK
+        }
+        return data_codes, unsealed
+
+    async def _timed_call(
+        self,
+        keys: list[str],
+        ptrs: list[Sequence[int]],
+        sizes: list[Sequence[int]],
+        group_ids: list[str],
+        slab: SealSlab | None,
+    ) -> list[int]:
+        """The put call itself (group ids where the store takes them); the throttle learns its time."""
         config = self._store.new_replicate_config()  # fresh per call: overlapping puts must not share one
-        if self._store.supports_group_ids and any(record.group_id for record in call):
-            config.group_ids = [record.group_id or "" for record in call]
-        keys = [record.key for record in call]
-        ptrs, sizes = zip(*(record.transfer_spans() for record in call), strict=True)
+        if self._store.supports_group_ids and any(group_ids):
+            config.group_ids = group_ids
         spent: list[float] = []
         try:
-            timed_put = functools.partial(self._timed_put, spent)
-            codes = await call_per_key(self, timed_put, keys, ptrs, sizes, config)
+            timed_put = functools.partial(self._timed_put, spent, slab)
+            return await call_per_key(self, timed_put, keys, ptrs, sizes, config)
         finally:
             if self.throttle is not None and spent:
                 self.throttle.record(spent[0], sum(map(sum, sizes)))
-        self._backoff.record(pressured=Code.NO_SPACE in codes)
-        return codes
 
     def _timed_put(
         self,
         spent: list[float],
+        slab: SealSlab | None,
         keys: Sequence[str],
         ptrs: Sequence[Sequence[int]],
         sizes: Sequence[Sequence[int]],
         config: Any,
     ) -> Sequence[int]:
-        """The store's put, in the worker thread; appends to ``spent`` the seconds the store took.
+        """Seal the objects (with ``slab``, every other key is a seal), put; append the store's seconds.
 
-        That is the call's time less what this thread waited for a CPU: saves run
-        nicer than the engine (:mod:`kvpipe.pipeline.priority`), so on a core the
-        engine keeps busy a 20 ms put can take 300 ms of wall time, and a throttle
+        Sealing here, in the worker thread that makes the call, reads the very bytes
+        the put sends (a staging slot, or the engine's blocks) and costs no hop of its
+        own. The store's time is the call's less what this thread waited for a CPU:
+        saves run nicer than the engine (:mod:`kvpipe.pipeline.priority`), so on a core
+        the engine keeps busy a 20 ms put can take 300 ms of wall time, and a throttle
         fed wall time would shed saves while the store is fast.
         """
+        if slab is not None:
+            fingerprint_ = self._fingerprint
+            assert fingerprint_ is not None
+            for index in range(len(keys) // 2):
+                slab.write(index, seal_of(ptrs[2 * index], sizes[2 * index], fingerprint_))
         started, waited = time.monotonic(), self._cpu_wait()
         try:
             return self._store.batch_put_from_multi_buffers(keys, ptrs, sizes, config)
@@ -268,6 +344,10 @@ class PutStage(BatchStage):
         except StoreCallError:
             return set()  # they stay stored: reported as put, the chunk partial
         return {key for key, result in zip(torn, results, strict=True) if result == Code.OK}
+
+    async def stop(self) -> None:
+        if self._seals.allocated:
+            await self.run_blocking(self._seals.close)
 
     def _remove_each(self, keys: Sequence[str]) -> list[int]:
         # Forced: a lookup's batch_is_exist leases what it finds, so a hot chunk's

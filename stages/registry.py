@@ -20,6 +20,7 @@ from .collect import FullChunksStage, TailStage
 from .filter import FilterStage
 from .gather import GatherParams, GatherStage
 from .group_ids import GroupIdsParams, GroupIdsStage
+from .integrity import fingerprint
 from .load import LoadParams, LoadStage
 from .model import KVCache
 from .project import ProjectStage
@@ -83,7 +84,8 @@ def _build_gather(params: GatherParams, resources: Resources) -> GatherStage:
 
 @KV_STAGES.register("put", PutParams)
 def _build_put(params: PutParams, resources: Resources) -> PutStage:
-    return PutStage(params, _store(resources), resources.get("observer"))
+    seal_with = fingerprint(_kv(resources)) if params.seal else None
+    return PutStage(params, _store(resources), resources.get("observer"), fingerprint=seal_with)
 
 
 @KV_STAGES.register("load", LoadParams)

@@ -3,7 +3,7 @@
 - :class:`SavingStore`: what the save stages need (existence checks, multi-buffer
   puts, removal of a torn chunk's objects, staging registration, capabilities);
 - :class:`LoadingStore`: what lookups and loads need (existence checks, reads into
-  the engine's buffers).
+  the engine's buffers, removal of an object found damaged, seal memory registration).
 
 The stages speak to a store through these structural protocols only; the backend
 contract, ``kvpipe.connector.store.protocol.Store``, is their union plus what only a
@@ -116,4 +116,16 @@ class LoadingStore(Protocol):
         self, keys: Sequence[str], ptrs: Sequence[Sequence[int]], sizes: Sequence[Sequence[int]]
     ) -> list[int]:
         """Read each object into its buffers. Per key: bytes read or negative."""
+        ...
+
+    def remove(self, key: str, *, force: bool = False) -> int:
+        """Delete one object (a damaged one a load found): 0 or negative, as :meth:`SavingStore.remove`."""
+        ...
+
+    def register_buffer(self, addr: int, nbytes: int) -> int:
+        """Make ``nbytes`` at ``addr`` usable by gets (seal memory). 0 or negative."""
+        ...
+
+    def unregister_buffer(self, addr: int) -> int:
+        """Forget a registration made at ``addr``. 0, or -600 if there is none."""
         ...

@@ -118,6 +118,10 @@ class BenchCache:
         return chunk_records(chunks, self.kv.shards, request.request_id)
 
 
+#: the save pipeline without seals (``integrity: off``), beside the default one: what seals cost
+UNSEALED = "pipeline, integrity off"
+
+
 class PipelineContender:
     """The default save pipeline on the sync bridge, started once and fed round after round.
 
@@ -127,8 +131,10 @@ class PipelineContender:
     round would store less and read faster).
     """
 
-    def __init__(self, cache: BenchCache, store: Store, *, gather: str = "auto") -> None:
-        graph = default_save_graph(cache.kv, store, gather=gather, throttle=None)
+    def __init__(
+        self, cache: BenchCache, store: Store, *, gather: str = "auto", integrity: str = "verify"
+    ) -> None:
+        graph = default_save_graph(cache.kv, store, gather=gather, throttle=None, integrity=integrity)
         self._bridge = SyncPipeline(graph, queue_capacity=16384, keep_completed=False)
 
     def __enter__(self) -> PipelineContender:

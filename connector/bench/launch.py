@@ -25,6 +25,7 @@ from typing import Any, Protocol
 
 from kvpipe.connector.store.mooncake import MooncakeSettings, MooncakeStore
 from kvpipe.connector.store.mooncake.master import MasterEndpoints
+from kvpipe.stages.keys import is_seal_key
 
 
 class StoreAddress(Protocol):
@@ -191,11 +192,16 @@ def segment_holder(endpoints: MasterEndpoints, global_segment_size: int | str = 
     )
 
 
-def stored_keys(endpoints: MasterEndpoints) -> list[str]:
-    """Every key the master holds (its admin HTTP, as ``kvpipe inspect`` reads it)."""
+def stored_keys(endpoints: MasterEndpoints, *, seals: bool = False) -> list[str]:
+    """The keys the master holds (its admin HTTP, as ``kvpipe inspect`` reads it).
+
+    Seals (one beside each object kvpipe puts) are left out unless ``seals``: what
+    callers count is objects, whichever connector wrote them.
+    """
     from kvpipe.connector.cli.inspect import AdminClient
 
-    return AdminClient(endpoints.host, endpoints.metrics_port).keys()
+    keys = AdminClient(endpoints.host, endpoints.metrics_port).keys()
+    return keys if seals else [key for key in keys if not is_seal_key(key)]
 
 
 def make_llm(
@@ -204,6 +210,7 @@ def make_llm(
     *,
     max_model_len: int = 1024,
     kv_cache_memory_bytes: int = 64 << 20,
+    dtype: str = "bfloat16",
     **engine_args: Any,
 ) -> Any:
     """An engine on ``model`` with dummy weights (fixed seed: greedy outputs repeat across engines).
@@ -220,7 +227,7 @@ def make_llm(
         skip_tokenizer_init=True,
         enforce_eager=True,
         max_model_len=max_model_len,
-        dtype="bfloat16",
+        dtype=dtype,
         kv_cache_memory_bytes=kv_cache_memory_bytes,
         kv_transfer_config=KVTransferConfig(**transfer) if transfer else None,
         disable_log_stats=False,

@@ -8,14 +8,15 @@ Contenders, alternating rounds:
   objects, ``batch_is_exist``, drop the stored ones, put the rest;
 - ``raw batched``: the same logic over 64 requests per store call;
 - ``pipeline``: the default save graph through the sync bridge, one submit per
-  request, as an engine's steps would make them.
-Batching alone is worth several times here; targets: pipeline >= 5x sequential
-and >= 0.8x raw batched.
+  request, as an engine's steps would make them, each object sealed;
+- ``pipeline, integrity off``: the same without seals.
+Batching alone is worth several times here; targets: pipeline >= 5x sequential,
+>= 0.8x raw batched, and >= 0.95x itself without seals.
 """
 
 from __future__ import annotations
 
-from .kvbench import BenchCache, MiB, PipelineContender, clear, open_local_store, put_records
+from .kvbench import BenchCache, MiB, UNSEALED, PipelineContender, clear, open_local_store, put_records
 from .result import BenchOptions, Target, WorkloadResult, contest_result
 from .timing import alternate, seconds
 
@@ -34,6 +35,7 @@ def run(options: BenchOptions) -> WorkloadResult:
         open_local_store(total_objects * cache.object_bytes + 256 * MiB) as store,
         cache.registered(store),
         PipelineContender(cache, store) as ours,
+        PipelineContender(cache, store, integrity="off") as unsealed,
     ):
         requests = cache.requests(chunk_counts, salt="small")
         stored_half = [record for request in requests[::2] for record in cache.records_of(request)]
@@ -61,8 +63,18 @@ def run(options: BenchOptions) -> WorkloadResult:
             prepare()
             return ours.round(requests)
 
+        def pipeline_unsealed() -> float:
+            prepare()
+            return unsealed.round(requests)
+
         medians = alternate(
-            {"sequential": sequential, "raw batched": raw_batched, "pipeline": pipeline}, repeats
+            {
+                "sequential": sequential,
+                "raw batched": raw_batched,
+                "pipeline": pipeline,
+                UNSEALED: pipeline_unsealed,
+            },
+            repeats,
         )
     sequential_s, batched_s, pipeline_s = medians["sequential"], medians["raw batched"], medians["pipeline"]
     return contest_result(
@@ -73,10 +85,13 @@ def run(options: BenchOptions) -> WorkloadResult:
         ),
         medians=medians,
         rate=("requests/s", count),
-        baselines=["sequential", "raw batched"],
+        baselines=["sequential", "raw batched", UNSEALED],
         targets=[
             Target(name="pipeline / sequential", measured=sequential_s / pipeline_s, goal=5),
             Target(name="pipeline / raw batched", measured=batched_s / pipeline_s, goal=0.8),
+            Target(
+                name=f"pipeline / {UNSEALED} (what seals cost)", measured=medians[UNSEALED] / pipeline_s, goal=0.95
+            ),
         ],
         options=options,
         parameters={"requests": count, "objects": total_objects, "repeats": repeats},

@@ -8,8 +8,11 @@ an emptied store, keys and buffers precomputed for the raw loops:
 - ``raw single-buffer``: the same bytes already contiguous, ``batch_put_from``:
   one transfer per object, the limit for this object size;
 - ``pipeline``: the default save graph through the sync bridge; ``auto`` gathers
-  each object into one staging buffer before the put.
-Targets: pipeline >= 5x raw multi-buffer and >= 0.8x raw single-buffer.
+  each object into one staging buffer before the put, and each object is sealed
+  (its checksum stored beside it, :mod:`kvpipe.stages.integrity`);
+- ``pipeline, integrity off``: the same without seals.
+Targets: pipeline >= 5x raw multi-buffer, >= 0.8x raw single-buffer, and >= 0.95x
+itself without seals.
 """
 
 from __future__ import annotations
@@ -19,7 +22,7 @@ import warnings
 from kvpipe.connector.store.mooncake import MooncakeSettings, MooncakeStore
 from kvpipe.connector.store.mooncake.master import LocalMaster
 
-from .kvbench import BenchCache, MiB, PipelineContender, clear, put_contiguous, put_records
+from .kvbench import BenchCache, MiB, UNSEALED, PipelineContender, clear, put_contiguous, put_records
 from .peer import remote_segment
 from .result import BenchOptions, Target, WorkloadResult, contest_result
 from .timing import alternate, seconds
@@ -50,6 +53,7 @@ def run(options: BenchOptions) -> WorkloadResult:
             MooncakeStore.open(settings) as store,
             cache.registered(store),
             PipelineContender(cache, store) as ours,
+            PipelineContender(cache, store, integrity="off") as unsealed,
         ):
             if store.register_buffer(contiguous.data_ptr(), contiguous.nbytes) != 0:
                 raise RuntimeError("could not register the contiguous copy")
@@ -72,8 +76,17 @@ def run(options: BenchOptions) -> WorkloadResult:
                 clear(store)
                 return ours.round(requests)
 
+            def pipeline_unsealed() -> float:
+                clear(store)
+                return unsealed.round(requests)
+
             medians = alternate(
-                {"raw multi-buffer": raw_multi, "raw single-buffer": raw_single, "pipeline": pipeline},
+                {
+                    "raw multi-buffer": raw_multi,
+                    "raw single-buffer": raw_single,
+                    "pipeline": pipeline,
+                    UNSEALED: pipeline_unsealed,
+                },
                 repeats,
             )
             store.unregister_buffer(contiguous.data_ptr())
@@ -87,10 +100,11 @@ def run(options: BenchOptions) -> WorkloadResult:
         ),
         medians=medians,
         rate=("GB/s", total / 1e9),
-        baselines=["raw multi-buffer", "raw single-buffer"],
+        baselines=["raw multi-buffer", "raw single-buffer", UNSEALED],
         targets=[
             Target(name="pipeline / raw multi-buffer", measured=multi / piped, goal=5),
             Target(name="pipeline / raw single-buffer", measured=single / piped, goal=0.8),
+            Target(name=f"pipeline / {UNSEALED} (what seals cost)", measured=medians[UNSEALED] / piped, goal=0.95),
         ],
         options=options,
         parameters={"bytes_per_round": total, "repeats": repeats},

@@ -8,7 +8,8 @@ what a reload is held to, ``reload_vs_warm``). Contenders:
 
 - no connector: pass 2 recomputes, helped only by vLLM's own prefix cache within it;
 - vLLM's ``MooncakeStoreConnector``;
-- kvpipe's ``KVPipeConnector``.
+- kvpipe's ``KVPipeConnector`` (every object sealed, every load verified);
+- kvpipe with ``integrity: off``: what seals cost, side by side.
 
 Each engine is a process of its own (:mod:`.vllm_engine`), all up at once, taking
 turns pass by pass (the order rotates at every turn) so the machine's slow moments
@@ -65,8 +66,14 @@ from .result import BenchOptions, Target, WorkloadResult
 from .vllm_engine import EngineProcess
 
 NONE, VLLM, KVPIPE = "no connector", "vLLM MooncakeStoreConnector", "kvpipe"
-CONTENDERS = (NONE, VLLM, KVPIPE)
-BAR_LABELS = {NONE: "no connector", VLLM: "vLLM's connector", KVPIPE: "kvpipe"}
+KVPIPE_UNSEALED = "kvpipe, integrity off"
+CONTENDERS = (NONE, VLLM, KVPIPE, KVPIPE_UNSEALED)
+BAR_LABELS = {
+    NONE: "no connector",
+    VLLM: "vLLM's connector",
+    KVPIPE: "kvpipe",
+    KVPIPE_UNSEALED: "kvpipe, no seals",
+}
 VOCAB = 1024
 BLOCK = 128  # vLLM's default block size on CPU: tokens per stored chunk
 
@@ -131,7 +138,7 @@ BIGGER = Model(
 
 FULL = Workload(system_prompts=8, system_tokens=1024, requests=32, user_tokens=(64, 192), max_tokens=4)
 QUICK = Workload(system_prompts=2, system_tokens=512, requests=8, user_tokens=(32, 96), max_tokens=4)
-#: rounds on the bigger model at most: one costs ~20 s of compute for the three contenders
+#: rounds on the bigger model at most: one costs ~25 s of compute for the four contenders
 BIGGER_ROUNDS = 4
 #: passes 2 per round on the tiny model (~0.1-0.2 s each)
 TINY_PASS2_REPEATS = 3
@@ -294,11 +301,13 @@ def _measure(
     }
     with ExitStack() as stack:
         kvpipe_store = stack.enter_context(_store(model.segment_size))
+        unsealed_store = stack.enter_context(_store(model.segment_size))
         vllm_store = stack.enter_context(_store(model.segment_size))
         config_path = scratch / f"mooncake-{model.label}.json"
         config_path.write_text(json.dumps(vllm_mooncake_config(vllm_store.endpoints)))
         in_process = {"VLLM_ENABLE_V1_MULTIPROCESSING": "0"}
         kvpipe = kvpipe_transfer({"store": store_section(kvpipe_store.endpoints)})
+        unsealed = kvpipe_transfer({"store": store_section(unsealed_store.endpoints), "integrity": "off"})
         specs = {
             NONE: ({**base, "transfer": None}, in_process),
             VLLM: (
@@ -306,12 +315,13 @@ def _measure(
                 {**in_process, **vllm_mooncake_env(config_path)},
             ),
             KVPIPE: ({**base, "transfer": kvpipe}, in_process),
+            KVPIPE_UNSEALED: ({**base, "transfer": unsealed}, in_process),
         }
         # each in the stack as soon as it runs: an error or a signal stops every one started
         engines = {name: stack.enter_context(EngineProcess(spec, env)) for name, (spec, env) in specs.items()}
         for engine in engines.values():
             engine.wait_ready()
-        stores = [kvpipe_store, vllm_store]
+        stores = [kvpipe_store, unsealed_store, vllm_store]
         measured = {name: Passes() for name in CONTENDERS}
         idle = IdleCpu()
         schedule = [(workload.prompts(seed), plan.pass2_repeats, True) for seed in range(1, plan.rounds + 1)]
@@ -402,7 +412,8 @@ def _timed(
 
 def _turn(index: int) -> tuple[str, ...]:
     """The contenders in the order of turn ``index``: each goes first as often as the others."""
-    return CONTENDERS[index % 3 :] + CONTENDERS[: index % 3]
+    turn = index % len(CONTENDERS)
+    return CONTENDERS[turn:] + CONTENDERS[:turn]
 
 
 def _reset(engine: EngineProcess) -> None:
@@ -531,4 +542,12 @@ def _targets(
                 op="<=",
             )
         )
+    targets.append(
+        Target(
+            name=f"{model.label}: kvpipe pass 2 (verified loads) / kvpipe's with integrity off",
+            measured=_paired_ratio(measured[KVPIPE], measured[KVPIPE_UNSEALED]),
+            goal=1.05,
+            op="<=",
+        )
+    )
     return targets

@@ -7,15 +7,15 @@ in pieces; this is the same figure on a real deployment, for an operator asking
 "is my cache whole, how big is it, where does it live, is the store shared?".
 
 Where it comes from: the master's admin HTTP server only (``--metrics_port``,
-9003 by default), never a Mooncake client. On the master this was written
-against (mooncake-transfer-engine-non-cuda 0.3.13.post1) it serves, among
+9003 by default), never a Mooncake client (but to verify, below). On the master
+this was written against (mooncake-transfer-engine-non-cuda 0.3.13.post1) it serves, among
 others, ``/get_all_keys`` (every key, one a line), ``/batch_query_keys?keys=a,b``
 (per key its replicas: ``size_``, ``transport_endpoint_``), ``/get_segments_detail``
 (per mounted segment: name, ``te_endpoint``, capacity, used bytes) and ``/role``.
 Unlike a client's ``batch_get_replica_desc``, ``get_size`` or ``batch_is_exist``
 (and the admin ``/query_key``), ``/batch_query_keys`` grants no read lease
 (measured: a ``remove`` right after it succeeds, after the others it is -706),
-so inspecting a store does not change what it evicts next. Keys are asked for
+so inspecting a store (without verifying) does not change what it evicts next. Keys are asked for
 in batches of :data:`QUERY_BATCH`, so thousands of keys cost a few requests.
 
 The figures (:class:`InspectReport`, whose :meth:`~InspectReport.as_json` field
@@ -25,9 +25,13 @@ names are stable):
   format, :func:`~kvpipe.stages.keys.parse_object_key`, with this model part and
   cache prefix), their bytes (each counted once), and their replicas (with
   ``replicas: 2`` an object counts twice here).
+- ``seals``: the seals (:mod:`~kvpipe.stages.integrity`, key = object key +
+  ``@kvpipe-seal``) of the model's objects still stored, and their bytes. They
+  count in no other figure: not as objects, bytes, chunks or other keys.
 - ``other_keys``: every other key in the store; ``other_models`` those in the
-  key format (model and cache prefix, with counts), ``unparsed_keys`` the rest.
-  A store shared with other models or tools shows here.
+  key format (model and cache prefix, with counts; a seal counts with the model
+  of its object), ``unparsed_keys`` the rest. A store shared with other models
+  or tools shows here.
 - ``shards``: the shards a chunk is expected to have, and where that comes from:
   ``seen`` (the union of (store group, tp/pcp/dcp/pp rank) of the model's keys),
   ``flags`` (``store_groups``/``tp_ranks`` given) or ``run`` (a ``kvpipe run``
@@ -53,29 +57,55 @@ names are stable):
   bytes too), the segment's used and total bytes (every model), and whether its
   transfer endpoint accepts a TCP connection now (a node that died keeps its
   objects listed for the master's client TTL, ~10 s, though none can be read).
+- ``verify`` (``None`` unless asked, :class:`Scrub`): the scrubber. A Mooncake
+  client that mounts no segment reads the model's objects (all, or a random
+  sample), each with its seal in the same ``batch_get_into_multi_buffers`` call,
+  and judges the bytes against the seal (:func:`~kvpipe.stages.integrity.judge`,
+  no fingerprint: any configuration's seal is checked). Each object is ``ok``
+  (its seal vouches for it), ``corrupt`` (its bytes, size or seal are not what
+  its writer sealed), ``unverified`` (no seal: vLLM's connector wrote it, or
+  its seal is gone) or ``unreadable`` (the object or its seal could not be read:
+  ``unreadable_reasons`` counts the codes). Per node (``nodes[].verify``) an
+  object's verdict counts on every node holding a replica of it (which replica a
+  read was served from is not observable). ``fingerprints`` counts the seals
+  read per configuration fingerprint: more than one under one model name means
+  engines of different configurations write the same keys. With ``repair``,
+  every object of a chunk with a corrupt object (every store group and rank, as
+  listed) and their seals are removed (forced: reads lease what they read, for
+  the master's lease TTL), and the other figures still show the store as it was.
 
 Errors: :class:`InspectError` (a ValueError) names the input (``master``,
-``metrics``, ``model``, ``run``) and says what is wrong in one line, within the
-HTTP timeout: no call here can wait the ~90 s a Mooncake ``setup()`` retries.
+``metrics``, ``model``, ``run``, ``verify``) and says what is wrong in one line, within the
+HTTP timeout: no call here can wait the ~90 s a Mooncake ``setup()`` retries (the
+verifying client is set up only once its master answered, within ``connect_timeout_s``).
 """
 
 from __future__ import annotations
 
+import ctypes
+import itertools
 import json
+import random
 import urllib.error
 import urllib.parse
 import urllib.request
 from collections import Counter
-from collections.abc import Iterable, Mapping, Sequence
+from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
+from contextlib import contextmanager
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Literal, NamedTuple
 
+from kvpipe.connector.store.configs import MooncakeStoreConfig, connect
+from kvpipe.connector.store.mooncake import MasterError, MooncakeError
 from kvpipe.connector.store.mooncake.master import is_listening
 from kvpipe.connector.store.mooncake.master_address import MasterAddress, split_host_port
-from kvpipe.stages import KeyNamespace, StoreObject, key_model_name, object_key
-from kvpipe.stages.keys import parse_object_key
-from kvpipe.stages.store import Code
+from kvpipe.connector.store.protocol import Store
+from kvpipe.pipeline.config import one_line
+from kvpipe.stages import MAX_BUFFERS_PER_CALL, KeyNamespace, StoreObject, key_model_name, object_key
+from kvpipe.stages.integrity import SEAL_SIZE, Integrity, Seal, Verdict, judge
+from kvpipe.stages.keys import is_seal_key, parse_object_key, seal_key, sealed_key
+from kvpipe.stages.store import Code, describe
 
 from .run.check import ChunkCounts, count_chunks
 
@@ -89,14 +119,17 @@ __all__ = [
     "InspectReport",
     "NodeFigures",
     "Replica",
+    "Scrub",
     "Segment",
     "ShardId",
+    "Verification",
     "admin_of_master",
     "build_report",
     "check_master",
     "expected_objects",
     "find_admin",
     "render_table",
+    "scrub_client",
     "write_png",
 ]
 
@@ -104,10 +137,18 @@ __all__ = [
 ADMIN_DEFAULT_PORT = 9003
 #: keys per ``/batch_query_keys`` request (~130 bytes a key: URLs of ~64 KiB; 3000 keys measured fine)
 QUERY_BATCH = 512
+#: bytes of objects one verifying read brings at most (one registered buffer of this size, reused)
+SCRUB_CALL_BYTES = 64 << 20
+#: a verification reports its progress every this many objects read
+PROGRESS_EVERY = 5000
+#: what a verification finds an object to be (the module docstring says what each means)
+SCRUB_VERDICTS = ("ok", "corrupt", "unverified", "unreadable")
+_VERDICT_NAMES = {Verdict.VERIFIED: "ok", Verdict.CORRUPT: "corrupt", Verdict.UNVERIFIED: "unverified"}
 
 
 class InspectError(ValueError):
-    """An input that does not lead to a report; ``field`` names it (``master``, ``metrics``, ``model``, ``run``)."""
+    """An input that does not lead to a report; ``field`` names it (``master``, ``metrics``, ``model``, ``run``,
+    ``verify``)."""
 
     def __init__(self, field: str, message: str) -> None:
         super().__init__(message)
@@ -419,6 +460,7 @@ class NodeFigures:
     used_bytes: int | None = None
     capacity_bytes: int | None = None
     reachable: bool | None = None
+    verify: dict[str, int] | None = None  # per verdict, the objects read with a replica here
 
     def as_json(self) -> dict[str, Any]:
         return {
@@ -431,6 +473,7 @@ class NodeFigures:
             "used_bytes": self.used_bytes,
             "capacity_bytes": self.capacity_bytes,
             "reachable": self.reachable,
+            "verify": self.verify,
         }
 
 
@@ -445,6 +488,8 @@ class InspectReport:
     objects: int
     bytes: int
     replicas: int
+    seals: int
+    seal_bytes: int
     other_keys: int
     other_models: list[tuple[str, str, int]]  # (model, cache prefix, objects), most objects first
     unparsed_keys: int
@@ -464,6 +509,7 @@ class InspectReport:
     run_config: str | None
     size_mismatches: int | None
     nodes: list[NodeFigures] = field(default_factory=list)
+    verification: Verification | None = None
 
     @property
     def partial_ratio(self) -> float:
@@ -480,6 +526,7 @@ class InspectReport:
             "objects": self.objects,
             "bytes": self.bytes,
             "replicas": self.replicas,
+            "seals": {"count": self.seals, "bytes": self.seal_bytes},
             "other_keys": self.other_keys,
             "other_models": [
                 {"model": model, "cache_prefix": prefix, "objects": count}
@@ -521,6 +568,7 @@ class InspectReport:
                 "size_mismatches": self.size_mismatches,
             },
             "nodes": [node.as_json() for node in self.nodes],
+            "verify": None if self.verification is None else self.verification.as_json(),
         }
 
 
@@ -536,25 +584,29 @@ def build_report(
     run_requests_group_ids: bool | None = None,
     master: str | None = None,
     probe_timeout_s: float = 0.5,
+    scrub: Scrub | None = None,
 ) -> InspectReport:
     """The report on ``model`` (any spelling: its key part is used) under ``cache_prefix``.
 
     ``expected``: every object that should be stored (:func:`expected_objects`);
     then chunks are the run's and absent is counted. Otherwise each chunk seen is
     expected to have the union of the shards seen, or ``store_groups`` x ``tp_ranks``
-    (pcp/dcp/pp ranks as seen) where given. Raises :class:`InspectError`:
+    (pcp/dcp/pp ranks as seen) where given. ``scrub``: also read and verify the
+    objects (and repair) as it says. Raises :class:`InspectError`:
     ``metrics`` when the admin HTTP fails, ``model`` when the store holds no
     object of the model and no ``expected`` says what it should hold (the message
-    lists what the store does hold).
+    lists what the store does hold), ``verify`` when the scrub's read memory
+    cannot be registered.
     """
     model = key_model_name(model)
     listed = admin.keys()
     ours: dict[str, ShardId] = {}
-    chunk_of: dict[str, bytes] = {}
+    seals: list[str] = []
+    chunk_of: dict[str, bytes] = {}  # of the model's objects and seals
     others: Counter[tuple[str, str]] = Counter()
     unparsed = 0
     for key in listed:
-        parts = parse_object_key(key)
+        parts = parse_object_key(sealed_key(key))  # a seal is its object's model's
         if parts is None:
             unparsed += 1
             continue
@@ -562,8 +614,11 @@ def build_report(
         if ns.model != model or ns.cache_prefix != cache_prefix:
             others[(ns.model, ns.cache_prefix)] += 1
             continue
-        ours[key] = ShardId(parts.store_group, ns.tp_rank, ns.pcp_rank, ns.dcp_rank, ns.pp_rank)
         chunk_of[key] = parts.chunk_hash
+        if is_seal_key(key):
+            seals.append(key)
+        else:
+            ours[key] = ShardId(parts.store_group, ns.tp_rank, ns.pcp_rank, ns.dcp_rank, ns.pp_rank)
     if not ours and expected is None:
         held = ", ".join(
             f"{name!r} (cache prefix {prefix!r}): {count}" for (name, prefix), count in others.most_common(5)
@@ -576,8 +631,10 @@ def build_report(
             f"{holds}{more}" + (f" (and {unparsed} keys in no kvpipe format)" if unparsed else ""),
         )
 
-    present = admin.replicas(list(ours))  # listed keys still stored, with their replicas
+    stored = admin.replicas([*ours, *seals])  # listed keys still stored, with their replicas
+    present = {key: copies for key, copies in stored.items() if key in ours}
     size = {key: copies[0].size for key, copies in present.items()}
+    seal_sizes = [stored[key][0].size for key in seals if key in stored]
 
     # What every chunk should hold.
     by_chunk: dict[bytes, list[StoreObject]] = {}
@@ -633,6 +690,8 @@ def build_report(
         mismatches = sum(1 for record in expected if record.key in size and size[record.key] != record.size)
 
     ranks = sorted({(shard.tp, shard.pcp, shard.dcp, shard.pp) for shard in shard_set})
+    nodes = _nodes(admin.segments(), present, state_of, probe_timeout_s)
+    verification = None if scrub is None else _verify(scrub, present, chunk_of, nodes)
     return InspectReport(
         admin=admin.address,
         master=master,
@@ -641,7 +700,9 @@ def build_report(
         objects=len(present),
         bytes=sum(size.values()),
         replicas=sum(len(copies) for copies in present.values()),
-        other_keys=len(listed) - len(ours),
+        seals=len(seal_sizes),
+        seal_bytes=sum(seal_sizes),
+        other_keys=len(listed) - len(ours) - len(seals),
         other_models=[(name, prefix, count) for (name, prefix), count in others.most_common()],
         unparsed_keys=unparsed,
         shard_source=source,
@@ -659,7 +720,8 @@ def build_report(
         run_requests_group_ids=run_requests_group_ids,
         run_config=run_config,
         size_mismatches=mismatches,
-        nodes=_nodes(admin.segments(), present, state_of, probe_timeout_s),
+        nodes=nodes,
+        verification=verification,
     )
 
 
@@ -714,6 +776,190 @@ def _nodes(
     return sorted(nodes.values(), key=lambda node: (node.segment is None, node.segment or node.endpoint))
 
 
+# -- verifying: the scrubber ----------------------------------------------------------------------
+
+
+@contextmanager
+def scrub_client(config: MooncakeStoreConfig) -> Iterator[Store]:
+    """A client of the store ``config`` names that mounts no segment (kvpipe's :func:`connect`), closed on exit.
+
+    Raises :class:`InspectError` (``verify``) when it cannot be opened.
+    """
+    try:
+        store = connect(config, mount_segment=False)
+    except (MasterError, MooncakeError) as error:
+        raise InspectError(
+            "verify", f"no Mooncake client opens on the master at {config.master}: {one_line(str(error))}"
+        ) from None
+    try:
+        yield store
+    finally:
+        store.close()
+
+
+@dataclass(frozen=True)
+class Scrub:
+    """What verifying asks: read objects through ``store`` (a :func:`scrub_client`) and judge them.
+
+    ``sample``: that many of the model's objects, drawn at random (None: every
+    one). ``repair``: remove the chunks found corrupt. ``on_progress(read, total)``
+    is called every :data:`PROGRESS_EVERY` objects read.
+    """
+
+    store: Store
+    sample: int | None = None
+    repair: bool = False
+    on_progress: Callable[[int, int], None] | None = None
+
+
+@dataclass
+class Verification:
+    """What the objects read were found to be (per node: :attr:`NodeFigures.verify`)."""
+
+    sample: int | None  # the sample asked for; None: every object
+    objects: int = 0  # read
+    bytes: int = 0
+    verdicts: Counter[str] = field(default_factory=Counter)  # per :data:`SCRUB_VERDICTS` name
+    unreadable_reasons: Counter[str] = field(default_factory=Counter)
+    fingerprints: Counter[str] = field(default_factory=Counter)  # hex -> seals read
+    corrupt_keys: list[str] = field(default_factory=list)
+    corrupt_chunks: int = 0
+    removed: int | None = None  # with repair: objects and seals removed
+    remove_failures: int | None = None
+
+    def as_json(self) -> dict[str, Any]:
+        return {
+            "sample": self.sample,
+            "objects": self.objects,
+            "bytes": self.bytes,
+            **{name: self.verdicts[name] for name in SCRUB_VERDICTS},
+            "unreadable_reasons": dict(self.unreadable_reasons.most_common()),
+            "fingerprints": dict(self.fingerprints.most_common()),
+            "corrupt_keys": self.corrupt_keys,
+            "corrupt_chunks": self.corrupt_chunks,
+            "repair": None
+            if self.removed is None
+            else {"removed": self.removed, "failed": self.remove_failures},
+        }
+
+
+class _Read(NamedTuple):
+    """One object's verdict, with why it is unreadable or the fingerprint its seal names."""
+
+    verdict: str
+    reason: str | None = None
+    fingerprint: str | None = None
+
+
+def _verify(
+    scrub: Scrub,
+    present: Mapping[str, Sequence[Replica]],
+    chunk_of: Mapping[str, bytes],
+    nodes: Sequence[NodeFigures],
+) -> Verification:
+    """Read and judge the objects ``scrub`` asks for, count each verdict on the nodes of its replicas; repair.
+
+    Each object and its seal are read in one call, a call holding at most
+    :data:`MAX_BUFFERS_PER_CALL` buffers (two an object) and :data:`SCRUB_CALL_BYTES`
+    of objects (or one object larger than that).
+    """
+    keys = sorted(present)
+    if scrub.sample is not None and scrub.sample < len(keys):
+        keys = sorted(random.sample(keys, scrub.sample))
+    size = {key: present[key][0].size for key in keys}
+    per_call = MAX_BUFFERS_PER_CALL // 2
+    data_bytes = max(min(sum(size.values()), SCRUB_CALL_BYTES), max(size.values(), default=0))
+    verification = Verification(scrub.sample)
+    tally = {node.endpoint: Counter[str]() for node in nodes}
+    with _registered(scrub.store, data_bytes + per_call * SEAL_SIZE) as base:
+        seals = base + data_bytes
+        for call in _calls(keys, size, per_call, data_bytes):
+            addresses = list(itertools.accumulate((size[key] for key in call[:-1]), initial=base))
+            seal_addresses = [seals + index * SEAL_SIZE for index in range(len(call))]
+            results = scrub.store.batch_get_into_multi_buffers(
+                [*call, *map(seal_key, call)],
+                [[address] for address in [*addresses, *seal_addresses]],
+                [[size[key]] for key in call] + [[SEAL_SIZE]] * len(call),
+            )
+            for index, key in enumerate(call):
+                read = _judge_read(
+                    size[key], addresses[index], results[index], seal_addresses[index], results[len(call) + index]
+                )
+                verification.verdicts[read.verdict] += 1
+                if read.reason is not None:
+                    verification.unreadable_reasons[read.reason] += 1
+                if read.fingerprint is not None:
+                    verification.fingerprints[read.fingerprint] += 1
+                if read.verdict == "corrupt":
+                    verification.corrupt_keys.append(key)
+                for endpoint in {copy.endpoint for copy in present[key]}:
+                    tally[endpoint][read.verdict] += 1
+            before, verification.objects = verification.objects, verification.objects + len(call)
+            if scrub.on_progress is not None and verification.objects // PROGRESS_EVERY > before // PROGRESS_EVERY:
+                scrub.on_progress(verification.objects, len(keys))
+            verification.bytes += sum(size[key] for key in call)
+    for node in nodes:
+        node.verify = {name: tally[node.endpoint][name] for name in SCRUB_VERDICTS}
+    corrupt = {chunk_of[key] for key in verification.corrupt_keys}
+    verification.corrupt_chunks = len(corrupt)
+    if scrub.repair:
+        doomed = sorted(key for key, chunk in chunk_of.items() if chunk in corrupt)  # objects and seals
+        codes = [scrub.store.remove(key, force=True) for key in doomed]  # forced: the reads leased them
+        verification.removed = sum(code == 0 for code in codes)
+        verification.remove_failures = sum(code not in (0, Code.NOT_FOUND) for code in codes)
+    return verification
+
+
+def _judge_read(size: int, address: int, read: int, seal_address: int, seal_read: int) -> _Read:
+    """The verdict on an object of ``size`` bytes read to ``address`` and its seal (the call's results).
+
+    A seal object of another size is a damaged seal (corrupt), as a load judges it.
+    """
+    if read != size:
+        return _Read("unreadable", describe(read) if read < 0 else f"read {read} bytes, not {size}")
+    if seal_read == SEAL_SIZE:
+        seal_bytes: bytes | None = ctypes.string_at(seal_address, SEAL_SIZE)
+    elif seal_read == Code.NOT_FOUND:
+        seal_bytes = None
+    elif seal_read >= 0 or seal_read == Code.INVALID_PARAMS:
+        seal_bytes = b""
+    else:
+        return _Read("unreadable", f"its seal: {describe(seal_read)}")
+    verdict = judge(seal_bytes, [address], [size], None, Integrity.VERIFY)
+    seal = None if seal_bytes is None else Seal.unpack(seal_bytes)
+    return _Read(_VERDICT_NAMES[verdict], fingerprint=None if seal is None else seal.fingerprint.hex())
+
+
+def _calls(keys: Sequence[str], size: Mapping[str, int], objects: int, nbytes: int) -> Iterator[list[str]]:
+    """Runs of ``keys`` of at most ``objects`` keys and ``nbytes`` bytes (a larger object alone)."""
+    call: list[str] = []
+    used = 0
+    for key in keys:
+        if call and (len(call) == objects or used + size[key] > nbytes):
+            yield call
+            call, used = [], 0
+        call.append(key)
+        used += size[key]
+    if call:
+        yield call
+
+
+@contextmanager
+def _registered(store: Store, nbytes: int) -> Iterator[int]:
+    """The address of ``nbytes`` of memory registered with ``store`` (a transfer touches only such memory)."""
+    buffer = ctypes.create_string_buffer(nbytes)
+    address = ctypes.addressof(buffer)
+    code = store.register_buffer(address, nbytes)
+    if code != 0:
+        raise InspectError(
+            "verify", f"registering {nbytes} bytes of read memory with the store failed: {describe(code)}"
+        )
+    try:
+        yield address
+    finally:
+        store.unregister_buffer(address)
+
+
 # -- showing it ----------------------------------------------------------------------------------
 
 
@@ -764,6 +1010,7 @@ def render_table(report: InspectReport) -> str:
     lines = [
         f"model         {r.model!r}, cache prefix {r.cache_prefix!r}  (admin HTTP {r.admin}{master})",
         f"objects       {r.objects:,} ({_size(r.bytes)}) in {r.replicas:,} replicas",
+        f"seals         {r.seals:,} ({_size(r.seal_bytes)})",
         f"other keys    {r.other_keys:,}: {r.unparsed_keys:,} in no kvpipe/vLLM key format"
         + (f"; other models: {others}" if others else ""),
         f"chunks        {c.total:,}: {c.complete:,} complete, {c.partial:,} partial, {absent}",
@@ -790,19 +1037,53 @@ def render_table(report: InspectReport) -> str:
         "store groups  "
         + "; ".join(f"{g}: {n:,} objects, {_size(b)}" for g, (n, b) in sorted(r.per_store_group.items())),
         f"group ids     {client}{run}; which objects carry one is not observable",
+    ]
+    if r.verification is not None:
+        lines += _verification_lines(r.verification, r.objects)
+    verdicts = "" if r.verification is None else "".join(f" {name:>10}" for name in SCRUB_VERDICTS)
+    lines += [
         "",
         f"{'node (segment)':<24} {'endpoint':<22} {'replicas':>9} {'bytes':>11} {'partial':>11} "
-        f"{'segment used':>12} {'capacity':>11} {'reachable':>9}",
+        f"{'segment used':>12} {'capacity':>11} {'reachable':>9}{verdicts}",
     ]
     for node in r.nodes:
         reachable = {True: "yes", False: "NO"}.get(node.reachable, "-")  # type: ignore[arg-type]
         used = "?" if node.used_bytes is None else _size(node.used_bytes)
         capacity = "?" if node.capacity_bytes is None else _size(node.capacity_bytes)
+        found = "".join(f" {node.verify[name]:>10,}" for name in SCRUB_VERDICTS) if node.verify else ""
         lines.append(
             f"{node.segment or '(not listed)':<24} {node.endpoint or '(not in memory)':<22} {node.replicas:>9,} "
             f"{_size(node.bytes):>11} {_size(node.partial_bytes):>11} {used:>12} {capacity:>11} {reachable:>9}"
+            f"{found}"
         )
     return "\n".join(lines)
+
+
+def _verification_lines(v: Verification, objects: int) -> list[str]:
+    read = f"{v.objects:,} of {objects:,} objects, a random sample" if v.objects < objects else f"{v.objects:,} objects"
+    counts = ", ".join(f"{v.verdicts[name]:,} {name}" for name in SCRUB_VERDICTS)
+    reasons = "; ".join(f"{reason}: {n:,}" for reason, n in v.unreadable_reasons.most_common())
+    lines = [f"verified      {read} ({_size(v.bytes)}): {counts}" + (f" ({reasons})" if reasons else "")]
+    if v.corrupt_keys:
+        more = f" and {len(v.corrupt_keys) - 3:,} more" if len(v.corrupt_keys) > 3 else ""
+        lines.append(
+            f"corrupt       {len(v.corrupt_keys):,} objects of {v.corrupt_chunks:,} chunks: "
+            + ", ".join(v.corrupt_keys[:3])
+            + more
+        )
+    if v.fingerprints:
+        lines.append("fingerprints  " + "; ".join(f"{hex_} {n:,}" for hex_, n in v.fingerprints.most_common()))
+    if len(v.fingerprints) > 1:
+        lines.append(
+            f"WARNING       {len(v.fingerprints)} configuration fingerprints under one model name: engines of "
+            "different configurations (dtype, layout, revision) share these keys"
+        )
+    if v.removed is not None:
+        failed = f"; {v.remove_failures:,} removals failed" if v.remove_failures else ""
+        lines.append(
+            f"repaired      removed {v.removed:,} keys (the objects and seals of the corrupt chunks){failed}"
+        )
+    return lines
 
 
 def write_png(report: InspectReport, path: Path) -> Path:

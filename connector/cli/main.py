@@ -4,7 +4,8 @@
 ``kvpipe bench [WORKLOAD ...] [--quick] [--repeats N] [--out DIR] [--json] [--markdown FILE]``
 ``kvpipe store [--master ADDRESS|spawn] [--segment SIZE] [--master-metrics HOST:PORT ...] [--json]``
 ``kvpipe inspect [--master ADDRESS | --config FILE] [--metrics HOST:PORT ...] [--model NAME]
-[--cache-prefix P] [--run CONFIG] [--groups N] [--tp-ranks N] [--json] [--png PATH]``
+[--cache-prefix P] [--run CONFIG] [--groups N] [--tp-ranks N] [--json] [--png PATH]
+[--verify [--sample N] [--repair] [--metadata-server M]]``
 ``kvpipe fleet [--replicas N] [--connector kvpipe|vllm|none] [--policy P] [--masters N] [--store-nodes N]
 [--segment SIZE] [--copies N] [--model DIR] [--log-dir DIR] [--json]``
 
@@ -23,6 +24,7 @@ import signal
 import sys
 import threading
 from collections.abc import Callable, Sequence
+from contextlib import ExitStack
 from pathlib import Path
 from typing import Any, NoReturn
 
@@ -186,6 +188,25 @@ def _parser() -> argparse.ArgumentParser:
     inspect_parser.add_argument(
         "--timeout", type=float, default=5.0, metavar="S", help="per HTTP request and probe (default 5)"
     )
+    inspect_parser.add_argument(
+        "--verify",
+        action="store_true",
+        help="read the model's objects with a Mooncake client and check each against its seal "
+        "(needs --master with --metadata-server, or --config)",
+    )
+    inspect_parser.add_argument(
+        "--sample", type=int, metavar="N", help="with --verify: read N objects drawn at random (default: all)"
+    )
+    inspect_parser.add_argument(
+        "--repair",
+        action="store_true",
+        help="with --verify: remove every object and seal of each chunk found corrupt",
+    )
+    inspect_parser.add_argument(
+        "--metadata-server",
+        metavar="M",
+        help="with --verify and --master: the store's metadata server ('P2PHANDSHAKE' or 'http://host:port/metadata')",
+    )
     inspect_parser.set_defaults(command=_inspect_command)
     fleet.add_parser(commands, UsageError)
     return parser
@@ -317,12 +338,14 @@ def _store_command(args: argparse.Namespace) -> int:
 def _inspect_command(args: argparse.Namespace) -> int:
     from .inspect import (
         InspectError,
+        Scrub,
         admin_of_master,
         build_report,
         check_master,
         expected_objects,
         find_admin,
         render_table,
+        scrub_client,
         write_png,
     )
 
@@ -335,6 +358,13 @@ def _inspect_command(args: argparse.Namespace) -> int:
             raise UsageError(
                 f"{flag}: not with --run (the run config says which shards each chunk has), got {value}"
             )
+    for flag, value in (("--sample", args.sample), ("--repair", args.repair or None),
+                        ("--metadata-server", args.metadata_server)):  # fmt: skip
+        if value is not None and not args.verify:
+            shown = "" if value is True else f", got {value!r}"
+            raise UsageError(f"{flag}: only with --verify (inspect reads objects only to verify them){shown}")
+    if args.sample is not None and args.sample < 1:
+        raise UsageError(f"--sample: must be >= 1, got {args.sample}")
     if args.model is not None and "@" in key_model_name(args.model):
         raise UsageError(
             f"--model: must hold no '@' (vLLM's key format cannot tell it from a cache prefix), got {args.model!r}"
@@ -356,11 +386,12 @@ def _inspect_command(args: argparse.Namespace) -> int:
             "--model: is required (the model's key part, e.g. Llama-3.1-8B), or give --run CONFIG"
         )
 
-    master, master_field = _inspected_master(args, run_config)
+    master, master_field, named_store = _inspected_master(args, run_config)
     try:
         address = MasterAddress.parse(master) if master is not None else None
     except ValueError as error:
         raise UsageError(f"{master_field}: {error}, got {master!r}") from None
+    verified_store = _verified_store(args, named_store) if args.verify else None
     try:
         if address is not None:
             check_master(address, args.timeout)
@@ -384,20 +415,26 @@ def _inspect_command(args: argparse.Namespace) -> int:
                 expected = expected_objects(run_config)
             except ValueError as error:
                 raise InspectError("run", f"{args.run}: {one_line(str(error))}") from None
-        report = build_report(
-            admin,
-            model,
-            cache_prefix or "",
-            store_groups=args.groups,
-            tp_ranks=args.tp_ranks,
-            expected=expected,
-            run_config=None if args.run is None else str(args.run),
-            run_requests_group_ids=None
-            if run_config is None
-            else bool(run_config.save.enable_group_semantics),
-            master=None if address is None else address.text,
-            probe_timeout_s=min(args.timeout, 0.5),
-        )
+        with ExitStack() as stack:
+            scrub = None
+            if verified_store is not None:
+                store = stack.enter_context(scrub_client(verified_store))
+                scrub = Scrub(store, args.sample, args.repair, _scrub_progress)
+            report = build_report(
+                admin,
+                model,
+                cache_prefix or "",
+                store_groups=args.groups,
+                tp_ranks=args.tp_ranks,
+                expected=expected,
+                run_config=None if args.run is None else str(args.run),
+                run_requests_group_ids=None
+                if run_config is None
+                else bool(run_config.save.enable_group_semantics),
+                master=None if address is None else address.text,
+                probe_timeout_s=min(args.timeout, 0.5),
+                scrub=scrub,
+            )
     except InspectError as error:
         if args.verbose:
             raise
@@ -422,24 +459,57 @@ def _model_of_run(config: RunConfig, args: argparse.Namespace) -> tuple[str, str
     return model, cache_prefix
 
 
-def _inspected_master(args: argparse.Namespace, run_config: RunConfig | None) -> tuple[str | None, str]:
+def _inspected_master(
+    args: argparse.Namespace, run_config: RunConfig | None
+) -> tuple[str | None, str, MooncakeStoreConfig | None]:
     """The master's address (--master, else --config's, else --run's store if it names a running
-    master) and where it was given, for errors: ``--master`` or ``--config: FILE: field``."""
+    master), where it was given, for errors (``--master`` or ``--config: FILE: field``), and the
+    store's client settings where that source has them (not --master's)."""
     if args.master is not None:
-        return str(args.master), "--master"
+        return str(args.master), "--master", None
     if args.config is not None:
         if args.config.suffix.lower() == ".json":
             try:
-                master = MooncakeSettings.from_vllm_file(args.config).master
+                settings = MooncakeSettings.from_vllm_file(args.config)
             except MooncakeConfigError as error:
                 raise UsageError(f"--config: {one_line(str(error))}") from None
-            return master, f"--config: {args.config}: master_server_address"
+            store = MooncakeStoreConfig.model_validate(settings.model_dump())
+            return settings.master, f"--config: {args.config}: master_server_address", store
         config = _flagged("--config", lambda: load_run_config(args.config, []))
-        return _master_of_run(config, "--config", args.config), f"--config: {args.config}: store.master"
+        store = _running_store(config, "--config", args.config)
+        return store.master, f"--config: {args.config}: store.master", store
     if run_config is not None and isinstance(run_config.store, MooncakeStoreConfig):
         if run_config.store.master != "spawn":
-            return run_config.store.master, f"--run: {args.run}: store.master"
-    return None, "--master"
+            return run_config.store.master, f"--run: {args.run}: store.master", run_config.store
+    return None, "--master", None
+
+
+def _verified_store(args: argparse.Namespace, named: MooncakeStoreConfig | None) -> MooncakeStoreConfig:
+    """The store --verify reads: --master's with --metadata-server, else the one --config or --run names."""
+    if args.master is not None:
+        if args.metadata_server is None:
+            raise UsageError(
+                "--metadata-server: is required with --verify and --master: the store's, "
+                "'P2PHANDSHAKE' or 'http://host:port/metadata'"
+            )
+        try:
+            return from_flags(MooncakeStoreConfig, {"master": args.master, "metadata_server": args.metadata_server})
+        except FlagError as error:
+            raise UsageError(str(error)) from None
+    if args.metadata_server is not None:
+        raise UsageError(
+            f"--metadata-server: only with --master (the config names the store's), got {args.metadata_server!r}"
+        )
+    if named is None:
+        raise UsageError(
+            "--verify: needs the store's client settings: give --master ADDRESS with --metadata-server M, "
+            "or --config FILE"
+        )
+    return named
+
+
+def _scrub_progress(read: int, total: int) -> None:
+    print(f"kvpipe inspect: verified {read:,} of {total:,} objects", file=sys.stderr, flush=True)
 
 
 def _flagged(flag: str, load: Callable[[], RunConfig]) -> RunConfig:
@@ -450,7 +520,8 @@ def _flagged(flag: str, load: Callable[[], RunConfig]) -> RunConfig:
         raise UsageError(f"{flag}: {error}") from None
 
 
-def _master_of_run(config: RunConfig, flag: str, path: Path) -> str:
+def _running_store(config: RunConfig, flag: str, path: Path) -> MooncakeStoreConfig:
+    """The run config's store; UsageError unless it is a running Mooncake master's."""
     store = config.store
     if not isinstance(store, MooncakeStoreConfig):
         raise UsageError(
@@ -458,7 +529,7 @@ def _master_of_run(config: RunConfig, flag: str, path: Path) -> str:
         )
     if store.master == "spawn":
         raise UsageError(f"{flag}: {path}: store.master: 'spawn' names no running master; give its address")
-    return store.master
+    return store
 
 
 def _indented(text: str, prefix: str = "  ") -> str:

@@ -29,6 +29,7 @@ from kvpipe.stages import (
     storable_groups,
 )
 from kvpipe.stages.flags import ConfigError
+from kvpipe.stages.integrity import engine_facts
 
 from .settings import ConnectorSettings
 
@@ -84,6 +85,10 @@ class EngineCache:
     #: TP ranks that hold byte-identical objects (MLA: every rank; GQA with more ranks
     #: than KV heads: tp_size // heads); they share one key, every one of them loads it
     tp_replicas: int = 1
+    #: what of the engine's configuration decides the bytes of its objects (dtypes,
+    #: revision), for the seals' fingerprint; :meth:`kv_cache` adds the layout, the worker
+    #: its layers' shapes
+    byte_facts: tuple[tuple[str, str], ...] = ()
 
     @classmethod
     def of(
@@ -114,6 +119,13 @@ class EngineCache:
                 tp_size,
                 int(vllm_config.model_config.get_total_num_kv_heads()),
                 int(getattr(parallel, "decode_context_parallel_size", 1) or 1),
+            ),
+            byte_facts=engine_facts(
+                {
+                    "dtype": str(vllm_config.model_config.dtype),
+                    "cache_dtype": str(vllm_config.cache_config.cache_dtype),
+                    "revision": getattr(vllm_config.model_config, "revision", None),
+                }
             ),
         )
 
@@ -147,7 +159,8 @@ class EngineCache:
         """The cache with ``layouts`` (by engine group) under ``key_ranks`` (default: every distinct one)."""
         ranks = range(self.tp_size // self.tp_replicas) if key_ranks is None else key_ranks
         shards = tuple(Shard(self.namespace(rank), dict(layouts)) for rank in ranks)
-        return KVCache(self.groups, self.hash_block_size, shards, self.hit_alignment)
+        facts = (*self.byte_facts, *engine_facts({"layout": self.layout_name}))
+        return KVCache(self.groups, self.hash_block_size, shards, self.hit_alignment, facts)
 
 
 def tp_replicas(kv_cache_config: KVCacheConfig, tp_size: int, kv_heads: int, dcp_size: int) -> int:

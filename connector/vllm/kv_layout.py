@@ -41,7 +41,15 @@ import torch
 from kvpipe.stages import BlockLayout, Region
 from kvpipe.stages.flags import ConfigError
 
-__all__ = ["EngineRegion", "GroupLayout", "LayoutError", "group_layout", "is_dense", "storages_of"]
+__all__ = [
+    "EngineRegion",
+    "GroupLayout",
+    "LayoutError",
+    "group_layout",
+    "is_dense",
+    "layer_facts",
+    "storages_of",
+]
 
 
 class LayoutError(ConfigError):
@@ -118,6 +126,19 @@ def _representative(name: str, value: torch.Tensor | Sequence[torch.Tensor]) -> 
                 f"(view {tuple(view.shape)} strides {view.stride()} at offset {offset}, page {stride} bytes)"
             )
     return first
+
+
+def layer_facts(layers: Mapping[str, torch.Tensor | Sequence[torch.Tensor]]) -> list[list[object]]:
+    """Per layer, in order: its name and each KV view's dtype and block shape (the block count left out).
+
+    Part of the seals' fingerprint: two engines whose layers agree in these (and
+    in the layout) lay a block's bytes out alike, whatever their block counts.
+    """
+    facts: list[list[object]] = []
+    for name, value in layers.items():
+        views = [value] if isinstance(value, torch.Tensor) else list(value)
+        facts.append([name, *[[str(view.dtype), list(view.shape[1:])] for view in views]])
+    return facts
 
 
 def _block_span(tensor: torch.Tensor) -> int:

@@ -25,7 +25,8 @@ from vllm.distributed.kv_events import KVConnectorKVEvents
 from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorMetadata
 from vllm.distributed.kv_transfer.kv_connector.v1.metrics import KVConnectorStats
 
-from kvpipe.stages import LoadRequest, SaveRequest
+from kvpipe.stages import LoadRequest, SaveRequest, Verdict
+from kvpipe.stages.integrity import REFUSED
 
 OPS = "ops"
 GAUGES = "gauges"
@@ -35,6 +36,12 @@ STAGING_SLOTS = "staging_slots"
 STAGING_SLOTS_IN_USE = "staging_slots_in_use"
 QUEUE_DEPTH = "stage_queue_depth"  # a gauge per stage
 STAGE_DROPPED = "stage_dropped"  # a counter per stage
+#: what a load's objects are counted under, by their integrity verdict
+VERDICT_COUNTERS = {
+    Verdict.VERIFIED: "chunks_verified",
+    Verdict.UNVERIFIED: "chunks_unverified",
+    **{verdict: f"integrity_failures_{verdict.value}" for verdict in sorted(REFUSED)},
+}
 
 
 def per_stage(family: str, pipeline: str, stage: str) -> str:

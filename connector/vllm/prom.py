@@ -70,12 +70,20 @@ COUNTERS: dict[str, str] = {
     "chunks_loaded": "Chunks (one store group, one rank) loaded into the engine's blocks.",
     "chunks_load_failed": "Chunks whose load failed.",
     "chunks_loaded_from_others": "Chunks loaded that this engine did not put (another replica's saves).",
+    "chunks_verified": "Chunks loaded whose seal vouched for their bytes (checksum and configuration).",
+    "chunks_unverified": "Chunks loaded without a seal (vLLM's connector wrote them, or the seal was lost).",
+    "seals_failed": "Objects stored whose seal could not be stored (loads will find them unverified).",
     "events_dropped": "KV events not published because the chunks awaiting their reports were too many.",
 }
 #: Counter families whose suffix is a label: ``objects_put`` -> ``kvpipe:objects_total{status="put"}``.
 LABELLED: dict[str, tuple[str, str]] = {
     "objects": ("status", "Save-path objects by final status: put, existing, failed, throttled."),
     "save_jobs": ("outcome", "Save jobs by outcome: ok, partial, failed, dropped."),
+    "integrity_failures": (
+        "reason",
+        "Loaded chunks refused by their seal, their blocks recomputed: corrupt (bytes not as sealed; "
+        "removed), foreign (another configuration wrote them), unsealed (no seal under integrity: required).",
+    ),
 }
 RECORDS_DROPPED = "store_operation_records_dropped"
 OPERATION_BUCKETS = (

@@ -42,7 +42,14 @@ import structlog
 
 from kvpipe.connector.store.breaker import breaker_of
 from kvpipe.connector.store.protocol import Store
-from kvpipe.stages import LoadRequest, LookupRequest, SaveRequest, longest_stored_prefix, lookup_keys
+from kvpipe.stages import (
+    Integrity,
+    LoadRequest,
+    LookupRequest,
+    SaveRequest,
+    longest_stored_prefix,
+    lookup_keys,
+)
 from kvpipe.stages.keys import deployment_key_pattern, key_chunk_hex
 from kvpipe.stages.store import EXISTS
 
@@ -101,6 +108,7 @@ class SchedulerSide:
         # async loads: the hash blocks being loaded, and who loads them
         self._loading: dict[bytes, str] = {}
         self._loads: dict[str, LoadRequest] = {}  # emitted, not finished yet
+        self._sync_loads: dict[str, LoadRequest] = {}  # emitted in the last step's metadata
         self._miss_once: set[str] = set()  # requests whose load failed: their next lookup misses
         self._failed_chunks: dict[str, float] = {}  # chunk hash (hex) -> until when it is a miss
         self._deferred: set[str] = set()  # requests told to wait for another's load of their prefix
@@ -137,9 +145,7 @@ class SchedulerSide:
             return 0, False
         lookup = LookupRequest(rid, tuple(request.block_hashes), request.num_tokens, num_computed_tokens)
         cache = self.cache
-        keys = lookup_keys(
-            cache.store_groups, cache.lookup_shards, cache.hash_block_size, lookup, cache.hit_alignment
-        )
+        keys = self._lookup_keys(lookup)
         if not keys:
             return 0, False
         if any(key not in self._exists for key in keys):
@@ -154,6 +160,7 @@ class SchedulerSide:
             lookup,
             exists,
             cache.hit_alignment,
+            self._sealed,
         )
         new = max(0, hit - num_computed_tokens)
         if new and self._loaded_by_another(lookup, hit):
@@ -164,6 +171,17 @@ class SchedulerSide:
         load_async = bool(new) and self._loads_async()
         self._load_async[rid] = load_async
         return new, load_async
+
+    @property
+    def _sealed(self) -> bool:
+        """Whether a hit needs every object's seal too (``integrity: required``)."""
+        return self.settings.integrity is Integrity.REQUIRED
+
+    def _lookup_keys(self, lookup: LookupRequest) -> tuple[str, ...]:
+        cache = self.cache
+        return lookup_keys(
+            cache.store_groups, cache.lookup_shards, cache.hash_block_size, lookup, cache.hit_alignment, self._sealed
+        )
 
     def _loads_async(self) -> bool:
         """Whether a hit found now loads beside the steps (see "async only when it spares someone")."""
@@ -198,15 +216,12 @@ class SchedulerSide:
         where a call per request is a master round trip each, which a busy 2-core
         machine stretches to milliseconds. The answers hold for this step only.
         """
-        cache = self.cache
         wanted = dict.fromkeys(key for key in keys if key not in self._exists)
         for waiting in self._waiting.values():
             if len(wanted) >= LOOKUP_BATCH_KEYS:
                 break
             ahead = LookupRequest(waiting.request_id, tuple(waiting.block_hashes), waiting.num_tokens)
-            keys_ahead = lookup_keys(
-                cache.store_groups, cache.lookup_shards, cache.hash_block_size, ahead, cache.hit_alignment
-            )
+            keys_ahead = self._lookup_keys(ahead)
             wanted.update(dict.fromkeys(key for key in keys_ahead if key not in self._exists))
         asked = list(wanted)
         self.stats["lookup_calls"] += 1
@@ -281,6 +296,7 @@ class SchedulerSide:
                 self._loads[rid] = load
             else:
                 meta.sync_loads.add(rid)
+                self._sync_loads[rid] = load
             self.stats["loads_planned"] += 1
         self._running = set(so.num_scheduled_tokens) - set(so.finished_req_ids)
         self._plan_saves(so, meta)
@@ -343,7 +359,7 @@ class SchedulerSide:
         return tail if any(tail % g.spec.block_size for g in self.cache.store_groups) else None
 
     def update_connector_output(self, connector_output: KVConnectorOutput) -> None:
-        """Async loads that ended (well or not) release their prefix; failed ones are remembered."""
+        """Loads that ended (well or not): async ones release their prefix; failed ones are remembered."""
         failed_requests = set(connector_output.failed_recving or ())
         failed_blocks = set(connector_output.invalid_block_ids or ())
         if self.announcer is not None and isinstance(connector_output.kv_cache_events, KVPipeKVEvents):
@@ -352,17 +368,30 @@ class SchedulerSide:
             load = self._loads.pop(rid, None)
             if load is None:
                 continue
-            hashes = self._hashes(load, load.start_tokens, load.end_tokens)
-            for hash_ in hashes:
+            for hash_ in self._hashes(load, load.start_tokens, load.end_tokens):
                 if self._loading.get(hash_) == rid:
                     del self._loading[hash_]
             if rid in failed_requests or any(failed_blocks.intersection(ids) for ids in load.block_ids):
-                self.stats["loads_failed"] += 1
-                if self.announcer is not None:
-                    self.announcer.load_failed(load, None if rid in failed_requests else failed_blocks)
+                self._load_failed(load, None if rid in failed_requests else failed_blocks)
                 self._miss_once.add(rid)
-                until = self._clock() + FAILED_CHUNK_TTL_S
-                self._failed_chunks.update(dict.fromkeys((hash_.hex() for hash_ in hashes), until))
+        # a sync load ran before the forward this output reports on
+        sync_loads, self._sync_loads = self._sync_loads, {}
+        for rid, load in sync_loads.items():
+            if any(failed_blocks.intersection(ids) for ids in load.block_ids):
+                self._load_failed(load, failed_blocks)
+                # vLLM recomputes from the first failed block: what it computes is saved again
+                tracked = self._tracked.get(rid)
+                if tracked is not None and tracked.saved_tokens is not None:
+                    tracked.saved_tokens = min(tracked.saved_tokens, load.start_tokens)
+
+    def _load_failed(self, load: LoadRequest, failed_blocks: set[int] | None) -> None:
+        """Count a failed load, announce its chunks gone, and take them for misses a while."""
+        self.stats["loads_failed"] += 1
+        if self.announcer is not None:
+            self.announcer.load_failed(load, failed_blocks)
+        until = self._clock() + FAILED_CHUNK_TTL_S
+        hashes = self._hashes(load, load.start_tokens, load.end_tokens)
+        self._failed_chunks.update(dict.fromkeys((hash_.hex() for hash_ in hashes), until))
 
     def request_finished(self, request: Request) -> tuple[bool, dict[str, Any] | None]:
         rid = request.request_id

@@ -12,7 +12,7 @@ from kvpipe.connector.store.configs import StoreConfig, without_store_tag
 from kvpipe.pipeline import BuildError
 from kvpipe.pipeline.config import describe_validation_error, load_yaml, one_line
 from kvpipe.pipeline.priority import MAX_NICE
-from kvpipe.stages import MAX_BUFFERS_PER_CALL, StrictFlag
+from kvpipe.stages import MAX_BUFFERS_PER_CALL, Integrity, StrictFlag
 from kvpipe.stages.flags import ConfigError
 
 #: 256 chunks of 128 tokens: one step's saves of a full batch, with the last steps' still in flight
@@ -48,6 +48,10 @@ class ConnectorSettings(BaseModel):
     # ... unless no running request would wait for the load (see the scheduler's docstring)
     load_sync_when_idle: StrictFlag = True
     save_decode_cache: StrictFlag = False
+    # Seals: every put stores its object's checksum and configuration fingerprint beside
+    # it, every load checks them (kvpipe.stages.integrity). off: neither (sizes only);
+    # required: a chunk without seals (vLLM's connector wrote it) is a miss.
+    integrity: Integrity = Integrity.VERIFY
     config: str | None = None
 
     def staging_slots(self, block_sizes: Sequence[int]) -> int:

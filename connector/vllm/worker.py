@@ -43,21 +43,24 @@ from kvpipe.stages import (
     ObjectStatus,
     SaveRequest,
     StoreObject,
+    Verdict,
     chunks_to_save,
     default_load_graph,
     default_save_graph,
 )
+from kvpipe.stages.integrity import engine_facts
 from kvpipe.stages.load import load_chunks, touched_block_ids
 
 from .engine_cache import EngineCache
 from .events import ChunkReporter
-from .kv_layout import GroupLayout, group_layout, storages_of
+from .kv_layout import GroupLayout, group_layout, layer_facts, storages_of
 from .messages import (
     BREAKER_STATE,
     QUEUE_DEPTH,
     STAGE_DROPPED,
     STAGING_SLOTS,
     STAGING_SLOTS_IN_USE,
+    VERDICT_COUNTERS,
     per_stage,
 )
 from .settings import ConnectorSettings
@@ -142,6 +145,7 @@ class WorkerSide:
         self._load_errors: set[int] = set()  # engine block ids, for get_block_ids_with_load_errors
         self._failed_requests: set[str] = set()
         self._registered: list[int] = []
+        self._byte_facts: tuple[tuple[str, str], ...] = ()  # the cache's and its layers' (at start)
         self.reporter = ChunkReporter((cache.key_rank(tp_rank), cache.pp_rank)) if kv_events else None
 
     @property
@@ -162,6 +166,7 @@ class WorkerSide:
         stored = {name for group in cache.store_groups for name in cache.layer_names[group.engine_group]}
         layers = {name: value for name, value in kv_caches.items() if name in stored}
         layout = group_layout(layers, cache.num_blocks, cache.layout_name)
+        self._byte_facts = (*cache.byte_facts, *engine_facts({"layers": layer_facts(layers)}))
         self.layouts = {group.engine_group: layout for group in cache.store_groups}
         slots = self.settings.staging_slots([group.spec.block_size for group in cache.store_groups])
         self._staging = StagingArea(self.layouts, slots)
@@ -185,6 +190,7 @@ class WorkerSide:
                 enable_group_semantics=self.settings.enable_group_semantics,
                 max_buffers_per_call=self.settings.max_buffers_per_call,
                 observer=self._observe,
+                integrity=self.settings.integrity,
             ),
             queue_capacity=self.settings.queue_capacity,
             when_full="drop",
@@ -198,6 +204,7 @@ class WorkerSide:
                 self.store,
                 load_observer=self._load_observed,
                 max_buffers_per_call=self.settings.max_buffers_per_call,
+                integrity=self.settings.integrity,
             ),
             queue_capacity=self.settings.queue_capacity,
             when_full="wait",
@@ -206,7 +213,9 @@ class WorkerSide:
         ).start()
 
     def _rank_cache(self, layouts: Mapping[int, BlockLayout]) -> KVCache:
-        return self.cache.kv_cache(layouts, [self.cache.key_rank(self.tp_rank)])
+        """This rank's cache over ``layouts`` (the engine's blocks or the staging slots): one fingerprint."""
+        kv = self.cache.kv_cache(layouts, [self.cache.key_rank(self.tp_rank)])
+        return replace(kv, byte_facts=self._byte_facts)
 
     # -- saves ---------------------------------------------------------------------------
 
@@ -274,6 +283,7 @@ class WorkerSide:
             return
         for job in self._save_pipeline.completed():
             self._staging.give_back(self._job_slots.pop(job.id, ()))
+            self.stats["seals_failed"] += job.counts.get("unsealed", 0)
             self.stats[f"save_jobs_{job.outcome.value if job.outcome else 'unknown'}"] += 1
             if job.outcome is Outcome.OK and job.elapsed_s is not None:
                 # from the step that computed it to stored: when another replica can hit it
@@ -368,6 +378,9 @@ class WorkerSide:
         if job is not None:
             self.stats["chunks_loaded"] += job.counts.get("loaded", 0)
             self.stats["chunks_load_failed"] += job.counts.get("failed", 0)
+            for verdict in Verdict:
+                if count := job.counts.get(f"integrity_{verdict.value}", 0):
+                    self.stats[VERDICT_COUNTERS[verdict]] += count
         if not failed:
             self.stats["chunks_loaded_from_others"] += self._stored_elsewhere(load.request)
             return

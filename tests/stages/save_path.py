@@ -25,6 +25,7 @@ from kvpipe.stages import (
     SaveRequest,
     StoreObject,
     TailStage,
+    fingerprint,
 )
 
 
@@ -50,6 +51,7 @@ async def run_save_path(
     *,
     group_semantics: bool = True,
     put: PutParams | None = None,
+    sealed: bool = True,
 ) -> SaveRun:
     project = ProjectStage(kv)
     collectors = {"full": FullChunksStage(kv), "tail": TailStage(kv)}
@@ -70,7 +72,9 @@ async def run_save_path(
     filter_batch = batch_of(named_records)
     await FilterStage(store).process_batch(filter_batch)
     put_batch = batch_of(out for entry in filter_batch for out in entry.emit.emitted["out"])
-    await PutStage(put or PutParams(), store).process_batch(put_batch)
+    await PutStage(put or PutParams(), store, fingerprint=fingerprint(kv) if sealed else None).process_batch(
+        put_batch
+    )
     emits += [(entry.item[0].request_id, entry.emit) for entry in (*filter_batch, *put_batch)]
     counts: dict[str, Counter[str]] = {}
     for request_id, emit in emits:

@@ -95,6 +95,12 @@ class ScriptedStore:
         self.removed.append(key)
         return 0
 
+    def register_buffer(self, addr: int, nbytes: int) -> int:
+        return 0
+
+    def unregister_buffer(self, addr: int) -> int:
+        return 0
+
 
 def by_first_sight(codes: Sequence[int]) -> Callable[[str], int]:
     """Give each new key the next code of ``codes`` (cycling), and always the same one after."""

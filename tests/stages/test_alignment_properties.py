@@ -13,7 +13,8 @@ import anyio
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from kvpipe.stages import GroupKind, GroupSpec, PutParams, StoreObject
+from kvpipe.stages import GroupKind, GroupSpec, PutParams, StoreObject, is_seal_key, seal_key
+from kvpipe.stages.integrity import SEAL_SIZE
 
 from .kv_fixtures import make_kv, make_request
 from .save_path import run_save_path
@@ -60,7 +61,7 @@ def scenarios(draw):
 
 
 def _outcome(key, buffers, exist, put, budget):
-    """What should become of a record, from the store's scripted answers alone."""
+    """What should become of a record, from the store's scripted answers alone (``buffers``: its seal's too)."""
     if exist(key) == 1:
         return "existing"
     if exist(key) != 0 or buffers > budget:
@@ -69,21 +70,14 @@ def _outcome(key, buffers, exist, put, budget):
 
 
 def _torn(put_calls, put) -> set[str]:
-    """Keys stored in a call where another object of their chunk (group id) was refused."""
+    """Keys stored in a call where another object of their chunk (group id) was refused (seals aside)."""
     torn: set[str] = set()
     for call in put_calls:
         if call.group_ids is None:
             continue
-        refused = {
-            gid
-            for key, gid in zip(call.keys, call.group_ids, strict=True)
-            if gid and put(key) not in (0, -705)
-        }
-        torn |= {
-            key
-            for key, gid in zip(call.keys, call.group_ids, strict=True)
-            if put(key) == 0 and gid in refused
-        }
+        objects = [(key, gid) for key, gid in zip(call.keys, call.group_ids, strict=True) if not is_seal_key(key)]
+        refused = {gid for key, gid in objects if gid and put(key) not in (0, -705)}
+        torn |= {key for key, gid in objects if put(key) == 0 and gid in refused}
     return torn
 
 
@@ -99,9 +93,10 @@ def _chunk_hex(name: str) -> str:
     budget=st.integers(1, 8),
     group_semantics=st.booleans(),
     store_has_group_ids=st.booleans(),
+    sealed=st.booleans(),
 )
 def test_put_calls_stay_aligned_and_every_record_ends_once(
-    scenario, exist_script, put_script, budget, group_semantics, store_has_group_ids
+    scenario, exist_script, put_script, budget, group_semantics, store_has_group_ids, sealed
 ):
     fixture, requests = scenario
     exist, put = by_first_sight(exist_script), by_first_sight(put_script)
@@ -109,7 +104,9 @@ def test_put_calls_stay_aligned_and_every_record_ends_once(
     params = PutParams(max_buffers_per_call=budget, backoff_initial_s=0, backoff_max_s=0)
 
     async def save():
-        return await run_save_path(fixture.kv, store, requests, group_semantics=group_semantics, put=params)
+        return await run_save_path(
+            fixture.kv, store, requests, group_semantics=group_semantics, put=params, sealed=sealed
+        )
 
     run = anyio.run(save)
 
@@ -119,7 +116,13 @@ def test_put_calls_stay_aligned_and_every_record_ends_once(
         assert len(call.ptrs) == len(call.sizes) == len(call.keys) == len(set(call.keys))
         assert sum(len(ptrs) for ptrs in call.ptrs) <= budget
         assert call.group_ids is None or len(call.group_ids) == len(call.keys)
+        if sealed:  # each object's seal right after it, one buffer, in its chunk's group
+            assert call.keys[1::2] == [seal_key(key) for key in call.keys[0::2]]
+            assert all(sizes == [SEAL_SIZE] for sizes in call.sizes[1::2])
+            assert call.group_ids is None or call.group_ids[1::2] == call.group_ids[0::2]
         for i, key in enumerate(call.keys):
+            if is_seal_key(key):
+                continue
             record = by_key[key]
             assert call.ptrs[i] == [b.address for b in record.buffers]
             assert call.sizes[i] == [b.size for b in record.buffers]
@@ -127,13 +130,13 @@ def test_put_calls_stay_aligned_and_every_record_ends_once(
                 assert call.group_ids[i] == record.group_id
                 assert _chunk_hex(call.group_ids[i]) == _chunk_hex(key) == record.chunk_hash.hex()
 
-    put_keys = store.put_keys
+    put_keys = [key for key in store.put_keys if not is_seal_key(key)]
     assert not {key for key in put_keys if exist(key) != 0}, "put a key the store had or could not vouch for"
     torn = _torn(store.put_calls, put)
     assert sorted(store.inner.removed) == sorted(torn), "removed exactly the stored objects of torn chunks"
     for request in requests:
         expected = Counter(
-            "failed" if r.key in torn else _outcome(r.key, len(r.buffers), exist, put, budget)
+            "failed" if r.key in torn else _outcome(r.key, len(r.buffers) + sealed, exist, put, budget)
             for r in run.records
             if r.request_id == request.request_id
         )

@@ -42,6 +42,7 @@ from dataclasses import dataclass, field
 
 import anyio
 import structlog
+import xxhash
 from hypothesis import HealthCheck, given, seed, settings
 from hypothesis import strategies as st
 
@@ -58,6 +59,7 @@ from kvpipe.stages import (
     group_id,
     object_key,
 )
+from kvpipe.stages.integrity import SEAL_SIZE, Seal, is_seal_key, seal_key, sealed_key
 
 from .kv_fixtures import FULL, RING, KVFixture, make_kv
 
@@ -106,6 +108,13 @@ class CheckedStore(MemoryStore):
         """key -> (size, group id) of every object stored now."""
         with self._lock:
             return {key: (len(obj.data), obj.group) for key, obj in self._objects.items()}
+
+
+def read_seal(store: MemoryStore, key: str) -> Seal | None:
+    destination = bytearray(SEAL_SIZE)
+    address = ctypes.addressof((ctypes.c_char * SEAL_SIZE).from_buffer(destination))
+    (result,) = store.batch_get_into_multi_buffers([seal_key(key)], [[address]], [[SEAL_SIZE]])
+    return Seal.unpack(bytes(destination)) if result == SEAL_SIZE else None
 
 
 # -- the workload ------------------------------------------------------------------------
@@ -263,6 +272,8 @@ def expected_group_fn(fixture: KVFixture, grouped: bool):
     namespace = fixture.kv.shards[0].namespace
 
     def expected(key: str) -> str | None:
+        """A seal's group is its object's."""
+        key = sealed_key(key) if is_seal_key(key) else key
         return group_id(namespace, bytes.fromhex(key.rsplit("@", 1)[1])) if grouped else None
 
     return expected
@@ -418,7 +429,9 @@ def test_fault_matrix_jobs_end_counts_add_up_and_bytes_survive(scenario: Scenari
     # No object under another object's group id, at put time or now.
     assert store.wrong_groups == []
     held = store.held()
-    for key, (_, group) in held.items():
+    seals = {sealed_key(key): value for key, value in held.items() if is_seal_key(key)}
+    held = {key: value for key, value in held.items() if not is_seal_key(key)}
+    for key, (_, group) in [*held.items(), *seals.items()]:
         assert group == expected_group(key), key
 
     # One true value per key, and what was reported stored is there unless evicted.
@@ -441,6 +454,14 @@ def test_fault_matrix_jobs_end_counts_add_up_and_bytes_survive(scenario: Scenari
         else:
             assert key in poisoned, f"{key}: stored {size} bytes, saved {len(want)}"
             assert result < 0, f"{key}: a read of the wrong size returned {result}"
+
+    # A seal only ever vouches for its object's true bytes, and only sits beside a saved key.
+    assert set(seals) <= set(seen.records)
+    for key in seals.keys() & held.keys() - poisoned.keys():
+        seal = read_seal(store, key)
+        want = source_bytes(seen.records[key])
+        assert seal is not None and seal.size == len(want), key
+        assert seal.checksum == xxhash.xxh3_64_intdigest(want), key
 
     # The load path, get faults back on: a block is either reported failed or exact.
     store.faults = faults

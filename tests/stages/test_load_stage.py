@@ -19,6 +19,7 @@ from kvpipe.stages import (
     LoadRequest,
     LoadStage,
     default_load_graph,
+    is_seal_key,
     object_key,
 )
 
@@ -41,6 +42,14 @@ class GetRecorder:
     def batch_get_into_multi_buffers(self, keys, ptrs, sizes):
         self.calls.append((list(keys), [list(s) for s in sizes]))
         return self.inner.batch_get_into_multi_buffers(keys, ptrs, sizes)
+
+    def __getattr__(self, name):  # the rest of the store (seal memory registration, removal)
+        return getattr(self.inner, name)
+
+    @property
+    def object_keys(self):
+        """Each call's keys but the seals read beside them."""
+        return [[key for key in keys if not is_seal_key(key)] for keys, _ in self.calls]
 
     @property
     def buffers_per_call(self):
@@ -203,36 +212,53 @@ async def test_one_get_call_serves_every_request_of_the_batch():
         _load_request(second, end=16, blocks=(13,), request_id="b"),
     )
 
-    assert len(recording.calls) == 1 and len(recording.calls[0][0]) == 3
+    assert [len(keys) for keys in recording.object_keys] == [3]
     assert [emit.counts["loaded"] for emit in emits] == [2, 1]
     assert failed == {"a": frozenset(), "b": frozenset()}
 
 
-async def test_calls_stay_within_the_buffer_budget_and_keep_a_chunk_together():
+@pytest.mark.parametrize(
+    ("integrity", "budget", "buffers"),
+    [("off", 10, 8), ("verify", 12, 12)],  # with seals, each of a chunk's 4 objects reads one more
+)
+async def test_calls_stay_within_the_buffer_budget_and_keep_a_chunk_together(integrity, budget, buffers):
     source, store, saved = await _saved(TWO_GROUPS, shards=2)  # a chunk: 2 groups x 2 shards x 2 layers
     target = make_kv(TWO_GROUPS, shards=2, seed=1)
     recording = GetRecorder(store)
 
-    (emit,), _ = await _load(target.kv, recording, _load_request(saved), max_buffers_per_call=10)
+    (emit,), _ = await _load(
+        target.kv, recording, _load_request(saved), max_buffers_per_call=budget, integrity=integrity
+    )
 
-    assert recording.buffers_per_call == [8, 8, 8]
-    assert [{key.rsplit("@", 1)[1] for key in keys} for keys, _ in recording.calls] == [
+    assert recording.buffers_per_call == [buffers] * 3
+    assert [{key.rsplit("@", 1)[1] for key in keys} for keys in recording.object_keys] == [
         {h.hex()} for h in saved.block_hashes
     ]
     assert emit.counts["loaded"] == 12 and all(_moved(source, target, groups=(0, 2), shards=2).values())
 
 
-async def test_a_record_over_the_budget_on_its_own_fails_without_being_sent():
+@pytest.mark.parametrize(
+    ("integrity", "budget", "message"),
+    [
+        ("off", 1, "2 buffers exceed max_buffers_per_call=1; not sent"),
+        ("verify", 2, "3 buffers exceed max_buffers_per_call=2; not sent"),  # its seal is one more
+    ],
+)
+async def test_a_record_over_the_budget_on_its_own_fails_without_being_sent(integrity, budget, message):
     _, store, saved = await _saved([FULL], shards=1)  # 2 layers: 2 buffers per record
     recording = GetRecorder(store)
 
     (emit,), failed = await _load(
-        make_kv([FULL], seed=1).kv, recording, _load_request(saved), max_buffers_per_call=1
+        make_kv([FULL], seed=1).kv,
+        recording,
+        _load_request(saved),
+        max_buffers_per_call=budget,
+        integrity=integrity,
     )
 
     assert recording.calls == []
     assert emit.counts["failed"] == 3
-    assert "2 buffers exceed max_buffers_per_call=1; not sent" in str(emit.failures[0])
+    assert message in str(emit.failures[0])
     assert failed == {"req-1": frozenset(TARGET_BLOCKS)}
 
 
@@ -248,7 +274,7 @@ async def test_two_requests_loading_the_same_chunk_never_share_a_call_but_both_l
         _load_request(saved, end=16, blocks=(11,), request_id="b"),
     )
 
-    assert [len(keys) for keys, _ in recording.calls] == [1, 1]
+    assert [len(keys) for keys in recording.object_keys] == [1, 1]
     assert [emit.counts["loaded"] for emit in emits] == [1, 1]
     assert target.block_bytes(0, 0, 10) == target.block_bytes(0, 0, 11) == source.block_bytes(0, 0, 1)
 

@@ -8,7 +8,8 @@ drops an element of one list but not of the other.
 from dataclasses import replace
 
 from kvpipe.connector.store.memory import MemoryStore
-from kvpipe.stages import GroupKind, GroupSpec, object_key, storable_groups
+from kvpipe.stages import GroupKind, GroupSpec, object_key, seal_key, storable_groups
+from kvpipe.stages.keys import key_chunk_hex, sealed_key
 
 from .kv_fixtures import RING, bytes_of, empty_bytes, make_kv, make_request
 from .save_path import run_save_path
@@ -18,8 +19,13 @@ BIG = GroupSpec(GroupKind.FULL_ATTENTION, block_size=32)
 
 
 def _own_group_id(key: str) -> str:
-    """The group id a key's object must carry: the one of the chunk hash at the key's end."""
-    return "vllm-mooncake-store:tiny-llama@" + key.rsplit("@", 1)[1]
+    """The group id a key's object (or its seal) must carry: the one of the chunk hash at the key's end."""
+    return "vllm-mooncake-store:tiny-llama@" + key_chunk_hex(key)
+
+
+def _with_seals(keys: list[str]) -> list[str]:
+    """What a put call names for these objects: each followed by its seal."""
+    return [name for key in keys for name in (key, seal_key(key))]
 
 
 async def test_tail_path_with_the_first_object_stored_puts_the_other_two_each_with_its_own_group_id():
@@ -33,7 +39,7 @@ async def test_tail_path_with_the_first_object_stored_puts_the_other_two_each_wi
 
     assert store.exist_answers == [[1, 0, 0]]
     (call,) = store.put_calls
-    assert call.keys == [r.key for r in run.records[1:]]
+    assert call.keys == _with_seals([r.key for r in run.records[1:]])
     assert call.group_ids == [_own_group_id(key) for key in call.keys]
     assert run.counts["existing"] == 1 and run.counts["put"] == 2
 
@@ -48,7 +54,7 @@ async def test_full_path_with_the_first_object_stored_puts_the_other_two_each_wi
 
     assert store.exist_answers == [[1, 0, 0]]
     (call,) = store.put_calls
-    assert call.keys == [r.key for r in run.records[1:]]
+    assert call.keys == _with_seals([r.key for r in run.records[1:]])
     assert call.group_ids == [_own_group_id(key) for key in call.keys]
     assert len(set(call.group_ids)) == 2
     assert run.counts["existing"] == 1 and run.counts["put"] == 2
@@ -65,9 +71,9 @@ async def test_a_filter_batch_mixing_requests_puts_each_missing_object_with_its_
 
     assert store.exist_answers == [[1, 0, 0]]
     (call,) = store.put_calls
-    assert call.keys == [r.key for r in run.records[1:]]
+    assert call.keys == _with_seals([r.key for r in run.records[1:]])
     assert call.group_ids == [_own_group_id(key) for key in call.keys]
-    assert call.group_ids == [run.record(key).group_id for key in call.keys]
+    assert call.group_ids == [run.record(sealed_key(key)).group_id for key in call.keys]
     assert len(set(call.group_ids)) == 2
 
 

@@ -69,14 +69,16 @@ def reference() -> dict[int, list[list[int]]]:
     """Greedy outputs of an engine WITHOUT a connector, per prompt seed."""
     llm = engine.make_llm(None)
     try:
-        return {seed: engine.generate(llm, engine.prompts(seed))["tokens"] for seed in range(1, 8)}
+        seeds = (*range(1, 8), *range(61, 67))  # 61-66: the integrity tests'
+        return {seed: engine.generate(llm, engine.prompts(seed))["tokens"] for seed in seeds}
     finally:
         launch.close_llm(llm)
 
 
-def stored_keys(master: LocalMaster) -> list[str]:
+def stored_keys(master: LocalMaster, *, seals: bool = False) -> list[str]:
+    """The objects' keys the master holds; with ``seals``, their seals' too."""
     assert master.endpoints is not None
-    return launch.stored_keys(master.endpoints)
+    return launch.stored_keys(master.endpoints, seals=seals)
 
 
 def wait_for_keys(master: LocalMaster, count: int, timeout_s: float = 20.0) -> list[str]:

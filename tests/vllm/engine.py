@@ -70,3 +70,29 @@ def run_engine_process(
     """A new engine process on the tiny model: each command's answer, in order."""
     with EngineProcess({"model": str(MODEL_DIR), "transfer": dict(transfer)}, env) as process:
         return [process.call(command) for command in commands]
+
+
+def stored_by(llm: Any, batch: list[list[int]]) -> tuple[dict[str, Any], list[Any]]:
+    """One pass over ``batch``, its saves drained: the pass and the records it put, first put first."""
+    before = len(worker(llm).observed)
+    result = generate(llm, batch)
+    assert worker(llm).drain(10.0)
+    records = [
+        record for record, status in list(worker(llm).observed)[before:] if status.value == "put"
+    ]
+    return result, records
+
+
+def overwrite(holder: Any, keys: list[str], value: Any) -> None:
+    """Replace each object under ``keys`` with the bytes of ``value`` (a uint8 tensor)."""
+    size = value.numel()
+    assert holder.register_buffer(value.data_ptr(), size) == 0
+    try:
+        for key in keys:
+            assert holder.remove(key, force=True) == 0
+        codes = holder.batch_put_from(
+            keys, [value.data_ptr()] * len(keys), [size] * len(keys), holder.new_replicate_config()
+        )
+        assert codes == [0] * len(keys)
+    finally:
+        holder.unregister_buffer(value.data_ptr())

@@ -20,7 +20,6 @@ from kvpipe.connector.bench.launch import close_llm, kvpipe_transfer
 from kvpipe.connector.store.mooncake import MooncakeStore
 
 from . import engine
-from .test_connector import stored_by
 
 GENERATION_BOUND_S = 120  # a pass that loops (lookup, load, fail, ...) never ends: this ends the test
 
@@ -52,7 +51,7 @@ def bounded(seconds: int) -> Iterator[None]:
 
 def test_async_loads_serve_a_reload(llm: Any) -> None:
     batch = engine.prompts(21)
-    first, _ = stored_by(llm, batch)
+    first, _ = engine.stored_by(llm, batch)
     assert llm.reset_prefix_cache()
     asked, sync = engine.scheduler(llm).stats["lookup_hit_tokens"], engine.scheduler(llm).stats["loads_sync"]
     second = engine.generate(llm, batch)
@@ -65,7 +64,7 @@ def test_async_loads_serve_a_reload(llm: Any) -> None:
 def test_requests_sharing_a_prefix_load_it_once(llm: Any) -> None:
     """Four requests, one stored prefix: one load; the other three hit it in vLLM's own prefix cache."""
     batch = engine.family(22, 4)
-    first, _ = stored_by(llm, batch)
+    first, _ = engine.stored_by(llm, batch)
     assert llm.reset_prefix_cache()
     loads, deferred = engine.worker(llm).stats["loads"], engine.scheduler(llm).stats["lookups_deferred"]
     spared = engine.scheduler(llm).stats["loads_spared"]
@@ -83,7 +82,7 @@ def test_a_stale_hit_recomputes_once_and_never_loops(
 ) -> None:
     """The objects vanish between the lookup and the load (evicted, a master restarted)."""
     batch = engine.prompts(23)
-    first, records = stored_by(llm, batch)
+    first, records = engine.stored_by(llm, batch)
     keys = sorted({r.key for r in records})
     assert keys
     side = engine.scheduler(llm)

@@ -14,6 +14,7 @@ import pytest
 
 from kvpipe.connector.bench.launch import close_llm, kvpipe_transfer
 from kvpipe.connector.store.mooncake import MooncakeStore
+from kvpipe.stages import seal_key
 
 from . import engine
 
@@ -30,40 +31,14 @@ def llm(store_section: dict[str, Any], reference: dict[int, list[list[int]]]) ->
     close_llm(instance)
 
 
-def stored_by(llm: Any, batch: list[list[int]]) -> tuple[dict[str, Any], list[Any]]:
-    """One pass over ``batch``, its saves drained: the pass and the records it put, first put first."""
-    before = len(engine.worker(llm).observed)
-    result = engine.generate(llm, batch)
-    assert engine.worker(llm).drain(10.0)
-    records = [
-        record for record, status in list(engine.worker(llm).observed)[before:] if status.value == "put"
-    ]
-    return result, records
-
-
-def overwrite(holder: MooncakeStore, keys: list[str], value: Any) -> None:
-    """Replace each object under ``keys`` with the bytes of ``value`` (a uint8 tensor)."""
-    size = value.numel()
-    assert holder.register_buffer(value.data_ptr(), size) == 0
-    try:
-        for key in keys:
-            assert holder.remove(key, force=True) == 0
-        codes = holder.batch_put_from(
-            keys, [value.data_ptr()] * len(keys), [size] * len(keys), holder.new_replicate_config()
-        )
-        assert codes == [0] * len(keys)
-    finally:
-        holder.unregister_buffer(value.data_ptr())
-
-
 def test_second_pass_loads_the_stored_prefix(llm: Any, reference: dict[int, list[list[int]]]) -> None:
     batch = engine.prompts(1)
-    first, records = stored_by(llm, batch)
+    first, records = engine.stored_by(llm, batch)
     assert first["cached"] == [0, 0]
     assert len({r.key for r in records}) == PER_BATCH
     loaded_before = engine.worker(llm).stats["chunks_loaded"]
     assert llm.reset_prefix_cache()
-    second, again = stored_by(llm, batch)
+    second, again = engine.stored_by(llm, batch)
     assert again == []  # what was loaded is not offered again
     print("pass 1", first["seconds"], "s; pass 2", second["seconds"], "s, cached", second["cached"])
     assert second["cached"] == [engine.FULL_HIT, engine.FULL_HIT]
@@ -73,24 +48,28 @@ def test_second_pass_loads_the_stored_prefix(llm: Any, reference: dict[int, list
 
 
 def test_loaded_kv_is_really_used(llm: Any, holder: MooncakeStore) -> None:
-    """Overwrite the stored objects of a prompt with other bytes: the output changes."""
+    """Replace a prompt's objects with other bytes and no seals (as a writer without seals would):
+    they load unverified, and the output changes."""
     import torch
 
     batch = engine.prompts(2)
-    first, records = stored_by(llm, batch)
+    first, records = engine.stored_by(llm, batch)
     keys = list(dict.fromkeys(r.key for r in records))
     assert len(keys) == PER_BATCH
-    overwrite(holder, keys, torch.randint(0, 255, (records[0].size,), dtype=torch.uint8))
+    engine.overwrite(holder, keys, torch.randint(0, 255, (records[0].size,), dtype=torch.uint8))
+    assert all(holder.remove(seal_key(key), force=True) == 0 for key in keys)
     assert llm.reset_prefix_cache()
+    unverified_before = engine.worker(llm).stats["chunks_unverified"]
     second = engine.generate(llm, batch)
     assert second["cached"] == [engine.FULL_HIT, engine.FULL_HIT]
+    assert engine.worker(llm).stats["chunks_unverified"] - unverified_before == PER_BATCH
     assert second["tokens"] != first["tokens"]
 
 
 def test_group_semantics_tags_every_object_with_its_chunk(llm: Any) -> None:
     from kvpipe.stages import GROUP_ID_SCOPE
 
-    _, records = stored_by(llm, engine.prompts(41))
+    _, records = engine.stored_by(llm, engine.prompts(41))
     assert len(records) == PER_BATCH
     for record in records:
         assert record.group_id == f"{GROUP_ID_SCOPE}:tiny-llama@{record.chunk_hash.hex()}"
@@ -104,9 +83,9 @@ def test_a_failed_load_is_recomputed(
     import torch
 
     batch = engine.prompts(7)
-    _, records = stored_by(llm, batch)
+    _, records = engine.stored_by(llm, batch)
     keys = list(dict.fromkeys(r.key for r in records))
-    overwrite(holder, keys, torch.zeros(records[0].size // 2, dtype=torch.uint8))
+    engine.overwrite(holder, keys, torch.zeros(records[0].size // 2, dtype=torch.uint8))
     failed_before = engine.worker(llm).stats["chunks_load_failed"]
     assert llm.reset_prefix_cache()
     again = engine.generate(llm, batch)
@@ -117,7 +96,7 @@ def test_a_failed_load_is_recomputed(
 def test_on_an_idle_engine_a_reload_loads_before_the_forward_and_once_per_shared_prefix(llm: Any) -> None:
     """No running request would wait for the load: its requests compute in the step that loads it."""
     batch = engine.family(24, 4)
-    first, _ = stored_by(llm, batch)
+    first, _ = engine.stored_by(llm, batch)
     assert llm.reset_prefix_cache()
     scheduled, worked = Counter(engine.scheduler(llm).stats), Counter(engine.worker(llm).stats)
     second = engine.generate(llm, batch)
@@ -138,7 +117,7 @@ def test_the_lookups_of_one_scheduling_step_are_one_store_call(llm: Any) -> None
 
 def test_each_saved_object_is_one_buffer(llm: Any) -> None:
     """The worker stages blocks object-major: one buffer per object, not one per layer."""
-    _, records = stored_by(llm, engine.prompts(42))
+    _, records = engine.stored_by(llm, engine.prompts(42))
     assert len(records) == PER_BATCH
     assert {len(record.buffers) for record in records} == {1}
     assert {record.size for record in records} == {2 * 64 * 1024}  # two layers' 64 KiB blocks

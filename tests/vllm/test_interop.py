@@ -46,6 +46,7 @@ def test_objects_are_interchangeable_with_vllm_mooncake_connector(
     llm = engine.make_llm(kvpipe)
     try:
         back = engine.generate(llm, engine.prompts(4))
+        unverified = engine.worker(llm).stats["chunks_unverified"]  # vLLM's connector writes no seals
     finally:
         close_llm(llm)
     print(
@@ -59,3 +60,4 @@ def test_objects_are_interchangeable_with_vllm_mooncake_connector(
     )
     assert back["cached"] == [engine.FULL_HIT, engine.FULL_HIT]
     assert back["tokens"] == reference[4] == own["tokens"]
+    assert unverified == PER_BATCH

@@ -32,7 +32,6 @@ import pytest
 from kvpipe.connector.bench import launch
 
 from . import engine
-from .test_connector import stored_by
 
 PROMPT_TOKENS = 1400
 MAX_TOKENS = 8
@@ -171,7 +170,7 @@ def test_the_engine_has_the_kv_cache_groups_of_its_kind(kvpipe: Engine) -> None:
 
 def test_a_reset_engine_loads_every_stored_chunk_with_identical_outputs(kvpipe: Engine) -> None:
     batch = prompts(31)
-    first, records = stored_by(kvpipe.llm, batch)
+    first, records = engine.stored_by(kvpipe.llm, batch)
     assert first["cached"] == [0, 0]
     assert len({r.key for r in records}) == 2 * kvpipe.objects_per_prompt
     assert kvpipe.llm.reset_prefix_cache()
@@ -185,7 +184,7 @@ def test_a_reset_engine_loads_every_stored_chunk_with_identical_outputs(kvpipe: 
 
 def test_vllms_connector_and_kvpipe_load_what_the_other_stored(kvpipe: Engine, mooncake_json: Path) -> None:
     ours, theirs = prompts(32), prompts(33)
-    stored, _ = stored_by(kvpipe.llm, ours)
+    stored, _ = engine.stored_by(kvpipe.llm, ours)
     gen = [{"generate": batch, "max_tokens": MAX_TOKENS} for batch in (ours, theirs)]
     hit, own, _ = vllm_connector(kvpipe.kind, mooncake_json, [*gen, {"sleep": 1}])
     print(
@@ -215,6 +214,6 @@ def test_a_burst_over_shared_prefixes_stores_every_whole_block(kvpipe: Engine) -
     ]
     size = kvpipe.block_size
     whole_prefixes = {tuple(p[:end]) for p in batch for end in range(size, len(p) + 1, size)}
-    _, records = stored_by(kvpipe.llm, batch)
+    _, records = engine.stored_by(kvpipe.llm, batch)
     assert engine.worker(kvpipe.llm).stats["saves_dropped_no_staging"] == 0
     assert len({r.key for r in records}) == len(whole_prefixes)

@@ -341,3 +341,22 @@ def test_with_partial_hits_the_prompts_tail_is_offered_once_on_the_step_that_rea
         request.num_computed_tokens += scheduled
 
     assert planned == [(32, False, 32), (40, True, 40)]
+
+
+def test_a_failed_sync_load_is_counted_and_what_the_engine_recomputes_is_saved_again() -> None:
+    """A sync load's blocks failed (e.g. refused by their seals): vLLM recomputes them, kvpipe stores them anew."""
+    idle = make_harness()
+    idle.store_chunks(4)
+    request = idle.request("a")
+    assert idle.admit(request) == 4 * BLOCK
+    request.num_computed_tokens = 4 * BLOCK  # vLLM's view while the load is planned: loaded = computed
+    assert plan_saves(idle.side, request, PROMPT - 4 * BLOCK) == []  # nothing new to save yet
+
+    idle.side.update_connector_output(
+        SimpleNamespace(finished_recving=set(), failed_recving=set(), invalid_block_ids={10})
+    )
+    request.num_computed_tokens = 0  # vLLM recomputes from the first failed block
+    saves = plan_saves(idle.side, request, PROMPT)
+
+    assert idle.side.stats["loads_failed"] == 1
+    assert [(save.num_saved_tokens, save.num_computed_tokens) for save in saves] == [(0, PROMPT)]

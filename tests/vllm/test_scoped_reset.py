@@ -18,10 +18,12 @@ from . import engine
 from .conftest import stored_keys
 
 CHUNKS = 2 * engine.FULL_HIT // engine.BLOCK  # objects of one pass over two prompts
+KEYS = 2 * CHUNKS  # each object with its seal
 
 
 def keys_of(master: LocalMaster, prefix: str) -> list[str]:
-    return [key for key in stored_keys(master) if key.startswith(f"{prefix}@tiny-llama@")]
+    """A deployment's keys: its objects and their seals."""
+    return [key for key in stored_keys(master, seals=True) if key.startswith(f"{prefix}@tiny-llama@")]
 
 
 @pytest.fixture(scope="module")
@@ -55,12 +57,12 @@ def test_the_reset_succeeds(reset_run: dict[str, Any]) -> None:
 
 
 def test_the_reset_removes_every_object_of_its_own_deployment(reset_run: dict[str, Any]) -> None:
-    assert reset_run["before"]["scoped-b"] == CHUNKS
-    assert reset_run["after"]["scoped-b"] == 0
+    assert reset_run["before"]["scoped-b"] == KEYS
+    assert reset_run["after"]["scoped-b"] == 0  # seals too
 
 
 def test_the_reset_leaves_another_deployment_on_the_same_master_whole(reset_run: dict[str, Any]) -> None:
-    assert reset_run["before"]["scoped-a"] == reset_run["after"]["scoped-a"] == CHUNKS
+    assert reset_run["before"]["scoped-a"] == reset_run["after"]["scoped-a"] == KEYS
 
 
 def test_after_the_reset_the_deployment_recomputes_what_it_had_stored(reset_run: dict[str, Any]) -> None:

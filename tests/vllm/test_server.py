@@ -23,6 +23,7 @@ from vllm.distributed.kv_events import BlockRemoved, BlockStored
 from kvpipe.connector.bench import launch
 from kvpipe.connector.store.mooncake import MooncakeStore
 from kvpipe.connector.store.mooncake.master import LocalMaster
+from kvpipe.stages.integrity import SEAL_SIZE
 from kvpipe.stages.keys import key_chunk_hex
 
 from . import engine
@@ -271,9 +272,10 @@ def test_kvpipe_save_counts_agree_with_the_master(runs: Runs) -> None:
     stored = len(runs.first.keys)
     assert stored > 0
     assert scrape.total("kvpipe:objects_total", status="put") == stored
-    assert scrape.total("kvpipe:store_operation_keys_total", operation="put", status="ok") == stored
+    # each object goes with its seal
+    assert scrape.total("kvpipe:store_operation_keys_total", operation="put", status="ok") == 2 * stored
     assert scrape.total("kvpipe:store_operation_bytes_total", operation="put", status="ok") == (
-        stored * OBJECT_BYTES
+        stored * (OBJECT_BYTES + SEAL_SIZE)
     )
     assert scrape.total("kvpipe:objects_total", status="failed") == 0
     assert scrape.total("kvpipe:store_operation_failed_keys_total") == 0
@@ -285,7 +287,8 @@ def test_kvpipe_lookup_counts_agree_with_vllm_after_the_restart(runs: Runs) -> N
     assert scrape.total("kvpipe:lookup_hit_tokens_total") == runs.second.external_hits
     chunks = runs.second.external_hits // engine.BLOCK  # one object per block: one store group
     assert scrape.total("kvpipe:chunks_loaded_total") == chunks
-    assert scrape.total("kvpipe:store_operation_keys_total", operation="get", status="ok") == chunks
+    assert scrape.total("kvpipe:store_operation_keys_total", operation="get", status="ok") == 2 * chunks
+    assert scrape.total("kvpipe:chunks_verified_total") == chunks
     assert scrape.total("kvpipe:loads_total") == len(PROMPT_LENGTHS)
     assert scrape.total("kvpipe:objects_total", status="put") == 0  # nothing new to store
 

@@ -15,7 +15,7 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationInfo, field_validat
 
 from kvpipe.connector.store.configs import MemoryStoreConfig, StoreConfig
 from kvpipe.pipeline import WhenFull
-from kvpipe.stages import MAX_BUFFERS_PER_CALL, GroupKind, GroupSpec, StrictFlag, project_groups
+from kvpipe.stages import MAX_BUFFERS_PER_CALL, GroupKind, GroupSpec, Integrity, StrictFlag, project_groups
 from kvpipe.stages.projection import MAMBA_ALIGN_MODE, savable_mode
 
 #: A positive whole number as written: ``true`` or ``"8"`` is an error, not 1 or 8.
@@ -113,6 +113,8 @@ class SaveConfig(_Section):
     max_buffers_per_call: Count = MAX_BUFFERS_PER_CALL
     queue_capacity: Count = 1024
     when_full: WhenFull = WhenFull.WAIT
+    #: seal every object put (its checksum and fingerprint beside it); off: sizes only
+    integrity: Integrity = Integrity.VERIFY
 
 
 class RunConfig(_Section):

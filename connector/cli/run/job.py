@@ -187,6 +187,7 @@ def _save_graph(config: RunConfig, kv: KVCache, store: Store, observer: Any) -> 
             enable_group_semantics=config.save.enable_group_semantics,
             max_buffers_per_call=config.save.max_buffers_per_call,
             observer=observer,
+            integrity=config.save.integrity,
         )
     return build_graph(config.pipeline, KV_STAGES, {"kv": kv, "store": store, "observer": observer})
 

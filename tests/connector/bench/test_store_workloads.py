@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 
 from kvpipe.connector.bench import BenchOptions, workload_runner
-from kvpipe.connector.bench.kvbench import BenchCache, BenchError, PipelineContender
+from kvpipe.connector.bench.kvbench import UNSEALED, BenchCache, BenchError, PipelineContender
 from kvpipe.connector.cli.main import main
 from kvpipe.connector.store.memory import Faults, MemoryStore
 
@@ -26,9 +26,9 @@ def options(tmp_path):
 @pytest.mark.parametrize(
     ("workload", "contenders"),
     [
-        ("local", {"raw", "pipeline"}),
-        ("tcp", {"raw multi-buffer", "raw single-buffer", "pipeline"}),
-        ("small-requests", {"sequential", "raw batched", "pipeline"}),
+        ("local", {"raw", "pipeline", UNSEALED}),
+        ("tcp", {"raw multi-buffer", "raw single-buffer", "pipeline", UNSEALED}),
+        ("small-requests", {"sequential", "raw batched", "pipeline", UNSEALED}),
     ],
 )
 def test_a_store_workload_times_every_contender_and_states_its_targets(workload, contenders, options):

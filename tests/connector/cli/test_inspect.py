@@ -4,12 +4,17 @@ A module master holds a known store: model ``alpha`` (two tp ranks x two store
 groups, four chunks, the last missing one shard), ``alpha`` under another cache
 prefix, model ``beta`` and two keys in no kvpipe format. Tests only read it; a
 test that changes a store starts a master of its own.
+
+``--verify`` tests each start a master with two store nodes holding model
+``gamma``'s sealed objects (:data:`GAMMA`, random bytes, each with its seal).
 """
 
 from __future__ import annotations
 
 import ctypes
+import itertools
 import json
+import random
 import subprocess
 import sys
 import time
@@ -21,13 +26,15 @@ import pytest
 import yaml
 
 from kvpipe.connector.bench.launch import segment_holder
+from kvpipe.connector.cli import inspect
 from kvpipe.connector.cli.inspect import AdminClient, InspectError, build_report, check_master, find_admin
 from kvpipe.connector.cli.main import main
 from kvpipe.connector.store.mooncake import MooncakeSettings, MooncakeStore
 from kvpipe.connector.store.mooncake.cluster import LocalCluster
 from kvpipe.connector.store.mooncake.master import LocalMaster, MasterEndpoints, free_port, is_listening
 from kvpipe.connector.store.mooncake.master_address import MasterAddress
-from kvpipe.stages import KeyNamespace, group_id, object_key
+from kvpipe.stages import KeyNamespace, group_id, object_key, seal_key
+from kvpipe.stages.integrity import SEAL_SIZE, seal_of
 from kvpipe.stages.keys import parse_object_key
 
 pytestmark = pytest.mark.mooncake
@@ -56,9 +63,8 @@ ALL = {**ALPHA, **TENANT, **BETA, **FOREIGN}
 
 
 @dataclass(frozen=True)
-class Live:
+class Master:
     endpoints: MasterEndpoints
-    segment: str
 
     @property
     def admin(self) -> str:
@@ -67,6 +73,11 @@ class Live:
     @property
     def client(self) -> AdminClient:
         return AdminClient(self.endpoints.host, self.endpoints.metrics_port)
+
+
+@dataclass(frozen=True)
+class Live(Master):
+    segment: str
 
 
 def _writer(endpoints: MasterEndpoints) -> MooncakeStore:
@@ -80,20 +91,27 @@ def _writer(endpoints: MasterEndpoints) -> MooncakeStore:
     return MooncakeStore.open(settings)
 
 
-def _put(store: MooncakeStore, objects: Mapping[str, int], group_ids: Sequence[str] | None = None) -> None:
-    buffer = ctypes.create_string_buffer(max(objects.values()))
-    address = ctypes.addressof(buffer)
-    assert store.register_buffer(address, len(buffer)) == 0
+def _zeros(objects: Mapping[str, int]) -> dict[str, bytes]:
+    return {key: bytes(size) for key, size in objects.items()}
+
+
+def _put(store: MooncakeStore, objects: Mapping[str, bytes], group_ids: Sequence[str] | None = None) -> None:
+    """Put each of ``objects`` (key -> its bytes) in one call."""
+    sizes = [len(data) for data in objects.values()]
+    buffer = ctypes.create_string_buffer(b"".join(objects.values()), sum(sizes))
+    base = ctypes.addressof(buffer)
+    assert store.register_buffer(base, len(buffer)) == 0
     try:
         config = store.new_replicate_config()
         if group_ids is not None:
             config.group_ids = list(group_ids)
+        offsets = itertools.accumulate(sizes[:-1], initial=0)
         codes = store.batch_put_from_multi_buffers(
-            list(objects), [[address]] * len(objects), [[size] for size in objects.values()], config
+            list(objects), [[base + offset] for offset in offsets], [[size] for size in sizes], config
         )
         assert codes == [0] * len(objects)
     finally:
-        store.unregister_buffer(address)
+        store.unregister_buffer(base)
 
 
 def _group_ids(objects: Mapping[str, int]) -> list[str]:
@@ -109,7 +127,7 @@ def live() -> Iterator[Live]:
     with LocalMaster() as master:
         assert master.endpoints is not None
         with segment_holder(master.endpoints, "64MB") as holder, _writer(master.endpoints) as writer:
-            _put(writer, ALL, _group_ids(ALL))
+            _put(writer, _zeros(ALL), _group_ids(ALL))
             yield Live(master.endpoints, holder.hostname())
 
 
@@ -199,7 +217,7 @@ def test_inspecting_refreshes_no_lease() -> None:
     with LocalMaster(lease_ttl_ms=60_000) as master:
         assert master.endpoints is not None
         with segment_holder(master.endpoints, "16MB"), _writer(master.endpoints) as writer:
-            _put(writer, keys)
+            _put(writer, _zeros(keys))
             admin = AdminClient(master.endpoints.host, master.endpoints.metrics_port)
             assert build_report(admin, "leased").objects == 3
             assert writer.batch_is_exist([second]) == [1]  # a client's read takes a 60 s lease
@@ -264,7 +282,7 @@ def test_json_is_the_reports_fields(live: Live, capsys: pytest.CaptureFixture[st
     assert set(report) == {
         "admin", "master", "model", "cache_prefix", "objects", "bytes", "replicas", "other_keys",
         "other_models", "unparsed_keys", "shards", "chunks", "bytes_by_chunk", "unexpected_objects",
-        "store_groups", "group_ids", "run", "nodes",
+        "store_groups", "group_ids", "run", "nodes", "seals", "verify",
     }  # fmt: skip
 
 
@@ -312,6 +330,7 @@ def _bad_inputs(live: Live, tmp_path: Path) -> list[tuple[list[str], str]]:
         yaml.safe_dump({"store": {"kind": "mooncake", "master": nowhere, "metadata_server": "P2PHANDSHAKE"}})
     )
     here = ["--metrics", live.admin]
+    master = live.endpoints.master_address
     return [
         (["--model", "gamma", *here], "--model: the store holds no object of model 'gamma'"),
         (here, "--model: is required"),
@@ -340,6 +359,18 @@ def _bad_inputs(live: Live, tmp_path: Path) -> list[tuple[list[str], str]]:
         (["--run", str(run), "--groups", "2", *here], "--groups: not with --run"),
         (["--run", str(run), "--model", "beta", *here], "--model: 'beta' is not the model of --run"),
         (["--run", str(run), "--cache-prefix", "x", *here], "--cache-prefix: 'x' is not the cache prefix"),
+        (["--model", "alpha", "--repair", *here], "--repair: only with --verify"),
+        (["--model", "alpha", "--verify", "--sample", "0", *here], "--sample: must be >= 1, got 0"),
+        (["--model", "alpha", "--verify", *here], "--verify: needs the store's client settings"),
+        (["--model", "alpha", "--verify", "--master", master, *here], "--metadata-server: is required"),
+        (
+            ["--model", "alpha", "--verify", "--master", master, "--metadata-server", "x", *here],
+            "--metadata-server: must be 'P2PHANDSHAKE' or a URL",
+        ),
+        (
+            ["--model", "alpha", "--verify", "--run", str(run), "--metadata-server", "P2PHANDSHAKE", *here],
+            "--metadata-server: only with --master",
+        ),
     ]
 
 
@@ -502,3 +533,209 @@ def test_inspect_with_the_run_config_counts_the_main_jobs_chunks_and_the_absent_
             total = job["chunks"]["total"]
             assert after["chunks"] == {"total": total, "complete": total - 2, "partial": 1, "absent": 1}
             assert after["objects"] == len(keys) - len(whole) - 1
+
+
+# -- verifying: the scrubber -----------------------------------------------------------------
+
+FINGERPRINT = bytes(range(16))
+GAMMA_HASHES = [bytes([0xA0 + n]) * 8 for n in range(3)]
+
+
+def _gamma() -> dict[str, bytes]:
+    """Three chunks of one store group on two tp ranks: six objects of random bytes."""
+    draw = random.Random(7)
+    return {
+        object_key(KeyNamespace("gamma", tp_rank=tp), 0, chunk_hash): draw.randbytes(4096)
+        for chunk_hash in GAMMA_HASHES
+        for tp in (0, 1)
+    }
+
+
+GAMMA = _gamma()
+
+
+def _seal(data: bytes, fingerprint: bytes = FINGERPRINT) -> bytes:
+    """The seal kvpipe's save path writes beside ``data`` (its checksum, by kvpipe's own function)."""
+    copy = ctypes.create_string_buffer(data, len(data))
+    return seal_of([ctypes.addressof(copy)], [len(data)], fingerprint).pack()
+
+
+def _sealed(objects: Mapping[str, bytes], fingerprint: bytes = FINGERPRINT) -> dict[str, bytes]:
+    """``objects`` and their seals, as one put call stores them."""
+    return {**objects, **{seal_key(key): _seal(data, fingerprint) for key, data in objects.items()}}
+
+
+@dataclass(frozen=True)
+class Sealed(Master):
+    writer: MooncakeStore
+
+    @property
+    def verify_args(self) -> list[str]:
+        """``kvpipe inspect --verify`` on ``gamma``, through --master."""
+        return [
+            "--master", self.endpoints.master_address,
+            "--metadata-server", self.endpoints.metadata_server,
+            "--metrics", self.admin,
+            "--model", "gamma", "--verify",
+        ]  # fmt: skip
+
+    def endpoint_of(self, key: str) -> str:
+        [replica] = self.client.replicas([key])[key]
+        return replica.endpoint
+
+
+@pytest.fixture
+def sealed() -> Iterator[Sealed]:
+    """A master of its own, two store nodes, and :data:`GAMMA` with its seals."""
+    with LocalMaster() as master:
+        assert master.endpoints is not None
+        endpoints = master.endpoints
+        with (
+            segment_holder(endpoints, "16MB"),
+            segment_holder(endpoints, "16MB"),
+            _writer(endpoints) as writer,
+        ):
+            _put(writer, _sealed(GAMMA))
+            yield Sealed(endpoints, writer)
+
+
+def _scrubbed(capsys: pytest.CaptureFixture[str], store: Sealed, *args: str) -> tuple[dict, str]:
+    """``kvpipe inspect --verify --json`` on ``gamma``: the report and stderr."""
+    code, out, err = _inspect(capsys, *store.verify_args, "--json", *args)
+    assert code == 0, err
+    return json.loads(out), err
+
+
+def _overwrite(store: Sealed, key: str) -> None:
+    """Other bytes of the same size under ``key``, its seal left as it was."""
+    assert store.writer.remove(key, force=True) == 0
+    _put(store.writer, {key: random.Random(1).randbytes(len(GAMMA[key]))})
+
+
+def test_a_seal_counts_as_a_seal_and_with_its_objects_model(sealed: Sealed) -> None:
+    delta = {object_key(KeyNamespace("delta"), 0, b"\x0d" * 8): b"d" * 512}
+    _put(sealed.writer, _sealed(delta))
+
+    report = build_report(sealed.client, "gamma")
+
+    assert (report.seals, report.seal_bytes) == (len(GAMMA), len(GAMMA) * SEAL_SIZE)
+    assert (report.objects, report.bytes) == (len(GAMMA), sum(map(len, GAMMA.values())))
+    assert vars(report.chunks) == {"total": 3, "complete": 3, "partial": 0, "absent": 0}
+    assert report.other_keys == 2 and report.unparsed_keys == 0
+    assert report.other_models == [("delta", "", 2)]  # its object and its seal
+    assert report.as_json()["seals"] == {"count": len(GAMMA), "bytes": len(GAMMA) * SEAL_SIZE}
+    assert report.verification is None and report.as_json()["verify"] is None
+
+
+def test_verify_finds_every_sealed_object_ok(sealed: Sealed, capsys: pytest.CaptureFixture[str]) -> None:
+    report, _ = _scrubbed(capsys, sealed)
+
+    verify = report["verify"]
+    assert (verify["objects"], verify["bytes"]) == (len(GAMMA), sum(map(len, GAMMA.values())))
+    assert [verify[name] for name in ("ok", "corrupt", "unverified", "unreadable")] == [len(GAMMA), 0, 0, 0]
+    assert verify["fingerprints"] == {FINGERPRINT.hex(): len(GAMMA)}
+    assert verify["repair"] is None
+    assert len(report["nodes"]) == 2
+    assert sum(node["verify"]["ok"] for node in report["nodes"]) == len(GAMMA)
+
+
+def test_an_overwritten_object_is_corrupt_on_its_node(
+    sealed: Sealed, capsys: pytest.CaptureFixture[str]
+) -> None:
+    damaged = sorted(GAMMA)[2]
+    _overwrite(sealed, damaged)
+
+    report, _ = _scrubbed(capsys, sealed)
+
+    verify = report["verify"]
+    assert (verify["ok"], verify["corrupt"]) == (len(GAMMA) - 1, 1)
+    assert verify["corrupt_keys"] == [damaged] and verify["corrupt_chunks"] == 1
+    corrupt = {node["endpoint"]: node["verify"]["corrupt"] for node in report["nodes"]}
+    assert corrupt[sealed.endpoint_of(damaged)] == 1 and sum(corrupt.values()) == 1
+
+
+def test_an_unsealed_object_is_unverified(sealed: Sealed, capsys: pytest.CaptureFixture[str]) -> None:
+    _put(sealed.writer, {object_key(KeyNamespace("gamma"), 0, b"\x0e" * 8): b"v" * 1024})  # as vLLM writes
+
+    report, _ = _scrubbed(capsys, sealed)
+
+    verify = report["verify"]
+    assert (verify["ok"], verify["unverified"], verify["corrupt"]) == (len(GAMMA), 1, 0)
+    assert verify["fingerprints"] == {FINGERPRINT.hex(): len(GAMMA)}
+
+
+def test_repair_removes_the_corrupt_chunks_objects_and_seals(
+    sealed: Sealed, capsys: pytest.CaptureFixture[str]
+) -> None:
+    chunk = [object_key(KeyNamespace("gamma", tp_rank=tp), 0, GAMMA_HASHES[0]) for tp in (0, 1)]
+    _overwrite(sealed, chunk[1])
+
+    repaired, _ = _scrubbed(capsys, sealed, "--repair")
+    again, _ = _scrubbed(capsys, sealed)
+
+    assert repaired["verify"]["repair"] == {"removed": 4, "failed": 0}  # two objects, two seals
+    assert set(sealed.client.keys()) == {*GAMMA, *map(seal_key, GAMMA)} - {*chunk, *map(seal_key, chunk)}
+    assert (again["verify"]["ok"], again["verify"]["corrupt"]) == (len(GAMMA) - 2, 0)
+
+
+def test_sample_reads_that_many_objects(sealed: Sealed, capsys: pytest.CaptureFixture[str]) -> None:
+    report, _ = _scrubbed(capsys, sealed, "--sample", "2")
+
+    verify = report["verify"]
+    assert (verify["sample"], verify["objects"], verify["ok"]) == (2, 2, 2)
+    assert verify["bytes"] == 2 * 4096
+    assert sum(sum(node["verify"].values()) for node in report["nodes"]) == 2
+
+
+def test_a_long_scrub_reads_in_bounded_calls_and_reports_progress(
+    sealed: Sealed, capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setattr(inspect, "SCRUB_CALL_BYTES", 2 * 4096)  # two objects a call
+    monkeypatch.setattr(inspect, "PROGRESS_EVERY", 2)
+
+    report, err = _scrubbed(capsys, sealed)
+
+    assert report["verify"]["ok"] == len(GAMMA)
+    assert err.splitlines() == [f"kvpipe inspect: verified {n} of {len(GAMMA)} objects" for n in (2, 4, 6)]
+
+
+def test_two_fingerprints_under_one_model_are_warned_of(
+    sealed: Sealed, capsys: pytest.CaptureFixture[str]
+) -> None:
+    other = {object_key(KeyNamespace("gamma"), 0, b"\x0f" * 8): b"o" * 4096}
+    _put(sealed.writer, _sealed(other, fingerprint=bytes(16)))
+
+    code, out, err = _inspect(capsys, *sealed.verify_args)
+
+    assert code == 0, err
+    assert f"verified      {len(GAMMA) + 1} objects" in out
+    assert f"fingerprints  {FINGERPRINT.hex()} {len(GAMMA)}; {bytes(16).hex()} 1" in out
+    assert "WARNING       2 configuration fingerprints under one model name" in out
+
+
+def test_verify_reads_through_the_store_a_config_names(
+    sealed: Sealed, capsys: pytest.CaptureFixture[str], tmp_path: Path
+) -> None:
+    endpoints = sealed.endpoints
+    config = tmp_path / "run.yaml"
+    store = {
+        "kind": "mooncake",
+        "master": endpoints.master_address,
+        "metadata_server": endpoints.metadata_server,
+        "local_buffer_size": "16MB",
+    }
+    config.write_text(yaml.safe_dump({"store": store}))
+
+    code, out, err = _inspect(
+        capsys, "--config", str(config), "--metrics", sealed.admin, "--model", "gamma", "--verify", "--json"
+    )
+
+    assert code == 0, err
+    assert json.loads(out)["verify"]["ok"] == len(GAMMA)
+
+
+def test_sample_without_verify_is_one_line_and_exit_code_2(capsys: pytest.CaptureFixture[str]) -> None:
+    code, out, err = _inspect(capsys, "--metrics", f"127.0.0.1:{free_port()}", "--model", "gamma", "--sample", "2")
+
+    assert (code, out) == (2, "")
+    assert err == "kvpipe: error: --sample: only with --verify (inspect reads objects only to verify them), got 2\n"
