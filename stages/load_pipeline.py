@@ -26,6 +26,7 @@ DEFAULT_LOAD_PIPELINE: dict[str, Any] = {
             "name": "load",
             "type": "load",
             "batch": {"max_items": 64, "max_wait_ms": 0},
+            "threads": 2,  # seals are judged in both: a sync load's engine waits for them
             "params": {"max_buffers_per_call": MAX_BUFFERS_PER_CALL, "integrity": "verify"},
         },
     ]

@@ -76,14 +76,14 @@ def _read(store: MemoryStore, key: str, size: int) -> bytes | None:
     return buffer.raw if result == size else None
 
 
-async def _load(kv, store, saved, **params):
+async def _load(kv, store, saved, *, threads: int = 1, **params):
     """Load the request's 3 chunks into TARGET_BLOCKS: (the job's handle, the failed block ids)."""
     failed: dict[str, frozenset[int]] = {}
     request = LoadRequest("load", saved.block_hashes, (TARGET_BLOCKS,), 0, 48)
     (entry,) = batch = batch_of([request])
-    await LoadStage(LoadParams(**params), kv, store, lambda rid, ids: failed.setdefault(rid, ids)).process_batch(
-        batch
-    )
+    stage = LoadStage(LoadParams(**params), kv, store, lambda rid, ids: failed.setdefault(rid, ids))
+    stage.thread_limit = threads
+    await stage.process_batch(batch)
     return entry.emit, failed["load"]
 
 
@@ -119,6 +119,17 @@ async def test_an_object_whose_bytes_are_not_as_sealed_fails_its_block_and_is_re
     assert (emit.counts["loaded"], emit.counts["integrity_corrupt"], emit.counts["failed"]) == (2, 1, 1)
     assert "integrity: corrupt" in str(emit.failures[0])
     assert store.batch_is_exist([key, seal_key(key)]) == [0, 0]
+
+
+@pytest.mark.parametrize("threads", [2, 3])
+async def test_verdicts_judged_in_several_threads_land_on_their_own_objects(threads):
+    source, store, saved = await _saved()
+    _write(store, _key(source, saved, 1), _same_size_garbage(source.block_bytes(0, 0, 2)))
+
+    emit, failed = await _load(_kv(seed=1).kv, store, saved, threads=threads)
+
+    assert failed == {TARGET_BLOCKS[1]}
+    assert (emit.counts["integrity_verified"], emit.counts["integrity_corrupt"]) == (2, 1)
 
 
 async def test_a_damaged_seal_fails_its_block_and_goes_with_its_object():
