@@ -358,8 +358,12 @@ def _inspect_command(args: argparse.Namespace) -> int:
             raise UsageError(
                 f"{flag}: not with --run (the run config says which shards each chunk has), got {value}"
             )
-    for flag, value in (("--sample", args.sample), ("--repair", args.repair or None),
-                        ("--metadata-server", args.metadata_server)):  # fmt: skip
+    verify_only = (
+        ("--sample", args.sample),
+        ("--repair", args.repair or None),
+        ("--metadata-server", args.metadata_server),
+    )
+    for flag, value in verify_only:
         if value is not None and not args.verify:
             shown = "" if value is True else f", got {value!r}"
             raise UsageError(f"{flag}: only with --verify (inspect reads objects only to verify them){shown}")
