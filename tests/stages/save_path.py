@@ -72,9 +72,11 @@ async def run_save_path(
     filter_batch = batch_of(named_records)
     await FilterStage(store).process_batch(filter_batch)
     put_batch = batch_of(out for entry in filter_batch for out in entry.emit.emitted["out"])
-    await PutStage(put or PutParams(), store, fingerprint=fingerprint(kv) if sealed else None).process_batch(
-        put_batch
-    )
+    put_stage = PutStage(put or PutParams(), store, fingerprint=fingerprint(kv) if sealed else None)
+    try:
+        await put_stage.process_batch(put_batch)
+    finally:  # its seal memory is unregistered: the store outlives this helper
+        await put_stage.stop()
     emits += [(entry.item[0].request_id, entry.emit) for entry in (*filter_batch, *put_batch)]
     counts: dict[str, Counter[str]] = {}
     for request_id, emit in emits:

@@ -83,7 +83,10 @@ async def _load(kv, store, saved, *, threads: int = 1, **params):
     (entry,) = batch = batch_of([request])
     stage = LoadStage(LoadParams(**params), kv, store, lambda rid, ids: failed.setdefault(rid, ids))
     stage.thread_limit = threads
-    await stage.process_batch(batch)
+    try:
+        await stage.process_batch(batch)
+    finally:  # its seal memory is unregistered: the store outlives the stage
+        await stage.stop()
     return entry.emit, failed["load"]
 
 

@@ -73,7 +73,10 @@ async def _load(kv, store, *requests, **params):
     failed_blocks: dict[str, frozenset[int]] = {}
     batch = batch_of(requests)
     stage = LoadStage(LoadParams(**params), kv, store, lambda rid, ids: failed_blocks.setdefault(rid, ids))
-    await stage.process_batch(batch)
+    try:
+        await stage.process_batch(batch)
+    finally:  # its seal memory is unregistered: the store outlives the stage
+        await stage.stop()
     return [entry.emit for entry in batch], failed_blocks
 
 
