@@ -1,4 +1,4 @@
-"""What the filter and put stages share: per-key store calls.
+"""What the stages that call the store share: per-key store calls, and forced removal.
 
 A batch call answers per key. When it answers nothing usable (it raised, or gave
 a result list of the wrong length) there is no way to know which answer belongs to
@@ -12,6 +12,8 @@ from collections.abc import Callable, Sequence
 from typing import Any
 
 from kvpipe.pipeline.stage import AnyStage
+
+from .store import LoadingStore, SavingStore
 
 
 class StoreCallError(Exception):
@@ -29,3 +31,13 @@ async def call_per_key(
     if len(results) != len(keys):
         raise StoreCallError(f"store answered {len(results)} results for {len(keys)} keys")
     return list(results)
+
+
+def remove_forced(keys: Sequence[str], store: SavingStore | LoadingStore) -> list[int]:
+    """Remove each of ``keys``, leased or not (blocking; per key 0 or negative).
+
+    Only for objects no reader can use (a torn chunk's, a damaged one's): a
+    lookup's ``batch_is_exist`` leases what it finds, so a hot chunk's objects may
+    stay leased for as long as it is hot, and an unforced remove would leave them.
+    """
+    return [store.remove(key, force=True) for key in keys]

@@ -80,9 +80,7 @@ def sealed_key(seal: str) -> str:
 
 def key_chunk_hex(key: str) -> str:
     """The chunk hash an object's or a seal's key names, in hex (no parsing of the rest: a hot path)."""
-    if key.endswith(SEAL_SUFFIX):
-        key = key[: -len(SEAL_SUFFIX)]
-    return key.rsplit("@", 1)[1]
+    return sealed_key(key).rsplit("@", 1)[1]
 
 
 def deployment_key_pattern(namespace: KeyNamespace) -> str:

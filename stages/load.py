@@ -32,7 +32,7 @@ from pydantic import BaseModel, ConfigDict, Field
 
 from kvpipe.pipeline.stage import BatchEntry, BatchStage, Emit
 
-from .batch_calls import StoreCallError, call_per_key
+from .batch_calls import StoreCallError, call_per_key, remove_forced
 from .chunks import chunk_hash_at, is_recurrent
 from .integrity import REFUSED, SEAL_SIZE, Integrity, Verdict, fingerprint, judge, seal_key
 from .keys import object_key
@@ -262,6 +262,7 @@ class LoadStage(BatchStage):
         self._observer = observer
         self._max_buffers = params.max_buffers_per_call
         self._integrity = params.integrity
+        self._seal_buffers = 0 if params.integrity is Integrity.OFF else 1  # a seal is read beside each object
         self._fingerprint = fingerprint(kv)
         self._seals = SealMemory(store, params.max_buffers_per_call)
         self._logged: OrderedDict[bytes, None] = OrderedDict()  # chunks whose failure was logged
@@ -269,7 +270,6 @@ class LoadStage(BatchStage):
     async def process_batch(self, batch: Sequence[BatchEntry[LoadRequest]]) -> None:
         pending = [_Pending(entry.emit, entry.item) for entry in batch]
         sendable: list[tuple[_Pending, LoadTarget]] = []
-        seal_buffers = 0 if self._integrity is Integrity.OFF else 1
         for holder in pending:
             try:
                 targets = load_targets(self._groups, self._shards, self._hash_block_size, holder.request)
@@ -280,11 +280,11 @@ class LoadStage(BatchStage):
             for target in targets:
                 if holder.emit.expired:  # its blocks are recomputed: a miss, not a late load
                     self._failed(holder, target, f"load {target.record.key}: {DEADLINE_PASSED}")
-                elif len(target.record.buffers) + seal_buffers > self._max_buffers:
+                elif len(target.record.buffers) + self._seal_buffers > self._max_buffers:
                     self._failed(
                         holder,
                         target,
-                        f"load {target.record.key}: {len(target.record.buffers) + seal_buffers} buffers exceed "
+                        f"load {target.record.key}: {len(target.record.buffers) + self._seal_buffers} buffers exceed "
                         f"max_buffers_per_call={self._max_buffers}; not sent",
                     )
                 else:
@@ -314,8 +314,7 @@ class LoadStage(BatchStage):
         for round_ in rounds:
             by_record = {id(target.record): (holder, target) for holder, target in round_.values()}
             records = [target.record for _, target in round_.values()]
-            seal_buffers = 0 if self._integrity is Integrity.OFF else 1  # a seal is read beside each
-            for call in split_into_calls(records, self._max_buffers, seal_buffers):
+            for call in split_into_calls(records, self._max_buffers, self._seal_buffers):
                 calls.append([by_record[id(record)] for record in call])
         return calls
 
@@ -363,7 +362,7 @@ class LoadStage(BatchStage):
             holder.loaded += 1
         if damaged:
             try:  # forced: every lookup leases a hot chunk's objects
-                await call_per_key(self, self._remove_each, damaged)
+                await call_per_key(self, remove_forced, damaged, self._store)
             except StoreCallError as error:
                 log.warning("removing damaged objects failed", keys=damaged, error=str(error))
 
@@ -432,9 +431,6 @@ class LoadStage(BatchStage):
             verdict=verdict.value,
             why=_WHY[verdict],
         )
-
-    def _remove_each(self, keys: Sequence[str]) -> list[int]:
-        return [self._store.remove(key, force=True) for key in keys]
 
     async def stop(self) -> None:
         if self._seals.allocated:

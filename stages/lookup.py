@@ -32,8 +32,7 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 
 from .chunks import chunk_hash_at, is_recurrent
-from .integrity import seal_key
-from .keys import object_key
+from .keys import object_key, seal_key
 from .model import Shard, StoreGroup
 
 

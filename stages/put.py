@@ -21,7 +21,7 @@ from kvpipe.pipeline.priority import cpu_wait_seconds
 from kvpipe.pipeline.stage import BatchEntry, BatchStage, Emit
 
 from .backoff import Backoff
-from .batch_calls import StoreCallError, call_per_key
+from .batch_calls import StoreCallError, call_per_key, remove_forced
 from .model import Records, StoreObject
 from .integrity import SEAL_SIZE, seal_key, seal_of
 from .object_status import DEADLINE_PASSED, ObjectObserver, ObjectReporter
@@ -340,7 +340,7 @@ class PutStage(BatchStage):
         if not torn:
             return set()
         try:
-            results = await call_per_key(self, self._remove_each, torn)
+            results = await call_per_key(self, remove_forced, torn, self._store)
         except StoreCallError:
             return set()  # they stay stored: reported as put, the chunk partial
         return {key for key, result in zip(torn, results, strict=True) if result == Code.OK}
@@ -348,12 +348,6 @@ class PutStage(BatchStage):
     async def stop(self) -> None:
         if self._seals.allocated:
             await self.run_blocking(self._seals.close)
-
-    def _remove_each(self, keys: Sequence[str]) -> list[int]:
-        # Forced: a lookup's batch_is_exist leases what it finds, so a hot chunk's
-        # objects may be leased for as long as it stays hot, and a torn chunk has no
-        # reader that could use them (a load needs every object of a chunk).
-        return [self._store.remove(key, force=True) for key in keys]
 
     def _settle(self, emit: Emit, record: StoreObject, code: int) -> None:
         """Report what became of one record, in its own job."""
