@@ -41,7 +41,7 @@ from .object_status import DEADLINE_PASSED
 from .projection import storable_groups
 from .put import MAX_BUFFERS_PER_CALL, split_into_calls
 from .seal import SealMemory, SealSlab
-from .store import Code, LoadingStore, describe
+from .store import EXISTS, Code, LoadingStore, describe
 
 log = structlog.get_logger(__name__)
 
@@ -325,17 +325,22 @@ class LoadStage(BatchStage):
         ptrs, sizes = (list(column) for column in zip(*(spans(record.buffers) for record in records), strict=True))
         slab = None if self._integrity is Integrity.OFF else await self._seals.acquire(self)
         try:
-            if slab is not None:
-                for index, key in enumerate(list(keys)):
-                    keys.append(seal_key(key))
-                    ptrs.append([slab.address(index)])
-                    sizes.append([SEAL_SIZE])
+            readable = await self._readable_seals(keys) if slab is not None else []
+            for index in readable:
+                keys.append(seal_key(records[index].key))
+                ptrs.append([slab.address(index)])  # type: ignore[union-attr]
+                sizes.append([SEAL_SIZE])
             try:
                 results = await call_per_key(self, self._store.batch_get_into_multi_buffers, keys, ptrs, sizes)
             except StoreCallError as error:
                 for holder, target in call:
                     self._failed(holder, target, f"load {target.record.key}: {error}")
                 return
+            if slab is not None:  # a seal not read answers as a missing one
+                seal_results = [int(Code.NOT_FOUND)] * len(records)
+                for position, index in enumerate(readable):
+                    seal_results[index] = results[len(records) + position]
+                results = results[: len(records)] + seal_results
             verdicts: list[Verdict | str | None] = [None] * len(records)
             if slab is not None:
                 verdicts = await self._judged(records, results, slab)
@@ -365,6 +370,20 @@ class LoadStage(BatchStage):
                 await call_per_key(self, remove_forced, damaged, self._store)
             except StoreCallError as error:
                 log.warning("removing damaged objects failed", keys=damaged, error=str(error))
+
+    async def _readable_seals(self, keys: Sequence[str]) -> list[int]:
+        """The positions of ``keys`` whose seal the store says it can give, asked before reading any.
+
+        ``batch_is_exist`` answers 0 for an object with a replica on a node that no
+        longer answers (the lookups' every-copy rule), and a read of such a replica
+        waits for the kernel to give up its connection (tens of seconds). The data
+        passed that rule at lookup; its seal must too. A seal not read is a missing one.
+        """
+        try:
+            present = await call_per_key(self, self._store.batch_is_exist, [seal_key(key) for key in keys])
+        except StoreCallError:
+            return []
+        return [index for index, answer in enumerate(present) if answer == EXISTS]
 
     async def _judged(
         self, records: Sequence[StoreObject], results: Sequence[int], slab: SealSlab
