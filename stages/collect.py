@@ -9,7 +9,7 @@ already been sent.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from typing import Any, ClassVar
 
 from kvpipe.pipeline.stage import Emit, Stage
@@ -29,15 +29,19 @@ from .projection import storable_groups
 
 
 def chunk_records(
-    chunks: Sequence[Chunk], shards: Sequence[Shard], request_id: str
+    chunks: Sequence[Chunk],
+    shards: Sequence[Shard],
+    request_id: str,
+    reused_chunks: Mapping[bytes, int] | None = None,
 ) -> tuple[StoreObject, ...]:
-    """One record per chunk per shard, earliest prefix first."""
+    """One record per chunk per shard, earliest prefix first, each with its chunk's ``reused_chunks`` count."""
     # Groups interleave by prefix length. (One chunk needs no sorting: the common case.)
     if len(chunks) > 1 and len({chunk.group.store_group for chunk in chunks}) > 1:
         chunks = sorted(chunks, key=lambda chunk: (chunk.tokens_end, chunk.group.store_group))
     records = []
     for group, chunk_hash, block_id, _ in chunks:
         hex_hash = chunk_hash.hex()
+        reuse = reused_chunks.get(chunk_hash, 0) if reused_chunks else 0
         for shard in shards:
             records.append(
                 StoreObject(
@@ -47,6 +51,7 @@ def chunk_records(
                     shard.layouts[group.engine_group].buffers(block_id),
                     None,
                     request_id,
+                    reuse=reuse,
                 )
             )
     return tuple(records)
@@ -70,7 +75,7 @@ class _CollectStage(Stage):
             chunks: Sequence[Chunk] = self._chunks(request, groups[0])
         else:
             chunks = [chunk for group in groups for chunk in self._chunks(request, group)]
-        records = chunk_records(chunks, self._shards, request.request_id)
+        records = chunk_records(chunks, self._shards, request.request_id, request.reused_chunks)
         if not records:
             emit.drop("no chunk to save")
             return

@@ -74,6 +74,8 @@ def default_save_graph(
     throttle: ThrottleParams | None = DEFAULT_THROTTLE,
     observer: ObjectObserver | None = None,
     integrity: Integrity | str = Integrity.VERIFY,
+    max_pinned_bytes: int = 0,
+    soft_pin_ttl_s: float = 600.0,
 ) -> Graph:
     """The default save graph over ``kv`` and ``store``.
 
@@ -83,6 +85,8 @@ def default_save_graph(
     put stage's slow-store detector (None: never skip a put). ``observer`` is
     told the final status of every object. ``integrity`` ``off`` writes no
     seals; ``verify`` and ``required`` seal every object put (:mod:`.integrity`).
+    ``max_pinned_bytes`` and ``soft_pin_ttl_s``: the put stage's retention budget
+    (:mod:`.retention`; 0 bytes: no object is pinned).
     """
     document = copy.deepcopy(DEFAULT_SAVE_PIPELINE)
     stages = {stage["name"]: stage for stage in document["stages"]}
@@ -91,4 +95,6 @@ def default_save_graph(
     stages["gather"]["params"]["mode"] = gather
     stages["put"]["params"]["throttle"] = None if throttle is None else throttle.model_dump()
     stages["put"]["params"]["seal"] = Integrity(integrity) is not Integrity.OFF
+    stages["put"]["params"]["max_pinned_bytes"] = max_pinned_bytes
+    stages["put"]["params"]["soft_pin_ttl_s"] = soft_pin_ttl_s
     return build_graph(document, KV_STAGES, {"kv": kv, "store": store, "observer": observer})

@@ -184,6 +184,9 @@ class SaveRequest:
     is due now. ``state_tokens`` is where the engine's recurrent (mamba) state
     stands, when it is not ``num_computed_tokens`` (a save that stops short of
     the step's end): a state is saved only where it really is.
+    ``reused_chunks``: the chunks requests keep asking for (a chunk's hash is its
+    last hash block's), each with how many requests asked: stored soft-pinned
+    as the budget allows (:mod:`.retention`).
     """
 
     request_id: str
@@ -193,6 +196,7 @@ class SaveRequest:
     num_saved_tokens: int = 0
     finished: bool = False
     state_tokens: int | None = None
+    reused_chunks: Mapping[bytes, int] = field(default_factory=dict)
 
     @property
     def state_end(self) -> int:
@@ -242,6 +246,9 @@ class StoreObject:
     group_id: str | None = None
     request_id: str = field(default="", compare=False)
     staging: StagedCopy | None = field(default=None, compare=False, repr=False)
+    #: requests that asked for its chunk, when they keep asking (0: not reused): put it soft-pinned
+    #: if the budget allows (:mod:`.retention`)
+    reuse: int = field(default=0, compare=False)
 
     @property
     def size(self) -> int:

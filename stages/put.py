@@ -22,11 +22,12 @@ from kvpipe.pipeline.stage import BatchEntry, BatchStage, Emit
 
 from .backoff import Backoff
 from .batch_calls import StoreCallError, call_per_key, remove_forced
-from .model import Records, StoreObject
 from .integrity import SEAL_SIZE, seal_key, seal_of
+from .model import Records, StoreObject
 from .object_status import DEADLINE_PASSED, ObjectObserver, ObjectReporter
+from .retention import PinBudget
 from .seal import SealMemory, SealSlab
-from .store import Code, SavingStore, describe
+from .store import MAX_SOFT_PIN_TTL_S, Code, SavingStore, describe
 from .throttle import DEFAULT_THROTTLE, SlowStoreThrottle, ThrottleParams
 
 #: The buffer budget of one store call (puts and gets alike): the transport refuses a
@@ -45,6 +46,10 @@ class PutParams(BaseModel):
     throttle: ThrottleParams | None = DEFAULT_THROTTLE  # None: never skip a put
     #: store each object's seal beside it (:mod:`.integrity`); false: ``integrity: off``
     seal: bool = True
+    #: retention (:mod:`.retention`): the bytes this stage may hold soft-pinned at once
+    #: (0: pin nothing), and how long each pin lasts
+    max_pinned_bytes: int = Field(0, ge=0)
+    soft_pin_ttl_s: float = Field(600.0, gt=0, le=MAX_SOFT_PIN_TTL_S)
 
     @model_validator(mode="after")
     def _backoff_grows(self) -> PutParams:
@@ -54,6 +59,33 @@ class PutParams(BaseModel):
                 f"backoff_initial_s ({self.backoff_initial_s})"
             )
         return self
+
+
+def _remove_unforced(keys: Sequence[str], store: SavingStore) -> list[int]:
+    """Remove each of ``keys`` unless it is leased (blocking; per key 0 or negative)."""
+    return [store.remove(key) for key in keys]
+
+
+#: key -> the jobs' records that put it (requests sharing a prefix share keys), first first
+Holders = dict[str, list[tuple[Emit, StoreObject]]]
+
+
+def _split_expired(
+    call: Sequence[StoreObject], holders: Holders
+) -> tuple[list[StoreObject], list[StoreObject]]:
+    """``call``'s records some job still wants (within its deadline), and those every job gave up on."""
+    expired: dict[int, bool] = {}  # per job (by id of its emit): asked once per call
+    live, gone = [], []
+    for record in call:
+        for emit, _ in holders[record.key]:
+            if (past := expired.get(id(emit))) is None:
+                past = expired[id(emit)] = emit.expired
+            if not past:
+                live.append(record)
+                break
+        else:
+            gone.append(record)
+    return live, gone
 
 
 def split_into_calls(
@@ -70,6 +102,7 @@ def split_into_calls(
     refused. Chunks keep the order of their first record. Every record must fit
     the budget on its own (the caller fails those that don't).
     """
+
     def cost(record: StoreObject) -> int:
         return record.transfer_count + extra_per_record
 
@@ -125,6 +158,9 @@ class PutStage(BatchStage):
         self._fingerprint = fingerprint
         self._seals = SealMemory(store, params.max_buffers_per_call)  # registered at the first sealed put
         self.throttle = None if params.throttle is None else SlowStoreThrottle(params.throttle)
+        self._pins = (
+            PinBudget(params.max_pinned_bytes, params.soft_pin_ttl_s) if params.max_pinned_bytes else None
+        )
 
     @property
     def _seal_buffers(self) -> int:
@@ -141,7 +177,7 @@ class PutStage(BatchStage):
                         record.staging.release()
 
     async def _put_batch(self, batch: Sequence[BatchEntry[Records]]) -> None:
-        holders: dict[str, list[tuple[Emit, StoreObject]]] = {}
+        holders: Holders = {}
         for entry in batch:
             emit = entry.emit
             for record in entry.item:
@@ -158,9 +194,13 @@ class PutStage(BatchStage):
                     sharing.append((emit, record))
         # requests sharing a prefix share keys: each key is put once
         first_of_each_key = [holding[0][1] for holding in holders.values()]
-        for call in split_into_calls(first_of_each_key, self._max_buffers, self._seal_buffers):
-            # Checked per call: the calls before it may have outlasted a job's deadline,
-            # or shown the store to be slow.
+        pinned, unpinned = await self._pinned(first_of_each_key, holders)
+        calls = [(call, True) for call in split_into_calls(pinned, self._max_buffers, self._seal_buffers)]
+        calls += [(call, False) for call in split_into_calls(unpinned, self._max_buffers, self._seal_buffers)]
+        for call, pin in calls:
+            # Checked per call, after any back-off: the calls before it (and the back-off) may
+            # have outlasted a job's deadline, or shown the store to be slow.
+            await self._backoff.wait()
             call = self._fail_expired(call, holders)
             if not call:
                 continue
@@ -168,7 +208,7 @@ class PutStage(BatchStage):
                 self._shed(call, holders)
                 continue
             try:
-                codes, unsealed = await self._put(call)
+                codes, unsealed = await self._put_making_room(call, pin, holders)
             except StoreCallError as error:
                 for record in call:
                     for emit, held in holders[record.key]:
@@ -195,27 +235,50 @@ class PutStage(BatchStage):
                     self._settle(emit, held, Code.ALREADY_EXISTS if code == Code.OK else code)
             for emit, records in stored.values():
                 self._reporter.all_stored(emit, records)
+                if pin:
+                    emit.count("pinned", len(records))
 
-    def _fail_expired(
-        self, call: list[StoreObject], holders: dict[str, list[tuple[Emit, StoreObject]]]
-    ) -> list[StoreObject]:
+    async def _pinned(
+        self, records: list[StoreObject], holders: Holders
+    ) -> tuple[list[StoreObject], list[StoreObject]]:
+        """``records`` split into those to put soft-pinned (reused, and admitted by the budget) and the rest.
+
+        Pinned ones go first: they are the prefixes requests keep coming back to.
+        The pins the budget demoted to admit them are removed from the store
+        first, so that their bytes make the room (a leased one stays: it is being
+        read, and its pin lapses with its TTL).
+        """
+        budget = self._pins
+        if budget is None or not any(record.reuse for record in records):
+            return [], records
+        pinned: list[StoreObject] = []
+        unpinned: list[StoreObject] = []
+        demoted: list[str] = []
+        for record in records:
+            admitted = False
+            if record.reuse:
+                admitted, demotes = budget.admit(record.key, record.size, record.reuse)
+                if demotes:
+                    holders[record.key][0][0].count("demoted", len(demotes))
+                    demoted += demotes
+            (pinned if admitted else unpinned).append(record)
+        if demoted:
+            keys = demoted + ([seal_key(key) for key in demoted] if self._fingerprint is not None else [])
+            try:
+                await call_per_key(self, _remove_unforced, keys, self._store)
+            except StoreCallError:
+                pass  # they stay until their pins lapse: the budget counts them gone all the same
+        return pinned, unpinned
+
+    def _fail_expired(self, call: Sequence[StoreObject], holders: Holders) -> list[StoreObject]:
         """Fail the records every holder of which is past its job's deadline; the rest."""
-        expired: dict[int, bool] = {}  # per job (by id of its emit): asked once per call
-        live = []
-        for record in call:
-            holding = holders[record.key]
-            for emit, _ in holding:
-                if (gone := expired.get(id(emit))) is None:
-                    gone = expired[id(emit)] = emit.expired
-                if not gone:
-                    live.append(record)
-                    break
-            else:
-                for emit, held in holding:
-                    self._reporter.failed(emit, held, f"put {held.key}: {DEADLINE_PASSED}")
+        live, expired = _split_expired(call, holders)
+        for record in expired:
+            for emit, held in holders[record.key]:
+                self._reporter.failed(emit, held, f"put {held.key}: {DEADLINE_PASSED}")
         return live
 
-    def _shed(self, call: list[StoreObject], holders: dict[str, list[tuple[Emit, StoreObject]]]) -> None:
+    def _shed(self, call: list[StoreObject], holders: Holders) -> None:
         """Count ``call``'s records throttled in their jobs, without a store call."""
         by_job: dict[int, tuple[Emit, list[StoreObject]]] = {}
         for record in call:
@@ -224,8 +287,43 @@ class PutStage(BatchStage):
         for emit, records in by_job.values():
             self._reporter.all_throttled(emit, records)
 
-    async def _put(self, call: Sequence[StoreObject]) -> tuple[list[int], set[str]]:
-        """One store call for ``call``'s records and their seals, after any back-off.
+    async def _put_making_room(
+        self, call: Sequence[StoreObject], pin: bool, holders: Holders
+    ) -> tuple[list[int], set[str]]:
+        """:meth:`_put`, and once more, after the back-off, for the records the store refused for space.
+
+        Mooncake's master evicts on a timer (every ~10 ms) once a put has been
+        refused: the refusal itself is what makes the room, so one more try a
+        back-off later stores what a cold object's eviction now fits, where
+        giving up at once would refuse a put while evictable objects exist. A
+        record whose jobs all passed their deadline meanwhile keeps its refusal,
+        and so does one whose chunk is partly stored.
+        """
+        codes, unsealed = await self._put(call, pin)
+        if Code.NO_SPACE not in codes:
+            return codes, unsealed
+        await self._backoff.wait()
+        # A chunk that is partly stored stays as it is (torn: rolled back by the caller); the
+        # retry's eviction could take the stored part's group and leave the rest alone in it.
+        stored_groups = {
+            r.group_id for r, code in zip(call, codes, strict=True) if r.group_id and code == Code.OK
+        }
+        refused = [
+            record
+            for record, code in zip(call, codes, strict=True)
+            if code == Code.NO_SPACE and record.group_id not in stored_groups
+        ]
+        retry, _ = _split_expired(refused, holders)
+        if not retry:
+            return codes, unsealed
+        again, unsealed_again = await self._put(retry, pin)
+        index = {id(record): position for position, record in enumerate(call)}
+        for record, code in zip(retry, again, strict=True):
+            codes[index[id(record)]] = code
+        return codes, unsealed | unsealed_again
+
+    async def _put(self, call: Sequence[StoreObject], pin: bool) -> tuple[list[int], set[str]]:
+        """One store call for ``call``'s records and their seals (``pin``: soft-pinned), after any back-off.
 
         Returns per-record codes, and the keys of records stored whose seal was refused.
         Each seal goes right after its object: a put of a key that exists keeps the
@@ -234,7 +332,6 @@ class PutStage(BatchStage):
         as a call allows, and a load that meets such a pair removes it as damaged (a
         recompute, never a wrong byte).
         """
-        await self._backoff.wait()
         slab = None if self._fingerprint is None else await self._seals.acquire(self)
         try:
             keys: list[str] = []
@@ -252,7 +349,7 @@ class PutStage(BatchStage):
                     ptrs.append([slab.address(index)])
                     sizes.append([SEAL_SIZE])
                     group_ids.append(record.group_id or "")
-            codes = await self._timed_call(keys, ptrs, sizes, group_ids, slab)
+            codes = await self._timed_call(keys, ptrs, sizes, group_ids, slab, pin)
         finally:
             if slab is not None:
                 slab.release()
@@ -274,9 +371,12 @@ class PutStage(BatchStage):
         sizes: list[Sequence[int]],
         group_ids: list[str],
         slab: SealSlab | None,
+        pin: bool,
     ) -> list[int]:
         """The put call itself (group ids where the store takes them); the throttle learns its time."""
-        config = self._store.new_replicate_config()  # fresh per call: overlapping puts must not share one
+        # fresh per call: overlapping puts must not share one
+        pin_ttl_ms = self._pins.ttl_ms if pin and self._pins is not None else None
+        config = self._store.new_replicate_config(soft_pin_ttl_ms=pin_ttl_ms)
         if self._store.supports_group_ids and any(group_ids):
             config.group_ids = group_ids
         spent: list[float] = []

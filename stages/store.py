@@ -40,6 +40,8 @@ class Code(IntEnum):
 
 #: ``batch_is_exist``'s answer for a stored object (0 is absent; a negative code, unknown).
 EXISTS = 1
+#: The longest soft pin a master takes (a day): a put asking for more is refused with -600.
+MAX_SOFT_PIN_TTL_S = 86400
 
 
 def describe(code: int) -> str:
@@ -69,8 +71,12 @@ class SavingStore(Protocol):
         """
         ...
 
-    def new_replicate_config(self) -> Any:
-        """A fresh replicate config. Never share one between calls: puts may overlap."""
+    def new_replicate_config(self, *, soft_pin_ttl_ms: int | None = None) -> Any:
+        """A fresh replicate config. Never share one between calls: puts may overlap.
+
+        ``soft_pin_ttl_ms``: the objects put with it are soft-pinned that long (evicted
+        only when nothing unpinned is left); a store without soft pins ignores it.
+        """
         ...
 
     def batch_is_exist(self, keys: Sequence[str]) -> list[int]:

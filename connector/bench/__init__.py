@@ -33,6 +33,17 @@ Workloads (each a module with ``run(options) -> WorkloadResult``):
 ``fragmentation``
     Partial-chunk bytes over live bytes as the store's capacity shrinks, with
     group semantics on and off (the shape of Mooncake RFC #2127's table).
+``capacity``
+    A skewed trace (Zipf-drawn shared prefixes, one-off documents) replayed against
+    a real store of 0.25x-0.75x its working set: the hit rate of kvpipe with and
+    without retention and of vLLM's connector's store calls, beside the best static
+    choice and Belady's optimum; puts refused for space.
+``capacity-engine``
+    The ``capacity`` workload's targeted point (Zipf 1.0, half one-off, a store of
+    0.5x the prefixes' KV) through real vLLM engines on the tiny model, vLLM's prefix
+    cache reset between batches of 10 so every reuse is the store's: the hit rate of
+    kvpipe with and without retention and of vLLM's connector, beside the best static
+    choice and Belady's optimum.
 """
 
 from __future__ import annotations
@@ -54,6 +65,8 @@ WORKLOADS: dict[str, str] = {
     "vllm-loads": "async_loads",
     "serve": "serve",
     "fragmentation": "fragmentation",
+    "capacity": "capacity",
+    "capacity-engine": "capacity_engine",
 }
 
 

@@ -134,6 +134,13 @@ class EngineProcess:
         self._stderr.close()
 
 
+def _answer_line(answer: dict[str, Any]) -> None:
+    """One answer, written whole in one call: a log line another thread prints (vLLM's and
+    the connector's loggers write to stdout too) may come between two writes, never inside one."""
+    sys.stdout.write(f"{PREFIX}{json.dumps(answer)}\n")
+    sys.stdout.flush()
+
+
 def _answer(llm: Any, command: Mapping[str, Any]) -> dict[str, Any]:
     from .launch import generate
 
@@ -177,10 +184,7 @@ def _serve(spec: Mapping[str, Any]) -> None:
         kv_cache_memory_bytes=int(spec.get("kv_cache_memory_bytes", 64 << 20)),
         **dict(spec.get("engine_args", {})),
     )
-    print(
-        PREFIX + json.dumps({"ready": round(time.perf_counter() - started, 2), "pid": os.getpid()}),
-        flush=True,
-    )
+    _answer_line({"ready": round(time.perf_counter() - started, 2), "pid": os.getpid()})
     try:
         for line in sys.stdin:
             if line.strip():
@@ -188,7 +192,7 @@ def _serve(spec: Mapping[str, Any]) -> None:
                     answer = _answer(llm, json.loads(line))
                 except Exception as exc:  # noqa: BLE001 - reported to the driver, which raises it
                     answer = {"error": f"{type(exc).__name__}: {exc}"}
-                print(PREFIX + json.dumps(answer), flush=True)
+                _answer_line(answer)
     finally:
         close_llm(llm)
 

@@ -385,12 +385,12 @@ def _round(
         _settle(store.endpoints, at_least=_full_blocks(command["generate"]))
     for repeat in range(repeats):
         for name in _turn(turn + repeat):
-            _reset(engines[name])
+            reset_prefix_cache(engines[name])
             passes[name].pass2.append(_timed(engines, name, command, idle))
     for name in _turn(turn):  # no reset: what the last pass 2 computed or loaded is cached
         passes[name].warm.append(_timed(engines, name, command, idle))
     for name in engines:
-        _reset(engines[name])
+        reset_prefix_cache(engines[name])
     for store in stores:
         _settle(store.endpoints)
         store.holder.remove_all(force=True)
@@ -416,9 +416,15 @@ def _turn(index: int) -> tuple[str, ...]:
     return CONTENDERS[turn:] + CONTENDERS[:turn]
 
 
-def _reset(engine: EngineProcess) -> None:
+def reset_prefix_cache(engine: EngineProcess) -> None:
+    """Reset the engine's prefix cache, so that what it hits next is the connector's.
+
+    :raises RuntimeError: vLLM refused (requests were still running).
+    """
     if not engine.call({"reset": True})["reset"]:
-        raise RuntimeError("vLLM's prefix cache could not be reset: pass 2 would hit it, not the connector")
+        raise RuntimeError(
+            "vLLM's prefix cache could not be reset: its next hits would not be the connector's"
+        )
 
 
 def _full_blocks(prompts: Sequence[Sequence[int]]) -> int:

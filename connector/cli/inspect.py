@@ -350,7 +350,7 @@ class _KeyNames:
     def local_transfers(self) -> bool:
         return True  # nothing is transferred: never gather
 
-    def new_replicate_config(self) -> Any:
+    def new_replicate_config(self, *, soft_pin_ttl_ms: int | None = None) -> Any:
         return _Config()
 
     def batch_is_exist(self, keys: Sequence[str]) -> list[int]:

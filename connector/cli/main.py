@@ -2,7 +2,8 @@
 
 ``kvpipe run CONFIG [--json] [--set dotted.path=value ...] [--baselines] [--dump-objects FILE]``
 ``kvpipe bench [WORKLOAD ...] [--quick] [--repeats N] [--out DIR] [--json] [--markdown FILE]``
-``kvpipe store [--master ADDRESS|spawn] [--segment SIZE] [--master-metrics HOST:PORT ...] [--json]``
+``kvpipe store [--master ADDRESS|spawn] [--segment SIZE] [--master-metrics HOST:PORT ...] [--json]
+[--disk DIR --disk-size SIZE [--disk-read-buffer SIZE]]``
 ``kvpipe inspect [--master ADDRESS | --config FILE] [--metrics HOST:PORT ...] [--model NAME]
 [--cache-prefix P] [--run CONFIG] [--groups N] [--tp-ranks N] [--json] [--png PATH]
 [--verify [--sample N] [--repair] [--metadata-server M]]``
@@ -36,6 +37,7 @@ from kvpipe.connector.store.configs import MooncakeStoreConfig, without_store_ta
 from kvpipe.connector.store.mooncake import MooncakeConfigError, MooncakeError, MooncakeSettings
 from kvpipe.connector.store.mooncake.master import MasterError, sigterm_unwinds
 from kvpipe.connector.store.mooncake.master_address import MasterAddress, split_host_port
+from kvpipe.connector.store.mooncake.settings import DiskTier
 from kvpipe.pipeline import BuildError
 from kvpipe.pipeline.config import describe_validation_error, load_yaml, one_line
 from kvpipe.stages import key_model_name
@@ -125,6 +127,19 @@ def _parser() -> argparse.ArgumentParser:
         "--metadata-server", help="with an existing master: 'P2PHANDSHAKE' or 'http://host:port/metadata'"
     )
     store_parser.add_argument("--segment", default="1GB", help="memory lent to the store (default: 1GB)")
+    store_parser.add_argument(
+        "--disk",
+        type=Path,
+        metavar="DIR",
+        help="a folder (created if missing) for a disk tier behind the segment: what the master evicts "
+        "from memory goes there (needs --disk-size; an existing master needs --enable_offload=true)",
+    )
+    store_parser.add_argument("--disk-size", metavar="SIZE", help="with --disk: the most it holds, e.g. 64GB")
+    store_parser.add_argument(
+        "--disk-read-buffer",
+        metavar="SIZE",
+        help="with --disk: memory disk reads are staged in; one load larger fails (default: 256MB)",
+    )
     store_parser.add_argument("--protocol", default="tcp", help="transfer protocol (default: tcp)")
     store_parser.add_argument("--device-name", default="", help="RDMA device(s) for --protocol rdma")
     store_parser.add_argument(
@@ -278,6 +293,7 @@ def _store_command(args: argparse.Namespace) -> int:
         "local_hostname": args.local_hostname,
     }
     try:
+        fields["disk"] = _disk_tier(args)
         settings = from_flags(MooncakeSettings, fields, {"global_segment_size": "segment"})
     except FlagError as error:
         raise UsageError(str(error)) from None
@@ -292,8 +308,9 @@ def _store_command(args: argparse.Namespace) -> int:
         if args.json:
             print(json.dumps(node.as_json()), flush=True)
             return
+        disk = "" if node.disk is None else f" and disk {node.disk.path} ({node.disk.size / (1 << 20):g} MiB)"
         print(
-            f"kvpipe store: segment {node.segment_name} ({node.segment_bytes / (1 << 20):g} MiB) "
+            f"kvpipe store: segment {node.segment_name} ({node.segment_bytes / (1 << 20):g} MiB){disk} "
             f"serves the store at {node.master}\n"
             "engines mount no segment of their own; kvpipe's store settings (YAML, or the connector's "
             f"extra config):\n{_indented(yaml.safe_dump({'store': node.kvpipe_store()}, sort_keys=False))}"
@@ -333,6 +350,25 @@ def _store_command(args: argparse.Namespace) -> int:
     if not closed:
         os._exit(0)  # the native close still runs: exiting under it would crash at interpreter exit
     return 0
+
+
+def _disk_tier(args: argparse.Namespace) -> DiskTier | None:
+    """``kvpipe store``'s disk tier from ``--disk``, ``--disk-size`` and ``--disk-read-buffer``.
+
+    :raises FlagError: one given without the others it needs, or a value the tier refuses.
+    """
+    if args.disk is None:
+        given = "--disk-size" if args.disk_size is not None else "--disk-read-buffer"
+        if args.disk_size is not None or args.disk_read_buffer is not None:
+            raise FlagError(f"{given}: needs --disk DIR, the folder of the disk tier")
+        return None
+    if args.disk_size is None:
+        raise FlagError(
+            f"--disk: needs --disk-size SIZE, the most the disk tier holds, got --disk {args.disk}"
+        )
+    fields = {"path": args.disk, "size": args.disk_size, "read_buffer": args.disk_read_buffer}
+    renames = {"path": "disk", "size": "disk_size", "read_buffer": "disk_read_buffer"}
+    return from_flags(DiskTier, fields, renames)
 
 
 def _inspect_command(args: argparse.Namespace) -> int:

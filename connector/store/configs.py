@@ -22,6 +22,8 @@ from .protocol import Store
 
 #: A size in bytes: an int or a string such as "256MB" (binary units, as vLLM reads them).
 Size = Annotated[int, BeforeValidator(parse_size), Field(gt=0)]
+#: The same, where 0 means "none".
+ByteCount = Annotated[int, BeforeValidator(parse_size), Field(ge=0)]
 
 
 class MemoryStoreConfig(BaseModel):

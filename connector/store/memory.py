@@ -2,7 +2,7 @@
 
 Stage and pipeline tests need a store that behaves like the real one where it
 matters (per-key codes, put-of-existing is a no-op, leases granted by reads,
-watermark eviction of whole groups, the group-id rules) without a master
+watermark eviction of whole groups, soft pins, the group-id rules) without a master
 process, and that can be made to fail on demand. :class:`MemoryStore` is that
 model; the store contract suite runs against it and the real store alike, which
 is what keeps it faithful.
@@ -38,7 +38,7 @@ from collections.abc import Callable, Collection, Sequence
 from dataclasses import dataclass, field
 from typing import Literal, get_args
 
-from kvpipe.stages.store import Code
+from kvpipe.stages.store import MAX_SOFT_PIN_TTL_S, Code
 
 from .protocol import replicate_config_supports_group_ids
 
@@ -136,11 +136,14 @@ class MemoryReplicateConfig(LegacyReplicateConfig):
     changes nothing, on either store.
     """
 
-    __slots__ = ("_group_ids",)
+    __slots__ = ("_group_ids", "soft_pin_ttl_ms")
 
-    def __init__(self, replica_num: int = 1, group_ids: Sequence[str] | None = None) -> None:
+    def __init__(
+        self, replica_num: int = 1, group_ids: Sequence[str] | None = None, soft_pin_ttl_ms: int | None = None
+    ) -> None:
         super().__init__(replica_num)
         self.group_ids = group_ids
+        self.soft_pin_ttl_ms = soft_pin_ttl_ms  # None: not pinned (Mooncake's soft_pin_action ENABLE + TTL)
 
     @property
     def group_ids(self) -> list[str] | None:
@@ -175,6 +178,7 @@ class _Object:
     data: bytearray
     group: str | None
     lease_until: float = -math.inf
+    pinned_until: float = -math.inf  # a soft pin: evicted only when nothing unpinned can be
 
 
 class MemoryStore:
@@ -237,8 +241,11 @@ class MemoryStore:
     def local_transfers(self) -> bool:
         return True  # puts are memcpy into this process
 
-    def new_replicate_config(self) -> LegacyReplicateConfig:
-        return self._config_cls()
+    def new_replicate_config(self, *, soft_pin_ttl_ms: int | None = None) -> LegacyReplicateConfig:
+        config = self._config_cls()
+        if isinstance(config, MemoryReplicateConfig):  # a release before group ids had no pins either
+            config.soft_pin_ttl_ms = soft_pin_ttl_ms
+        return config
 
     def batch_is_exist(self, keys: Sequence[str]) -> list[int]:
         if (failed := self._unavailable("exist", len(keys))) is not None:
@@ -260,19 +267,24 @@ class MemoryStore:
                 f"({self._config_cls.__name__}), got {type(config).__name__}"
             )
         group_ids = config.group_ids if isinstance(config, MemoryReplicateConfig) else None
+        pin_ms = config.soft_pin_ttl_ms if isinstance(config, MemoryReplicateConfig) else None
         _check_unsigned(ptrs, sizes)
         if (
             not _same_lengths(keys, ptrs, sizes)
             or any(len(p) != len(s) for p, s in zip(ptrs, sizes, strict=True))
             or (group_ids is not None and len(group_ids) != len(keys))  # `[]` too
+            or (pin_ms is not None and not 0 <= pin_ms <= MAX_SOFT_PIN_TTL_S * 1000)  # the master refuses it
         ):
             return [Code.INVALID_PARAMS] * len(keys)
         if (failed := self._unavailable("put", len(keys))) is not None:
             return failed
         with self._lock:
             stored: set[str] = set()
+            pinned_until = -math.inf if pin_ms is None else self._clock() + pin_ms / 1000
             return [
-                self._put_one(key, key_ptrs, key_sizes, group_ids[i] if group_ids else "", stored)
+                self._put_one(
+                    key, key_ptrs, key_sizes, group_ids[i] if group_ids else "", stored, pinned_until
+                )
                 for i, (key, key_ptrs, key_sizes) in enumerate(zip(keys, ptrs, sizes, strict=True))
             ]
 
@@ -404,7 +416,13 @@ class MemoryStore:
         return 0 if self._read(key, now) is None else 1
 
     def _put_one(
-        self, key: str, ptrs: Sequence[int], sizes: Sequence[int], group_id: str, stored: set[str]
+        self,
+        key: str,
+        ptrs: Sequence[int],
+        sizes: Sequence[int],
+        group_id: str,
+        stored: set[str],
+        pinned_until: float = -math.inf,
     ) -> int:
         if not key or not sizes or sum(sizes) <= 0:
             return Code.INVALID_PARAMS  # empty buffers are fine, empty objects are not
@@ -418,7 +436,7 @@ class MemoryStore:
         data = bytearray(size)
         _copy(_address(data), ptrs, sizes, into_buffers=False)
         group = group_id or None
-        self._objects[key] = _Object(data, group)
+        self._objects[key] = _Object(data, group, pinned_until=pinned_until)
         self._used += size
         if group is not None:
             self._groups.setdefault(group, set()).add(key)
@@ -459,23 +477,28 @@ class MemoryStore:
         """Evict for a put of ``size`` bytes if it crosses the watermark; whether it fits.
 
         Victims are whole groups (or ungrouped objects), least recently used
-        first, with no member leased and none stored earlier in the same call.
+        first, with no member leased and none stored earlier in the same call;
+        soft-pinned ones only once no unpinned victim is left (Mooncake's
+        ``--allow_evict_soft_pinned_objects``, on by default).
         """
         limit = self._high_watermark * self._capacity
         if self._used + size > limit:
             target = max(self._eviction_ratio * self._capacity, self._used + size - limit)
             now = self._clock()
             freed = 0
-            for key in list(self._objects):
-                if freed >= target:
-                    break
-                obj = self._objects.get(key)
-                if obj is None:
-                    continue  # went with its group
-                unit = list(self._members(key, obj))
-                if any(k in protected or self._objects[k].lease_until > now for k in unit):
-                    continue
-                freed += self._evict(unit)
+            for pins_too in (False, True):
+                for key in list(self._objects):
+                    if freed >= target:
+                        break
+                    obj = self._objects.get(key)
+                    if obj is None:
+                        continue  # went with its group
+                    unit = list(self._members(key, obj))
+                    if any(k in protected or self._objects[k].lease_until > now for k in unit):
+                        continue
+                    if not pins_too and any(self._objects[k].pinned_until > now for k in unit):
+                        continue
+                    freed += self._evict(unit)
         return self._used + size <= self._capacity
 
     def _evict(self, unit: Collection[str]) -> int:

@@ -138,8 +138,8 @@ class ForwardingStore:
     def local_transfers(self) -> bool:
         return self.inner.local_transfers
 
-    def new_replicate_config(self) -> Any:
-        return self.inner.new_replicate_config()
+    def new_replicate_config(self, *, soft_pin_ttl_ms: int | None = None) -> Any:
+        return self.inner.new_replicate_config(soft_pin_ttl_ms=soft_pin_ttl_ms)
 
     def batch_is_exist(self, keys: Sequence[str]) -> list[int]:
         return self._call("exist", len(keys), None, lambda: self.inner.batch_is_exist(keys))

@@ -24,6 +24,9 @@ Load it with::
   would wait for (an idle engine) runs before the forward all the same, so its
   request computes in that step (one KV-cache group; hybrid models load async).
   ``save_decode_cache`` (false): also store chunks completed while decoding.
+- ``retention`` (true): a chunk asked for by ``retention_min_requests`` (2) requests
+  is stored soft-pinned for ``retention_pin_ttl_s`` (600), each worker pinning at most
+  ``retention_max_pinned`` bytes (default 0.9 of the memory it lends the store).
 
 The modules, one job each:
 

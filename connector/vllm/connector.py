@@ -34,7 +34,7 @@ from kvpipe.connector.store.protocol import Store
 from kvpipe.stages import shared_pool_id
 from kvpipe.stages.flags import ConfigError
 
-from .engine_cache import EngineCache, open_store
+from .engine_cache import EngineCache, lent_bytes, open_store, store_config
 from .events import ChunkAnnouncer
 from .messages import GAUGES, OPS, KVPipeKVEvents, KVPipeMetadata, KVPipeStats
 from .prom import RECORDS_DROPPED, KVPipePromMetrics
@@ -110,7 +110,10 @@ class KVPipeConnector(KVConnectorBase_V1, SupportsHMA):
             self.scheduler = SchedulerSide(self.cache, self.settings, store, announcer=announcer)
             self._source = "scheduler"
         else:
-            self.worker = WorkerSide(self.cache, self.settings, store, tp_rank, kv_events=self.kv_events)
+            pinned = self.settings.max_pinned_bytes(lent_bytes(store_config(self.settings)))
+            self.worker = WorkerSide(
+                self.cache, self.settings, store, tp_rank, kv_events=self.kv_events, max_pinned_bytes=pinned
+            )
             self._source = f"worker:{tp_rank}:{pp_rank}"
         self._reported: Counter[str] = Counter()
         self._gauges: dict[str, float] = {}

@@ -199,6 +199,20 @@ def tp_replicas(kv_cache_config: KVCacheConfig, tp_size: int, kv_heads: int, dcp
 _MEMORY_STORES: dict[str, MemoryStore] = {}
 
 
+def store_config(settings: ConnectorSettings) -> MemoryStoreConfig | MooncakeStoreConfig:
+    """The connector's store configuration: ``store``, or vLLM's Mooncake JSON when it is unset."""
+    if settings.store is not None:
+        return settings.store
+    return MooncakeStoreConfig.model_validate(MooncakeSettings.from_vllm_env().model_dump())
+
+
+def lent_bytes(config: MemoryStoreConfig | MooncakeStoreConfig) -> int:
+    """The memory a worker of this configuration lends the store (all of it, for the memory store)."""
+    if isinstance(config, MemoryStoreConfig):
+        return config.capacity
+    return config.global_segment_size
+
+
 def open_store(
     settings: ConnectorSettings, *, mount_segment: bool, log: OperationLog | None = None
 ) -> tuple[Store, bool]:
@@ -208,14 +222,12 @@ def open_store(
     vLLM setups work as they are. ``mount_segment=False`` (the scheduler: it only
     asks what exists) lends the store no memory. ``log`` records the store calls.
     """
-    config = settings.store
+    config = store_config(settings)
     if isinstance(config, MemoryStoreConfig):
         key = config.model_dump_json()
         if key not in _MEMORY_STORES:
             _MEMORY_STORES[key] = config.build()
         return guarded(_MEMORY_STORES[key], config.breaker, log), False
-    if config is None:
-        config = MooncakeStoreConfig.model_validate(MooncakeSettings.from_vllm_env().model_dump())
     if config.master == "spawn":
         raise ConfigError(
             "kv_connector_extra_config.store.master: 'spawn' cannot serve vLLM (the scheduler and the "

@@ -27,7 +27,10 @@ rank); this module decides *when* to ask and *what to do with the answer*:
   a while, so ``recompute`` can never turn into a lookup/load loop;
 - **saves**: each step plans, per running request, the chunks completed by the
   end of the step, each chunk offered once; decode-phase chunks only with
-  ``save_decode_cache``.
+  ``save_decode_cache``;
+- **retention**: every request's prompt is counted as it arrives, and a chunk
+  that ``retention_min_requests`` requests asked for is marked for a soft pin
+  in its save (:mod:`kvpipe.stages.retention`).
 """
 
 from __future__ import annotations
@@ -51,6 +54,7 @@ from kvpipe.stages import (
     lookup_keys,
 )
 from kvpipe.stages.keys import deployment_key_pattern, key_chunk_hex
+from kvpipe.stages.retention import ReuseCounter
 from kvpipe.stages.store import EXISTS
 
 from .engine_cache import EngineCache
@@ -116,6 +120,8 @@ class SchedulerSide:
         self._load_async: dict[str, bool] = {}  # the last lookup's answer: does its hit load async
         self._sync_when_idle = settings.load_sync_when_idle and len(cache.groups) == 1
         self.announcer = announcer
+        # requests per chunk: the chunks they keep asking for are saved soft-pinned
+        self._reuse = ReuseCounter(settings.retention_min_requests) if settings.retention else None
 
     @property
     def loads_in_flight(self) -> int:
@@ -126,6 +132,8 @@ class SchedulerSide:
 
     def on_new_request(self, request: Request) -> None:
         self._waiting[request.request_id] = request
+        if self._reuse is not None:
+            self._reuse.asked(request.block_hashes)
 
     def get_num_new_matched_tokens(
         self, request: Request, num_computed_tokens: int
@@ -180,7 +188,12 @@ class SchedulerSide:
     def _lookup_keys(self, lookup: LookupRequest) -> tuple[str, ...]:
         cache = self.cache
         return lookup_keys(
-            cache.store_groups, cache.lookup_shards, cache.hash_block_size, lookup, cache.hit_alignment, self._sealed
+            cache.store_groups,
+            cache.lookup_shards,
+            cache.hash_block_size,
+            lookup,
+            cache.hit_alignment,
+            self._sealed,
         )
 
     def _loads_async(self) -> bool:
@@ -328,7 +341,10 @@ class SchedulerSide:
                 if reach <= saved and not finished:
                     continue
                 block_ids = block_ids or tuple(tuple(ids) for ids in block_state.get_block_ids(rid))
-                save = SaveRequest(rid, hashes, block_ids, end, saved, finished, state_tokens=state)
+                reused = self._reused(hashes, saved, end)
+                save = SaveRequest(
+                    rid, hashes, block_ids, end, saved, finished, state_tokens=state, reused_chunks=reused
+                )
                 meta.saves.append(save)
                 if self.announcer is not None:
                     self.announcer.expect(request, save)
@@ -336,6 +352,13 @@ class SchedulerSide:
                 saved = max(saved, reach)
                 self.stats["saves_planned"] += 1
             tracked.saved_tokens = saved
+
+    def _reused(self, hashes: Sequence[bytes], saved: int, end: int) -> dict[bytes, int]:
+        """The chunks between ``saved`` and ``end`` that requests keep asking for, with their counts."""
+        if self._reuse is None:
+            return {}
+        hbs = self.cache.hash_block_size
+        return self._reuse.reused(hashes[saved // hbs : -(-end // hbs)])
 
     def _reach(self, tokens: int, hashes: Sequence[bytes]) -> int:
         """The end of the whole chunks of every stored group within ``tokens`` (and the hashes)."""

@@ -8,12 +8,14 @@ from typing import Any
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
-from kvpipe.connector.store.configs import StoreConfig, without_store_tag
+from kvpipe.connector.store.configs import ByteCount, StoreConfig, without_store_tag
 from kvpipe.pipeline import BuildError
 from kvpipe.pipeline.config import describe_validation_error, load_yaml, one_line
 from kvpipe.pipeline.priority import MAX_NICE
 from kvpipe.stages import MAX_BUFFERS_PER_CALL, Integrity, StrictFlag
 from kvpipe.stages.flags import ConfigError
+from kvpipe.stages.retention import PINNED_SHARE
+from kvpipe.stages.store import MAX_SOFT_PIN_TTL_S
 
 #: 256 chunks of 128 tokens: one step's saves of a full batch, with the last steps' still in flight
 DEFAULT_STAGING_TOKENS = 32768
@@ -52,7 +54,23 @@ class ConnectorSettings(BaseModel):
     # it, every load checks them (kvpipe.stages.integrity). off: neither (sizes only);
     # required: a chunk without seals (vLLM's connector wrote it) is a miss.
     integrity: Integrity = Integrity.VERIFY
+    # Retention (kvpipe.stages.retention): a chunk asked for by retention_min_requests
+    # requests is stored soft-pinned for retention_pin_ttl_s, so one-off prompts evict
+    # around it; each worker pins at most retention_max_pinned bytes at once (None:
+    # PINNED_SHARE of the memory its engine lends the store; 0: pin nothing).
+    retention: StrictFlag = True
+    retention_min_requests: int = Field(2, ge=1, strict=True)
+    retention_pin_ttl_s: float = Field(600.0, gt=0, le=MAX_SOFT_PIN_TTL_S)
+    retention_max_pinned: ByteCount | None = None
     config: str | None = None
+
+    def max_pinned_bytes(self, lent_bytes: int) -> int:
+        """The bytes one worker may hold soft-pinned, when its engine lends the store ``lent_bytes``."""
+        if not self.retention:
+            return 0
+        if self.retention_max_pinned is not None:
+            return self.retention_max_pinned
+        return int(lent_bytes * PINNED_SHARE)
 
     def staging_slots(self, block_sizes: Sequence[int]) -> int:
         """Slots for stored groups of these block sizes: ``staging_blocks``, or ``staging_tokens`` of each."""

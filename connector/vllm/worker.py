@@ -118,11 +118,13 @@ class WorkerSide:
         *,
         load_via_staging: bool | None = None,
         kv_events: bool = False,
+        max_pinned_bytes: int = 0,
     ) -> None:
         """``load_via_staging``: None lets the cache's device decide (host slots for a device cache).
 
         ``kv_events``: report each saved chunk's outcome for the scheduler's KV events
-        (:meth:`take_chunk_reports`).
+        (:meth:`take_chunk_reports`). ``max_pinned_bytes``: what the saves may hold
+        soft-pinned (the chunks the scheduler marks as reused; 0: none).
         """
         self.cache = cache
         self.settings = settings
@@ -132,6 +134,7 @@ class WorkerSide:
         self.observed: deque[tuple[StoreObject, ObjectStatus]] = deque(maxlen=65536)
         self._put_here: OrderedDict[bytes, None] = OrderedDict()  # chunk hashes, newest last
         self._load_via_staging = load_via_staging
+        self._max_pinned_bytes = max_pinned_bytes
         self._lock = threading.Lock()
         self.layouts: dict[int, GroupLayout] = {}
         self._staging: StagingArea | None = None
@@ -191,6 +194,8 @@ class WorkerSide:
                 max_buffers_per_call=self.settings.max_buffers_per_call,
                 observer=self._observe,
                 integrity=self.settings.integrity,
+                max_pinned_bytes=self._max_pinned_bytes,
+                soft_pin_ttl_s=self.settings.retention_pin_ttl_s,
             ),
             queue_capacity=self.settings.queue_capacity,
             when_full="drop",

@@ -60,8 +60,9 @@ class RecordingStore(ForwardingStore):
 class ScriptedConfig:
     """A replicate config with ``group_ids``, as a store that supports them has."""
 
-    def __init__(self) -> None:
+    def __init__(self, soft_pin_ttl_ms: int | None = None) -> None:
         self.group_ids: list[str] | None = None
+        self.soft_pin_ttl_ms = soft_pin_ttl_ms
 
 
 class ScriptedStore:
@@ -80,8 +81,8 @@ class ScriptedStore:
         self.local_transfers = True
         self.removed: list[str] = []
 
-    def new_replicate_config(self) -> ScriptedConfig:
-        return ScriptedConfig()
+    def new_replicate_config(self, *, soft_pin_ttl_ms: int | None = None) -> ScriptedConfig:
+        return ScriptedConfig(soft_pin_ttl_ms)
 
     def batch_is_exist(self, keys: Sequence[str]) -> list[int]:
         return [self._exist(key) for key in keys]
@@ -113,7 +114,12 @@ def by_first_sight(codes: Sequence[int]) -> Callable[[str], int]:
 
 
 def fake_record(
-    key: str, *, buffers: int = 1, chunk_hash: bytes = b"\xaa", group_id: str | None = None
+    key: str,
+    *,
+    buffers: int = 1,
+    chunk_hash: bytes = b"\xaa",
+    group_id: str | None = None,
+    reuse: int = 0,
 ) -> StoreObject:
     """A record whose buffers point nowhere: for stores that never read memory."""
     return StoreObject(
@@ -122,4 +128,5 @@ def fake_record(
         store_group=0,
         buffers=tuple(Buffer(0x1000 * (i + 1), 64) for i in range(buffers)),
         group_id=group_id,
+        reuse=reuse,
     )

@@ -65,3 +65,17 @@ async def test_a_job_whose_deadline_passes_during_an_earlier_call_of_the_batch_i
 
     assert store.put_keys == ["first"]
     assert batch[1].emit.failures == ["put second: the job's deadline passed; not sent"]
+
+
+async def test_a_put_refused_for_space_is_not_tried_again_once_its_job_is_past_its_deadline():
+    batch = batch_of([(fake_record("a"),)])
+
+    def full(key: str) -> int:
+        batch[0].emit.expired = True  # the refused call took the job past its deadline
+        return -200
+
+    store = RecordingStore(ScriptedStore(put=full))
+    await PutStage(PutParams(backoff_initial_s=0), store).process_batch(batch)
+
+    assert store.put_keys == ["a"]
+    assert batch[0].emit.failures == ["put a: -200 (NO_SPACE)"]

@@ -70,6 +70,31 @@ async def test_no_space_is_counted_as_backpressure_and_fails_the_record():
     assert emit.counts["put"] == 1
 
 
+async def test_a_record_refused_for_space_is_put_once_more_after_the_back_off():
+    tries: dict[str, int] = {}
+
+    def full_at_first(key: str) -> int:
+        tries[key] = tries.get(key, 0) + 1
+        return -200 if tries[key] == 1 else 0
+
+    store = RecordingStore(ScriptedStore(put=full_at_first))
+    batch = batch_of([(fake_record("a"), fake_record("b"))])
+
+    await _stage(store, backoff_initial_s=0).process_batch(batch)
+
+    assert store.put_keys == ["a", "b", "a", "b"]
+    assert batch[0].emit.counts["put"] == 2
+    assert batch[0].emit.counts["backpressure"] == 0
+
+
+async def test_a_record_refused_for_space_twice_is_not_tried_a_third_time():
+    store = _scripted({"a": -200})
+
+    await _stage(store, backoff_initial_s=0).process_batch(batch_of([(fake_record("a"), fake_record("b"))]))
+
+    assert store.put_keys == ["a", "b", "a"]
+
+
 async def test_any_other_code_fails_the_record_naming_key_and_code():
     batch = batch_of([(fake_record("a"),)])
 

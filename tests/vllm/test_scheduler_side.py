@@ -360,3 +360,57 @@ def test_a_failed_sync_load_is_counted_and_what_the_engine_recomputes_is_saved_a
 
     assert idle.side.stats["loads_failed"] == 1
     assert [(save.num_saved_tokens, save.num_computed_tokens) for save in saves] == [(0, PROMPT)]
+
+
+def _first_save_of(side: SchedulerSide, request: Request) -> Any:
+    side.update_state_after_alloc(request, SimpleNamespace(get_block_ids=lambda: ([],)), 0)
+    (save,) = plan_saves(side, request, PROMPT)
+    return save
+
+
+def test_a_prompt_asked_for_once_is_saved_unpinned() -> None:
+    side = make_harness().side
+    request = Request("a", chain_hashes(4, salt="once"))
+    side.on_new_request(request)
+
+    assert _first_save_of(side, request).reused_chunks == {}
+
+
+def test_chunks_a_second_request_asks_for_are_marked_for_a_pin_in_its_save() -> None:
+    side = make_harness().side
+    shared = chain_hashes(2, salt="system")
+    first = Request("a", shared + chain_hashes(2, salt="a"))
+    second = Request("b", shared + chain_hashes(2, salt="b"))
+    side.on_new_request(first)
+    side.on_new_request(second)
+
+    assert _first_save_of(side, second).reused_chunks == dict.fromkeys(shared, 2)
+
+
+def test_a_request_waiting_when_another_arrives_with_its_prefix_is_saved_pinned() -> None:
+    """Counts are taken as requests arrive: the first of two requests saves its prefix pinned too."""
+    side = make_harness().side
+    shared = chain_hashes(4, salt="system")
+    first, second = Request("a", shared), Request("b", shared)
+    side.on_new_request(first)
+    side.on_new_request(second)
+
+    assert _first_save_of(side, first).reused_chunks == dict.fromkeys(shared, 2)
+
+
+def test_with_retention_off_nothing_is_marked_for_a_pin() -> None:
+    side = make_harness(retention=False).side
+    shared = chain_hashes(4, salt="system")
+    for rid in ("a", "b"):
+        side.on_new_request(Request(rid, shared))
+
+    assert _first_save_of(side, Request("b", shared)).reused_chunks == {}
+
+
+def test_retention_min_requests_sets_how_many_requests_earn_a_pin() -> None:
+    side = make_harness(retention_min_requests=3).side
+    shared = chain_hashes(4, salt="system")
+    side.on_new_request(Request("a", shared))
+    side.on_new_request(second := Request("b", shared))
+
+    assert _first_save_of(side, second).reused_chunks == {}

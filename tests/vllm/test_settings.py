@@ -45,6 +45,10 @@ def test_every_save_and_load_job_has_a_deadline_by_default() -> None:
         ({"save_nice": 20}, ["save_nice", "20"]),
         ({"save_nice": "5"}, ["save_nice", "'5'"]),
         ({"load_sync_when_idle": "sometimes"}, ["load_sync_when_idle", "'sometimes'"]),
+        ({"retention": "yes"}, ["retention", "'yes'"]),
+        ({"retention_min_requests": 0}, ["retention_min_requests", "0"]),
+        ({"retention_pin_ttl_s": 90000}, ["retention_pin_ttl_s", "90000"]),
+        ({"retention_max_pinned": "lots"}, ["retention_max_pinned", "'lots'"]),
     ],
 )
 def test_bad_values_name_the_field_and_the_value(extra: dict[str, object], words: list[str]) -> None:
@@ -84,3 +88,22 @@ def test_the_staging_area_holds_the_same_tokens_whatever_the_block_size() -> Non
 def test_staging_blocks_is_the_slot_count_itself() -> None:
     settings = settings_from({"store": {"kind": "memory"}, "staging_blocks": 8})
     assert settings.staging_slots([16]) == 8
+
+
+def test_by_default_a_worker_pins_at_most_most_of_the_memory_it_lends() -> None:
+    settings = settings_from(None)
+
+    assert settings.retention
+    assert settings.max_pinned_bytes(1000) == 900
+
+
+def test_retention_max_pinned_is_a_size_that_overrides_the_share() -> None:
+    settings = settings_from({"retention_max_pinned": "64MB"})
+
+    assert settings.max_pinned_bytes(0) == 64 << 20
+
+
+def test_with_retention_off_a_worker_pins_nothing() -> None:
+    settings = settings_from({"retention": False, "retention_max_pinned": "64MB"})
+
+    assert settings.max_pinned_bytes(1 << 30) == 0

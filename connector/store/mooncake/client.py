@@ -34,6 +34,9 @@ adds only what the raw client lacks and production needs:
   free loopback ports (:class:`~.master.LocalMaster`) and the store stops it on close;
   with ``cluster:`` beside it, a whole local cluster (:class:`~.cluster.LocalCluster`:
   etcd, HA masters, store nodes), stopped on close too.
+- **A disk tier.** ``disk:`` (:class:`~.settings.DiskTier`) mounts a local-disk
+  segment behind the memory one: the client is set up with Mooncake's SSD offload
+  and the variables it reads that from, and a spawned master offloads.
 - **vLLM's config file.** :meth:`MooncakeSettings.from_vllm_file` reads the JSON
   that vLLM's ``MooncakeStoreConnector`` users already have (``MOONCAKE_CONFIG_PATH``),
   with sizes parsed exactly as vLLM parses them.
@@ -50,7 +53,7 @@ import os
 import threading
 import time
 import weakref
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from contextlib import contextmanager
 from typing import Any, Self
 
@@ -67,7 +70,7 @@ from .master import (
 )
 from .master_address import MasterAddress
 from .segment_liveness import SegmentLiveness
-from .settings import MooncakeSettings, http_endpoint, mib_text
+from .settings import DiskTier, MooncakeSettings, http_endpoint, mib_text
 
 __all__ = ["MooncakeError", "MooncakeStore"]
 
@@ -78,6 +81,8 @@ TRANSFER_TIMEOUT_ENV = "MC_TCP_PROGRESS_TIMEOUT_SEC"
 #: the deadlines the client reads from the environment at set-up; set by whoever started
 #: the process, one is theirs, and settings leave it alone
 _FROM_USER = {name for name in (RPC_TIMEOUT_ENV, TRANSFER_TIMEOUT_ENV) if name in os.environ}
+#: setup()'s answer when this client mounts a disk and the master does not offload
+UNABLE_OFFLOAD = -1300
 INSTALL_HINT = "pip install 'kvpipe[mooncake]' (mooncake-transfer-engine-non-cuda==0.3.13.post1)"
 
 
@@ -98,8 +103,26 @@ def _import_mooncake() -> tuple[type, type]:
     return MooncakeDistributedStore, ReplicateConfig
 
 
+def _soft_pin_enable(config_cls: type) -> Any:
+    """``SoftPinAction.ENABLE`` where this Mooncake's replicate config takes soft pins, else None.
+
+    Releases before 0.3.13 have no ``soft_pin_action``: puts there are never pinned
+    (said once, at open), which is retention off, not an error.
+    """
+    try:
+        from mooncake.store import SoftPinAction
+    except ImportError:
+        SoftPinAction = None  # noqa: N806 - the binding's class name
+    if SoftPinAction is None or not hasattr(config_cls(), "soft_pin_action"):
+        log.warning("this Mooncake has no soft pins: retention stores nothing pinned")
+        return None
+    return SoftPinAction.ENABLE
+
+
 _SETUP_HINTS = {
     Code.INVALID_PARAMS: "invalid parameters (a global segment under 16 MiB, or an unknown protocol or device)",
+    UNABLE_OFFLOAD: "the master does not offload to disk: a client with a disk tier needs a master "
+    "started with --enable_offload=true",
 }
 
 
@@ -126,6 +149,7 @@ class MooncakeStore:
         self._client = client
         self._config_cls = config_cls
         self._supports_group_ids = replicate_config_supports_group_ids(config_cls, config_cls())
+        self._pin_enable = _soft_pin_enable(config_cls)
         self.settings = settings
         self.master_address = master_address
         self.metadata_server = metadata_server
@@ -141,7 +165,8 @@ class MooncakeStore:
         self._address = MasterAddress.parse(master_address)
         self.rpc_timeout_s = _rpc_timeout_ms(settings) / 1000  # the deadline the client really has
         self._liveness = SegmentLiveness(probe_timeout_s=min(0.2, self.rpc_timeout_s))
-        self._release = weakref.finalize(self, _release, client, master)
+        # the client in a list the finalizer empties: ending the native object is part of a release
+        self._release = weakref.finalize(self, _release, [client], master)
 
     @classmethod
     def open(cls, settings: MooncakeSettings | None = None) -> MooncakeStore:
@@ -157,7 +182,11 @@ class MooncakeStore:
         if settings.master == "spawn" and settings.cluster is not None:
             spec = settings.cluster
             master = LocalCluster(
-                spec.masters, store_nodes=spec.store_nodes, node_segment=str(spec.node_segment)
+                spec.masters,
+                store_nodes=spec.store_nodes,
+                node_segment=str(spec.node_segment),
+                node_disk=None if spec.node_disk is None else str(spec.node_disk),
+                enable_offload=settings.disk is not None,
             )
             master.__enter__()  # its SIGTERM handler too: the store's owner stops it all on SIGTERM
             master_address = master.master_address
@@ -168,6 +197,7 @@ class MooncakeStore:
                 eviction_high_watermark=settings.eviction_high_watermark,
                 eviction_ratio=settings.eviction_ratio,
                 client_ttl_s=settings.client_ttl_s,
+                enable_offload=settings.disk is not None,
             ).start()
             assert master.endpoints is not None
             master_address = master.endpoints.master_address
@@ -180,8 +210,13 @@ class MooncakeStore:
             _check_reachable(master_address, metadata_server, settings.connect_timeout_s)
             etcd = _one_etcd_per_process(master_address)
             client = client_cls()
-            extra = {} if settings.tenant_id == "default" else {"tenant_id": settings.tenant_id}
-            with _deadlines_for_setup(settings):
+            extra: dict[str, Any] = {}
+            if settings.tenant_id != "default":
+                extra["tenant_id"] = settings.tenant_id
+            if settings.disk is not None:
+                extra.update(enable_ssd_offload=True, ssd_offload_path=_disk_folder(settings.disk))
+            disk_environment = settings.disk.mooncake_environment() if settings.disk is not None else {}
+            with _deadlines_for_setup(settings), _set_for_setup(disk_environment):
                 code = client.setup(
                     settings.local_hostname,
                     metadata_server,
@@ -193,6 +228,10 @@ class MooncakeStore:
                     **extra,
                 )
             if code != 0:
+                # A failed set-up may leave the segment mounted (-1300 does): the destructor
+                # unmounts it here, while the master serves, not when the error is collected.
+                client.close()
+                del client
                 hint = _SETUP_HINTS.get(code, "see the client's log above")
                 raise MooncakeError(
                     f"Mooncake setup() failed with {describe(code)} for master {master_address}, "
@@ -296,9 +335,12 @@ class MooncakeStore:
                 raise MooncakeError("this Mooncake store is closed")
             return str(self._client.get_hostname())
 
-    def new_replicate_config(self) -> Any:
+    def new_replicate_config(self, *, soft_pin_ttl_ms: int | None = None) -> Any:
         config = self._config_cls()
         config.replica_num = self.settings.replicas
+        if soft_pin_ttl_ms is not None and self._pin_enable is not None:
+            config.soft_pin_action = self._pin_enable
+            config.soft_pin_ttl_ms = soft_pin_ttl_ms
         return config
 
     def batch_is_exist(self, keys: Sequence[str]) -> list[int]:
@@ -413,8 +455,8 @@ class MooncakeStore:
                 del _SHARED[self._shared_as]
             drained = self._state.wait_for(lambda: self._in_flight == 0, timeout=self._drain_timeout_s)
         if drained:
+            self._client = None  # the finalizer's is then the last reference: _release ends the client
             self._release()
-            self._client = None  # the native object goes now, not at interpreter exit
             return
         log.warning(
             "mooncake: %d calls still in flight after %g s; leaving the client open",
@@ -496,6 +538,40 @@ def _deadlines_for_setup(settings: MooncakeSettings) -> Iterator[None]:
             os.environ.pop(RPC_TIMEOUT_ENV, None)
         else:
             os.environ[RPC_TIMEOUT_ENV] = previous
+
+
+def _disk_folder(disk: DiskTier) -> str:
+    """The disk tier's folder, created if missing (Mooncake's client refuses a missing one).
+
+    :raises MooncakeError: it cannot be created (naming the folder and why).
+    """
+    try:
+        disk.path.mkdir(parents=True, exist_ok=True)
+    except OSError as exc:
+        raise MooncakeError(f"disk.path: cannot create {disk.path}: {exc.strerror or exc}") from None
+    return str(disk.path)
+
+
+@contextmanager
+def _set_for_setup(values: Mapping[str, str]) -> Iterator[None]:
+    """``values`` in the environment while ``setup()`` reads them, then the environment as it was.
+
+    Mooncake's client reads its disk tier's configuration from the environment, once,
+    in ``setup()``, and from no other source; so it is set in this process, around the
+    call. Left set, it would pass to every process started later (an engine's workers)
+    and override what their users set; a value the user exported is set aside during
+    the call only (the disk settings decide the tier).
+    """
+    previous = {name: os.environ.get(name) for name in values}
+    os.environ.update(values)
+    try:
+        yield
+    finally:
+        for name, value in previous.items():
+            if value is None:
+                os.environ.pop(name, None)
+            else:
+                os.environ[name] = value
 
 
 def _rpc_timeout_ms(settings: MooncakeSettings) -> int:
@@ -582,10 +658,18 @@ def _stop_spawned(spawned: LocalMaster | LocalCluster) -> None:
         spawned.stop()
 
 
-def _release(client: Any, master: LocalMaster | LocalCluster | None) -> None:
-    """Close the client, then stop the master (or cluster) it was mounted on (the unmount needs it)."""
+def _release(native: list[Any], master: LocalMaster | LocalCluster | None) -> None:
+    """Close and end the client, then stop the master (or cluster) it was mounted on (the unmount needs it).
+
+    ``native`` holds the last reference to the client. With a disk tier, its ``close()``
+    returns before it has unmounted: the native object's destructor does that, once its
+    disk threads stop (about a heartbeat, a second here), so the object must be gone
+    before its master is; against a stopped master the unmount retries for ~20 s.
+    """
     try:
+        client = native.pop()
         client.close()
+        del client  # the destructor runs here, while the master still serves
     finally:
         if master is not None:
             _stop_spawned(master)

@@ -11,7 +11,9 @@ with ``P2PHANDSHAKE`` metadata.
 Store nodes (:class:`StoreNodeProcess`, each a ``kvpipe store`` process) hold the
 objects: :meth:`LocalCluster.add_store_node` starts one (``store_nodes`` at start),
 and a test kills one to see what a lost machine costs. Clients of such a cluster
-mount no segment of their own (``global_segment_size: 0``).
+mount no segment of their own (``global_segment_size: 0``). With ``node_disk``, each
+node also mounts a disk tier of that size (:class:`~.settings.DiskTier`), in a folder
+of its own under one the cluster creates and removes, and the masters offload.
 
 Raises :class:`~.master.MasterError` (one line) when etcd or the masters cannot
 start or no master leads in time.
@@ -32,6 +34,8 @@ from contextlib import AbstractContextManager
 from pathlib import Path
 from typing import Self
 
+from pydantic import TypeAdapter
+
 from .master import (
     LOOPBACK,
     P2P_HANDSHAKE,
@@ -43,6 +47,7 @@ from .master import (
     wait_until_listening,
 )
 from .master_address import MasterAddress, etcd_range
+from .settings import DiskTier, PositiveSize
 
 _OPLOG_PUT, _OPLOG_REMOVE = 1, 3
 
@@ -58,7 +63,7 @@ class StoreNodeProcess:
     """One ``kvpipe store`` process: a segment of the cluster, until it is stopped or killed.
 
     Its JSON lines are read on a thread (a full pipe would block it): :attr:`segment_name`
-    once it is ready, :attr:`last_use` as it reports.
+    once it is ready, :attr:`last_use` as it reports. :attr:`disk` is its disk tier, if any.
     """
 
     def __init__(
@@ -70,9 +75,15 @@ class StoreNodeProcess:
         startup_timeout_s: float = 30.0,
         local_hostname: str = LOOPBACK,
         launcher: Sequence[str] = (),
+        disk: DiskTier | None = None,
     ) -> None:
         """``local_hostname``: its address as clients reach it; ``launcher``: what the command runs
-        under (e.g. ``ip netns exec NS``: a node in a network namespace of its own)."""
+        under (e.g. ``ip netns exec NS``: a node in a network namespace of its own); ``disk``: the
+        disk tier behind its segment (the master must offload)."""
+        disk_flags = [] if disk is None else [
+            "--disk", str(disk.path), "--disk-size", str(disk.size),
+            "--disk-read-buffer", str(disk.read_buffer),
+        ]  # fmt: skip
         command = [
             *launcher,
             sys.executable, "-m", "kvpipe.connector.cli.main", "store",
@@ -80,10 +91,12 @@ class StoreNodeProcess:
             "--segment", segment, "--json", "--report-every", "1",
             "--local-hostname", local_hostname,
             *(f"--master-metrics={endpoint}" for endpoint in metrics),
+            *disk_flags,
         ]  # fmt: skip
         self._process = subprocess.Popen(
             command, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, stdin=subprocess.DEVNULL
         )
+        self.disk = disk
         self._ready = threading.Event()
         self._lines: deque[dict[str, object]] = deque(maxlen=100)
         self.segment_name = ""
@@ -134,8 +147,16 @@ class LocalCluster:
         *,
         store_nodes: int = 0,
         node_segment: str = "64MB",
+        node_disk: str | None = None,
+        enable_offload: bool = False,
         startup_timeout_s: float = 30.0,
     ) -> None:
+        """``node_disk``: a size (``"1GB"``) gives every store node a disk tier that large;
+        ``enable_offload``: the masters offload for clients with a disk tier (implied by
+        ``node_disk``; :class:`~.master.LocalMaster`).
+
+        :raises ValueError: ``masters`` < 1, ``store_nodes`` < 0, or a ``node_disk`` that is no size.
+        """
         if masters < 1:
             raise ValueError(f"LocalCluster: masters must be >= 1, got {masters}")
         if store_nodes < 0:
@@ -143,6 +164,10 @@ class LocalCluster:
         self._count = masters
         self._node_count = store_nodes
         self._node_segment = node_segment
+        self._node_disk = None if node_disk is None else TypeAdapter(PositiveSize).validate_python(node_disk)
+        self._offload = enable_offload or node_disk is not None
+        self._disks: Path | None = None  # the nodes' disk folders are in it
+        self._disks_made = 0
         self.store_nodes: list[StoreNodeProcess] = []
         self._startup_timeout_s = startup_timeout_s
         self._etcd: subprocess.Popen[bytes] | None = None
@@ -198,7 +223,9 @@ class LocalCluster:
         )  # fmt: skip
         wait_until_listening(LOOPBACK, client_port, timeout_s=self._startup_timeout_s, what="etcd")
         for _ in range(self._count):
-            self.masters.append(LocalMaster(etcd_endpoints=f"{LOOPBACK}:{client_port}").start())
+            self.masters.append(
+                LocalMaster(etcd_endpoints=f"{LOOPBACK}:{client_port}", enable_offload=self._offload).start()
+            )
         self.wait_for_leader(self._startup_timeout_s)
         for _ in range(self._node_count):
             self.add_store_node()
@@ -212,9 +239,20 @@ class LocalCluster:
             segment=segment or self._node_segment,
             metrics=metrics,
             startup_timeout_s=self._startup_timeout_s,
+            disk=self._new_disk(),
         )
         self.store_nodes.append(node)
         return node
+
+    def _new_disk(self) -> DiskTier | None:
+        """A disk tier in a folder no node used before: a node added after a kill must not bring back
+        the lost node's objects (a lost machine loses its disk)."""
+        if self._node_disk is None:
+            return None
+        if self._disks is None:
+            self._disks = Path(tempfile.mkdtemp(prefix="kvpipe-disks-"))
+        self._disks_made += 1
+        return DiskTier(path=self._disks / f"node-{self._disks_made}", size=self._node_disk)
 
     def leader(self) -> LocalMaster | None:
         """The master etcd records as the leader, if it is one of ours and running."""
@@ -291,6 +329,7 @@ class LocalCluster:
         etcd, self._etcd = self._etcd, None
         if etcd is not None:
             stop_process(etcd)
-        if self._data_dir is not None:
-            shutil.rmtree(self._data_dir, ignore_errors=True)
-            self._data_dir = None
+        for folder in (self._data_dir, self._disks):
+            if folder is not None:
+                shutil.rmtree(folder, ignore_errors=True)
+        self._data_dir = self._disks = None

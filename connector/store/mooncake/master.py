@@ -152,6 +152,7 @@ class LocalMaster:
         eviction_high_watermark: float | None = None,
         eviction_ratio: float | None = None,
         client_ttl_s: int | None = None,
+        enable_offload: bool = False,
         etcd_endpoints: str | None = None,
         snapshot_dir: Path | None = None,
         snapshot_interval_s: int = 2,
@@ -164,6 +165,11 @@ class LocalMaster:
         and restore the latest snapshot when it starts (Mooncake reads the folder from
         ``MOONCAKE_SNAPSHOT_LOCAL_PATH``), so a restart keeps what the last snapshot held;
         objects whose lease ran out are dropped on restore.
+
+        ``enable_offload`` lets clients mount a disk tier (:class:`~.settings.DiskTier`;
+        without it their ``setup()`` fails with -1300) and has them write an object
+        there when it evicts the object from their memory segment, rather than at every
+        put (``--offload_on_evict``): disk writes are then the evictions, not every put.
         """
         self._flags: dict[str, str] = {}
         self.ha = etcd_endpoints is not None
@@ -177,6 +183,8 @@ class LocalMaster:
             self._flags["eviction_ratio"] = str(eviction_ratio)
         if client_ttl_s is not None:
             self._flags["client_ttl"] = str(client_ttl_s)
+        if enable_offload:
+            self._flags.update(enable_offload="true", offload_on_evict="true")
         self._env: dict[str, str] | None = None
         if snapshot_dir is not None:
             self._flags.update(
@@ -240,7 +248,11 @@ class LocalMaster:
         self._log_path = Path(log_name)
         with os.fdopen(fd, "wb") as log:
             self._process = subprocess.Popen(
-                command, stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, env=self._env
+                command,
+                stdout=log,
+                stderr=subprocess.STDOUT,
+                stdin=subprocess.DEVNULL,
+                env=self._master_env(),
             )
         try:
             self._wait_ready()
@@ -248,6 +260,16 @@ class LocalMaster:
             self.stop()
             raise
         return self
+
+    def _master_env(self) -> dict[str, str]:
+        """The master's environment: ours, with its log at every level whatever ours quiets.
+
+        Start-up reads the log (a port taken meanwhile is retried on new ports only if the
+        log says so), and a ``GLOG_minloglevel`` set to quiet a client would empty it.
+        """
+        env = dict(os.environ if self._env is None else self._env)
+        env.pop("GLOG_minloglevel", None)
+        return env
 
     def _wait_ready(self) -> None:
         """Until it listens; an HA master listens only once it leads, so for it: until it runs."""

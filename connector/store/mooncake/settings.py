@@ -34,6 +34,7 @@ from .master_address import MasterAddress
 __all__ = [
     "MIN_SEGMENT_BYTES",
     "ClusterSpawn",
+    "DiskTier",
     "MooncakeConfigError",
     "MooncakeSettings",
     "parse_size",
@@ -102,8 +103,16 @@ def _buffer_size(value: object) -> int:
     return size
 
 
+def _positive_size(value: object) -> int:
+    size = parse_size(value)
+    if size <= 0:
+        raise PydanticCustomError("size", "must be > 0 bytes, got {value}", {"value": repr(value)})
+    return size
+
+
 SegmentSize = Annotated[int, BeforeValidator(_segment_size)]
 BufferSize = Annotated[int, BeforeValidator(_buffer_size)]
+PositiveSize = Annotated[int, BeforeValidator(_positive_size)]
 
 
 def mib_text(n: int) -> str:
@@ -121,14 +130,81 @@ def http_endpoint(metadata_server: str) -> tuple[str, int] | None:
 # -- settings ------------------------------------------------------------------------------
 
 
+class DiskTier(BaseModel):
+    """A local-disk segment behind a client's memory one: Mooncake's SSD offload.
+
+    The master has the client write the objects it evicts from the client's memory
+    segment to ``path`` (Mooncake's offload on evict), and lookups and loads find
+    them there, from any client. At most ``size`` bytes are kept on disk: past that,
+    the least recently read objects go. ``read_buffer`` is memory the disk's owner
+    reads objects into before they travel to the reader; one load call whose objects
+    on this disk need more fails for every key it names (Mooncake's -10), so it must
+    hold the largest load.
+
+    ``path`` is made absolute (Mooncake takes no other) and is created at set-up if
+    missing, so it must be a folder or creatable: a validation error says why not.
+    Give each client a folder of its own: at set-up a client reports the objects it
+    finds in its folder to the master as its own.
+    """
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    path: Path
+    size: PositiveSize
+    read_buffer: PositiveSize = 256 * MiB
+
+    @field_validator("path")
+    @classmethod
+    def _usable_folder(cls, value: Path) -> Path:
+        path = Path(os.path.abspath(value.expanduser()))
+        existing = next(p for p in (path, *path.parents) if p.exists())
+        if not existing.is_dir():
+            what = "is a file" if existing == path else f"cannot be created: {existing} is a file"
+            raise PydanticCustomError(
+                "disk_path", "{what}, not a folder, got {value}", {"what": what, "value": str(value)}
+            )
+        if not os.access(existing, os.W_OK | os.X_OK):
+            what = "is not writable" if existing == path else f"cannot be created: {existing} is not writable"
+            raise PydanticCustomError("disk_path", "{what}, got {value}", {"what": what, "value": str(value)})
+        return path
+
+    def mooncake_environment(self) -> dict[str, str]:
+        """The variables Mooncake's client reads its disk tier from, once, in ``setup()``.
+
+        - bucket files (Mooncake's recommended backend, the one with a size cap), one
+          object per bucket: a bucket is written once it holds its key limit (500 by
+          default), so a segment holding fewer objects than that never writes one, and
+          with offload on evict no put finds room again;
+        - ``size`` as the cap, the least recently read bucket going first, and no
+          proactive eviction at 90% of the cap (the cap alone bounds the disk);
+        - a heartbeat every second: objects reach the disk on the heartbeat, and puts
+          into a full memory segment fail (-200) until they have (10 s by default);
+        - ``read_buffer`` as the staging buffer (1.25 GiB by default, all resident).
+        """
+        return {
+            "MOONCAKE_OFFLOAD_STORAGE_BACKEND_DESCRIPTOR": "bucket_storage_backend",
+            "MOONCAKE_OFFLOAD_BUCKET_KEYS_LIMIT": "1",
+            "MOONCAKE_OFFLOAD_BUCKET_MAX_TOTAL_SIZE": str(self.size),
+            "MOONCAKE_OFFLOAD_BUCKET_EVICTION_POLICY": "lru",
+            "MOONCAKE_OFFLOAD_ENABLE_DISK_WATERMARK_EVICTION": "false",
+            "MOONCAKE_OFFLOAD_HEARTBEAT_INTERVAL_SECONDS": "1",
+            "MOONCAKE_OFFLOAD_LOCAL_BUFFER_SIZE_BYTES": str(self.read_buffer),
+        }
+
+
 class ClusterSpawn(BaseModel):
-    """A local cluster for ``master: spawn``: etcd, ``masters`` HA masters, ``store_nodes`` nodes."""
+    """A local cluster for ``master: spawn``: etcd, ``masters`` HA masters, ``store_nodes`` nodes.
+
+    With ``node_disk``, each store node also mounts a disk tier of that size, in a
+    folder of the cluster's own (removed with it).
+    """
 
     model_config = ConfigDict(extra="forbid", frozen=True)
 
     masters: int = Field(2, ge=1, le=5)
     store_nodes: int = Field(1, ge=0, le=16)
     node_segment: SegmentSize = 256 * MiB
+    node_disk: PositiveSize | None = None
 
     @field_validator("node_segment")
     @classmethod
@@ -161,6 +237,10 @@ class MooncakeSettings(BaseModel):
     master places what it can: fewer segments than ``replicas`` store fewer
     copies, not an error. ``verify_replicas`` makes lookups count no object whose
     every replica is on a store node that is gone (:mod:`.segment_liveness`).
+
+    ``disk`` mounts a local-disk segment behind this client's memory one
+    (:class:`DiskTier`): what the master evicts from memory goes there instead of
+    away. The master must run with ``--enable_offload=true`` (a spawned one does).
     """
 
     model_config = ConfigDict(extra="forbid", frozen=True)
@@ -185,6 +265,7 @@ class MooncakeSettings(BaseModel):
     client_ttl_s: int | None = Field(None, gt=0)
     replicas: int = Field(1, ge=1, le=16)
     verify_replicas: bool = True
+    disk: DiskTier | None = None
 
     @field_validator("master")
     @classmethod
@@ -238,6 +319,17 @@ class MooncakeSettings(BaseModel):
                 "is 0 (mount no segment), but a spawned master has no other client to hold objects: "
                 "give it at least 16 MiB, spawn a cluster with store nodes (cluster: {store_nodes: 1}), "
                 "or use an existing master",
+            )
+        return value
+
+    @field_validator("disk")
+    @classmethod
+    def _disk_behind_memory(cls, value: DiskTier | None, info: ValidationInfo) -> DiskTier | None:
+        if value is not None and info.data.get("global_segment_size") == 0:
+            raise PydanticCustomError(
+                "disk_without_segment",
+                "needs a memory segment in front of it (global_segment_size > 0): objects reach the "
+                "disk when the master evicts them from this client's segment, got a segment of 0",
             )
         return value
 

@@ -9,7 +9,8 @@ the cache outlives any engine.
 
 :func:`serve` runs one node (``kvpipe store`` is it on the command line): it
 joins a master (``host:port``), an HA cluster (``etcd://...``, ``redis://...``)
-or spawns a local master, mounts ``global_segment_size`` bytes, reports the
+or spawns a local master, mounts ``global_segment_size`` bytes (and, with ``disk``,
+a disk tier behind them: :class:`~.settings.DiskTier`), reports the
 settings engines paste (:class:`NodeReady`: kvpipe's ``store:`` block and vLLM's
 Mooncake JSON), reports its segment's use every ``report_every_s`` (read off the
 master's Prometheus endpoint, when one is known), and unmounts when ``stop`` is
@@ -30,7 +31,7 @@ from typing import Any
 from .client import MooncakeStore
 from .master import LOOPBACK
 from .master_address import split_host_port
-from .settings import MooncakeSettings
+from .settings import DiskTier, MooncakeSettings
 
 #: the smallest buffer the client accepts for a node that never puts (its own transfers only)
 NODE_BUFFER_BYTES = 16 << 20
@@ -45,6 +46,7 @@ class NodeReady:
     master: str
     metadata_server: str
     protocol: str
+    disk: DiskTier | None = None
 
     def kvpipe_store(self) -> dict[str, Any]:
         """The ``store:`` block of a kvpipe config (or the connector's extra config)."""
@@ -72,6 +74,7 @@ class NodeReady:
             "event": "ready",
             "segment": self.segment_name,
             "segment_bytes": self.segment_bytes,
+            "disk": None if self.disk is None else {"path": str(self.disk.path), "bytes": self.disk.size},
             "kvpipe_store": self.kvpipe_store(),
             "vllm_config": self.vllm_config(),
         }
@@ -124,6 +127,7 @@ def serve(
             master=store.master_address,
             metadata_server=store.metadata_server,
             protocol=store.settings.protocol,
+            disk=store.settings.disk,
         )
         endpoints = [split_host_port(address) for address in master_metrics]
         if (master := store.spawned_master) is not None and master.endpoints is not None:
