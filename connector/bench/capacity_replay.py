@@ -153,17 +153,13 @@ class KvpipeReplay(AbstractContextManager["KvpipeReplay"]):
         integrity: str = "verify",
         enable_group_semantics: bool = False,
         max_pinned_bytes: int = 0,
-        min_requests: int = 2,
-        soft_pin_ttl_s: float = 600.0,
-        look_ahead: bool = True,
     ) -> None:
         """``max_pinned_bytes``: retention's budget (0: retention off, no request counted)."""
         self._cache = cache
         self._store = store
         self.tally = Tally()
         self._failed: dict[str, frozenset[int]] = {}
-        self._reuse = ReuseCounter(min_requests) if max_pinned_bytes else None
-        self._look_ahead = look_ahead
+        self._reuse = ReuseCounter() if max_pinned_bytes else None
         self._save = SyncPipeline(
             default_save_graph(
                 cache.kv,
@@ -172,7 +168,6 @@ class KvpipeReplay(AbstractContextManager["KvpipeReplay"]):
                 integrity=integrity,
                 enable_group_semantics=enable_group_semantics,
                 max_pinned_bytes=max_pinned_bytes,
-                soft_pin_ttl_s=soft_pin_ttl_s,
             ),
             keep_completed=False,
         )
@@ -208,8 +203,7 @@ class KvpipeReplay(AbstractContextManager["KvpipeReplay"]):
 
     def step(self, serving: Prompt, waiting: Sequence[Prompt]) -> None:
         # the scheduler's one batch_is_exist of the step asks for every waiting request too
-        looked_up = (serving, *waiting) if self._look_ahead else (serving,)
-        asked = list(dict.fromkeys(key for prompt in looked_up for key in self._keys(prompt)))
+        asked = list(dict.fromkeys(key for prompt in (serving, *waiting) for key in self._keys(prompt)))
         exists = {
             key: answer == EXISTS
             for key, answer in zip(asked, self._store.batch_is_exist(asked), strict=True)
