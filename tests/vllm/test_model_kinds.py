@@ -6,8 +6,10 @@
   is asked for by name) and ``AMX_MLA`` (128-token blocks; where the CPU has AMX, else
   skipped with that reason). Counts come from the block size the engine chose.
 - Hybrid: a tiny Qwen3-Next, three mamba groups (GDN, ``align``) and one
-  full-attention group overlaying one cache (384-token blocks); a hit needs every
-  attention chunk and each mamba group's state where it ends.
+  full-attention group overlaying one cache; a hit needs every attention chunk and
+  each mamba group's state where it ends. The block size is the engine's choice (the
+  attention page must hold a mamba state, rounded to the CPU kernel's block multiple:
+  256 or 384 tokens on the machines tried), so counts follow it.
 - Hybrid with partial hits (``prefix_match_unit=128``): the engine hashes every 128
   tokens and a hit may end inside a block: on the prompt's partial tail (the
   attention block holding it, keyed where it ends, and the mamba states there).
@@ -79,27 +81,52 @@ def mla(backend: str, needs: Callable[[], str | None] = lambda: None) -> Kind:
     return Kind(name, launch.TINY_DEEPSEEK_V2, engine_args, 1, _whole_blocks, _hit_blocks, needs)
 
 
+MAMBA_GROUPS = 3  # the tiny Qwen3-Next's linear-attention layers, one group each
+HASH_UNIT = 128  # the partial-hit kind's ``prefix_match_unit``
+TAIL_END = (PROMPT_TOKENS - 1) // HASH_UNIT * HASH_UNIT  # where its longest hit ends
+
+
+def _hybrid_objects(block_size: int) -> int:
+    """Every whole attention block, and per mamba group its state where the first step ends
+    (``align`` mode ends a prefill step on a block boundary: after the last whole block)."""
+    return _whole_blocks(block_size) + MAMBA_GROUPS
+
+
+def _hybrid_loads(block_size: int) -> int:
+    return _hit_blocks(block_size) + MAMBA_GROUPS
+
+
+def _partial_objects(block_size: int) -> int:
+    """And where the longest hit ends inside a block: that block, keyed at the tail's end,
+    and each mamba group's state there too."""
+    inside = TAIL_END % block_size != 0
+    return _whole_blocks(block_size) + inside + MAMBA_GROUPS * (1 + inside)
+
+
+def _partial_loads(block_size: int) -> int:
+    """Every attention block up to the tail's end (the last one partly), one state per mamba group."""
+    return math.ceil(TAIL_END / block_size) + MAMBA_GROUPS
+
+
 KINDS = [
     # every whole block of latent: 87 at CPU_MLA's 16 tokens, 10 at AMX_MLA's 128
     mla("CPU_MLA"),
     mla("AMX_MLA", needs=_amx),
-    # three attention chunks; per mamba group the state at 1,152, where vLLM ends the first step
     Kind(
         "qwen3-next",
         launch.TINY_QWEN3_NEXT,
         launch.HYBRID_ENGINE_ARGS,
-        groups=4,
-        objects_per_prompt=lambda _: 3 + 3,
-        loads_per_prompt=lambda _: 3 + 3,
+        groups=MAMBA_GROUPS + 1,
+        objects_per_prompt=_hybrid_objects,
+        loads_per_prompt=_hybrid_loads,
     ),
-    # and the partial tail at 1,280: the attention block holding it, each mamba group's state there
     Kind(
         "qwen3-next-partial",
         launch.TINY_QWEN3_NEXT,
-        {**launch.HYBRID_ENGINE_ARGS, "prefix_match_unit": 128},
-        groups=4,
-        objects_per_prompt=lambda _: (3 + 1) + 3 * 2,
-        loads_per_prompt=lambda _: (3 + 1) + 3,
+        {**launch.HYBRID_ENGINE_ARGS, "prefix_match_unit": HASH_UNIT},
+        groups=MAMBA_GROUPS + 1,
+        objects_per_prompt=_partial_objects,
+        loads_per_prompt=_partial_loads,
     ),
 ]
 ENGINE = {"max_model_len": 2048, "kv_cache_memory_bytes": 256 << 20}
