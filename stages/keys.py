@@ -3,13 +3,15 @@
 Two connectors serving the same model from one store only share a cache if they
 name every chunk identically, so the formats below copy vLLM's byte for byte:
 
-- key: ``{cache_prefix@}{model}@tp_rank:{tp}@pcp{pcp}@dcp{dcp}@pp_rank:{pp}@group:{g}@{hash}``
-- group id: ``vllm-mooncake-store:{cache_prefix@}{model}@{hash}``
+- key: ``{cache_prefix@}{model}{ns}@tp_rank:{tp}@pcp{pcp}@dcp{dcp}@pp_rank:{pp}@group:{g}@{hash}``
+- group id: ``vllm-mooncake-store:{cache_prefix@}{model}{ns}@{hash}``
 
 - a seal (:mod:`.integrity`, kvpipe's own): ``{object key}@kvpipe-seal``
 
-``cache_prefix@`` is omitted when the prefix is empty; ``hash`` is the chunk hash in
-lowercase hex; ``g`` is the *store* group (the storable projection's numbering).
+``cache_prefix@`` is omitted when the prefix is empty; ``ns`` is the store format's
+namespace (empty for rank-local objects; see :class:`~.model.KeyNamespace`); ``hash``
+is the chunk hash in lowercase hex; ``g`` is the *store* group (the storable
+projection's numbering).
 :func:`parse_object_key` reads a key back (the inverse of :func:`object_key`), so
 tools that list a store (``kvpipe inspect``) use this one format too.
 """
@@ -53,7 +55,7 @@ def object_key_prefix(namespace: KeyNamespace, store_group: int) -> str:
     Cached: a save formats one key per object, and all but the hash repeats.
     """
     return (
-        f"{_model_scope(namespace)}@tp_rank:{namespace.tp_rank}@pcp{namespace.pcp_rank}"
+        f"{_model_scope(namespace)}{namespace.store_namespace}@tp_rank:{namespace.tp_rank}@pcp{namespace.pcp_rank}"
         f"@dcp{namespace.dcp_rank}@pp_rank:{namespace.pp_rank}@group:{store_group}@"
     )
 
@@ -83,15 +85,20 @@ def key_chunk_hex(key: str) -> str:
     return sealed_key(key).rsplit("@", 1)[1]
 
 
-def deployment_key_pattern(namespace: KeyNamespace) -> str:
-    """A regex that finds the keys of ``namespace``'s model and cache prefix, every rank's, and no others.
+#: a store format's namespace as :func:`object_key` writes it (vLLM's connector's formats)
+_STORE_NAMESPACE = r"(?:@store_tp:\d+)?(?:@store_pp:\d+@store_format:[0-9A-Za-z_]+)?"
 
-    Anchored, and the scope is followed by ``@tp_rank:``: a deployment whose cache
-    prefix is another's model name (``tiny@other@tp_rank:...`` beside
-    ``tiny@tp_rank:...``) is never taken along. Written for Mooncake's
-    ``remove_by_regex`` (ECMAScript, searched) and Python's ``re`` alike.
+
+def deployment_key_pattern(namespace: KeyNamespace) -> str:
+    """A regex that finds the keys of ``namespace``'s model and cache prefix, every rank's and format's, and no others.
+
+    Anchored, and the scope is followed by a store format's namespace (or none) and
+    ``@tp_rank:``: a deployment whose cache prefix is another's model name
+    (``tiny@other@tp_rank:...`` beside ``tiny@tp_rank:...``) is never taken along.
+    Written for Mooncake's ``remove_by_regex`` (ECMAScript, searched) and Python's
+    ``re`` alike.
     """
-    return f"^{re.escape(_model_scope(namespace))}@tp_rank:"
+    return f"^{re.escape(_model_scope(namespace))}{_STORE_NAMESPACE}@tp_rank:"
 
 
 def shared_pool_id(namespace: KeyNamespace) -> str:
@@ -107,12 +114,13 @@ def shared_pool_id(namespace: KeyNamespace) -> str:
 def group_id(namespace: KeyNamespace, chunk_hash: bytes) -> str:
     """The lifecycle group of a chunk: every rank's object of every store group.
 
-    Ranks and store groups are deliberately left out. A chunk is only reusable when
+    Ranks and store groups are deliberately left out (a store format's namespace
+    stays in, as in vLLM's connector: objects of two formats are two chunks). A chunk is only reusable when
     all of its objects are present, and Mooncake leases and evicts a group as one,
     so one group per chunk across all shards and groups means a chunk is either
     whole in the store or gone, never half evicted.
     """
-    return f"{GROUP_ID_SCOPE}:{_model_scope(namespace)}@{chunk_hash.hex()}"
+    return f"{GROUP_ID_SCOPE}:{_model_scope(namespace)}{namespace.store_namespace}@{chunk_hash.hex()}"
 
 
 class ObjectKeyParts(NamedTuple):
@@ -123,10 +131,12 @@ class ObjectKeyParts(NamedTuple):
     chunk_hash: bytes
 
 
-#: ``{cache_prefix@}{model}@tp_rank:{tp}@pcp{pcp}@dcp{dcp}@pp_rank:{pp}@group:{g}@{hash}``; the
-#: model is what follows the scope's last ``@`` (so a cache prefix may hold ``@``, a model not)
+#: ``{cache_prefix@}{model}{ns}@tp_rank:{tp}@pcp{pcp}@dcp{dcp}@pp_rank:{pp}@group:{g}@{hash}``; the
+#: model is what follows the scope's last ``@`` (so a cache prefix may hold ``@``, a model not),
+#: never a part of a store format's namespace
 _KEY = re.compile(
-    r"(?:(?P<prefix>.*)@)?(?P<model>[^@]+)@tp_rank:(?P<tp>\d+)@pcp(?P<pcp>\d+)@dcp(?P<dcp>\d+)"
+    r"(?:(?P<prefix>.*)@)?(?P<model>(?!store_(?:tp|pp|format):)[^@]+)(?P<ns>" + _STORE_NAMESPACE + r")"
+    r"@tp_rank:(?P<tp>\d+)@pcp(?P<pcp>\d+)@dcp(?P<dcp>\d+)"
     r"@pp_rank:(?P<pp>\d+)@group:(?P<group>\d+)@(?P<hash>(?:[0-9a-f]{2})*)",
     re.DOTALL,
 )
@@ -153,6 +163,7 @@ def parse_object_key(key: str) -> ObjectKeyParts | None:
         pcp_rank=int(match["pcp"]),
         dcp_rank=int(match["dcp"]),
         pp_rank=int(match["pp"]),
+        store_namespace=match["ns"],
     )
     parts = ObjectKeyParts(namespace, int(match["group"]), bytes.fromhex(match["hash"]))
     if object_key(*parts) != key:  # e.g. "tp_rank:01", "@model@...", "a/b@..."

@@ -50,10 +50,22 @@ class Buffer(NamedTuple):
 
 @dataclass(frozen=True, slots=True)
 class Region:
-    """A contiguous array of equal blocks, e.g. one layer's K/V cache tensor."""
+    """An array of equal blocks, e.g. one layer's K/V cache tensor.
+
+    Block ``b``'s bytes are ``bytes_per_block`` from ``base + b * step``. The step
+    is the block size (``block_stride`` 0) unless the region is a slice of wider
+    blocks: some KV heads of each block (a TP-sharded store object), or one
+    object among several side by side in a staging slot.
+    """
 
     base: int
     bytes_per_block: int
+    block_stride: int = 0
+
+    @property
+    def step(self) -> int:
+        """Bytes from one block's start to the next's."""
+        return self.block_stride or self.bytes_per_block
 
 
 @dataclass(frozen=True, slots=True)
@@ -106,11 +118,11 @@ class BlockBuffers(Sequence[Buffer]):
         if isinstance(index, slice):
             return tuple(self)[index]
         region = self.layout.regions[index]
-        return Buffer(region.base + self.block_id * region.bytes_per_block, region.bytes_per_block)
+        return Buffer(region.base + self.block_id * region.step, region.bytes_per_block)
 
     def addresses(self) -> list[int]:
         block_id = self.block_id
-        return [region.base + block_id * region.bytes_per_block for region in self.layout.regions]
+        return [region.base + block_id * region.step for region in self.layout.regions]
 
     def __iter__(self) -> Iterator[Buffer]:
         return map(Buffer, self.addresses(), self.layout.sizes)
@@ -131,7 +143,13 @@ class BlockBuffers(Sequence[Buffer]):
 
 @dataclass(frozen=True, slots=True)
 class KeyNamespace:
-    """What makes one rank's object keys distinct: model, deployment prefix, ranks."""
+    """What makes one rank's object keys distinct: model, deployment prefix, store format, ranks.
+
+    ``store_namespace`` names a store format other than one object per engine rank
+    (e.g. ``@store_tp:4@store_pp:1@store_format:tp_shared_lbhnc``: objects of a
+    common store TP size that engines of several TP sizes share); empty for the
+    rank-local format. ``tp_rank`` is then the store shard, not the engine's rank.
+    """
 
     model: str
     cache_prefix: str = ""
@@ -139,6 +157,7 @@ class KeyNamespace:
     pcp_rank: int = 0
     dcp_rank: int = 0
     pp_rank: int = 0
+    store_namespace: str = ""
 
 
 @dataclass(frozen=True, slots=True)

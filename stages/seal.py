@@ -15,7 +15,7 @@ from typing import Protocol
 
 import anyio
 
-from kvpipe.pipeline.stage import BatchEntry, BatchStage
+from kvpipe.pipeline.stage import BatchStage
 
 from .integrity import SEAL_SIZE, Seal
 from .store import describe

@@ -165,7 +165,7 @@ def copy_into_slots(records: Sequence[StoreObject], slots: Sequence[StagingSlot]
             bases = torch.tensor([region.base for region in key.regions])
             # grouped by layout: these records' buffers are blocks of it
             block_ids = torch.tensor([cast(BlockBuffers, records[m].buffers).block_id for m in members])
-            table = bases + block_ids[:, None] * torch.tensor(shape)
+            table = bases + block_ids[:, None] * torch.tensor([region.step for region in key.regions])
         else:
             shape = key
             flat = array("q", (b.address for m in members for b in records[m].buffers))

@@ -13,7 +13,7 @@ Targets: pipeline >= 0.9x raw throughput and >= 0.95x itself without seals.
 
 from __future__ import annotations
 
-from .kvbench import BenchCache, MiB, UNSEALED, PipelineContender, clear, open_local_store, put_records
+from .kvbench import UNSEALED, BenchCache, MiB, PipelineContender, clear, open_local_store, put_records
 from .result import BenchOptions, Target, WorkloadResult, contest_result
 from .timing import alternate, seconds
 

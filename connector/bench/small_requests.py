@@ -16,7 +16,7 @@ Batching alone is worth several times here; targets: pipeline >= 5x sequential,
 
 from __future__ import annotations
 
-from .kvbench import BenchCache, MiB, UNSEALED, PipelineContender, clear, open_local_store, put_records
+from .kvbench import UNSEALED, BenchCache, MiB, PipelineContender, clear, open_local_store, put_records
 from .result import BenchOptions, Target, WorkloadResult, contest_result
 from .timing import alternate, seconds
 

@@ -22,7 +22,7 @@ import warnings
 from kvpipe.connector.store.mooncake import MooncakeSettings, MooncakeStore
 from kvpipe.connector.store.mooncake.master import LocalMaster
 
-from .kvbench import BenchCache, MiB, UNSEALED, PipelineContender, clear, put_contiguous, put_records
+from .kvbench import UNSEALED, BenchCache, MiB, PipelineContender, clear, put_contiguous, put_records
 from .peer import remote_segment
 from .result import BenchOptions, Target, WorkloadResult, contest_result
 from .timing import alternate, seconds

@@ -102,7 +102,7 @@ class KVPipeConnector(KVConnectorBase_V1, SupportsHMA):
                 cache = self.cache
                 ranks = [
                     (rank, pp)
-                    for rank in range(cache.tp_size // cache.tp_replicas)
+                    for rank in cache.writers
                     for pp in range(int(vllm_config.parallel_config.pipeline_parallel_size))
                 ]
                 pool = shared_pool_id(cache.namespace(0))

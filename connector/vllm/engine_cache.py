@@ -32,6 +32,7 @@ from kvpipe.stages.flags import ConfigError
 from kvpipe.stages.integrity import engine_facts
 
 from .settings import ConnectorSettings
+from .store_format import EngineShape, StoreFormat, store_format
 
 if TYPE_CHECKING:
     from vllm.config import VllmConfig
@@ -85,6 +86,8 @@ class EngineCache:
     #: TP ranks that hold byte-identical objects (MLA: every rank; GQA with more ranks
     #: than KV heads: tp_size // heads); they share one key, every one of them loads it
     tp_replicas: int = 1
+    #: rank-local objects (the default) or store shards engines of several TP sizes share
+    store_format: StoreFormat = StoreFormat()
     #: what of the engine's configuration decides the bytes of its objects (dtypes,
     #: revision), for the seals' fingerprint; :meth:`kv_cache` adds the layout, the worker
     #: its layers' shapes
@@ -103,6 +106,8 @@ class EngineCache:
         groups = groups_of(kv_cache_config, mamba_mode)
         alignment = getattr(kv_cache_config, "cache_hit_alignment_tokens", None)
         tp_size = int(parallel.tensor_parallel_size)
+        kv_heads = int(vllm_config.model_config.get_total_num_kv_heads())
+        layout_name = str(getattr(kv_cache_config, "kv_cache_layout", None) or "unresolved")
         return cls(
             groups=groups,
             hash_block_size=int(kv_cache_config.hash_block_size),
@@ -112,13 +117,18 @@ class EngineCache:
             pp_rank=pp_rank,
             layer_names=tuple(tuple(g.layer_names) for g in kv_cache_config.kv_cache_groups),
             num_blocks=int(kv_cache_config.num_blocks),
-            layout_name=str(getattr(kv_cache_config, "kv_cache_layout", None) or "unresolved"),
+            layout_name=layout_name,
             hit_alignment=int(alignment) if alignment else None,
             tp_replicas=tp_replicas(
                 kv_cache_config,
                 tp_size,
-                int(vllm_config.model_config.get_total_num_kv_heads()),
+                kv_heads,
                 int(getattr(parallel, "decode_context_parallel_size", 1) or 1),
+            ),
+            store_format=store_format(
+                settings.requested_store_tp_size(),
+                engine_shape(vllm_config, kv_cache_config, kv_heads, layout_name),
+                settings.store_tp_topology(),
             ),
             byte_facts=engine_facts(
                 {
@@ -141,26 +151,95 @@ class EngineCache:
         object.__setattr__(self, "lookup_shards", stored.shards)
 
     def namespace(self, key_rank: int) -> KeyNamespace:
-        return KeyNamespace(self.model, self.cache_prefix, tp_rank=key_rank, pp_rank=self.pp_rank)
+        return KeyNamespace(
+            self.model,
+            self.cache_prefix,
+            tp_rank=key_rank,
+            pp_rank=self.pp_rank,
+            store_namespace=self.store_format.namespace,
+        )
 
-    def key_rank(self, tp_rank: int) -> int:
-        """The ``tp_rank`` of a rank's keys: ranks with identical bytes share one."""
-        return tp_rank // self.tp_replicas
+    @property
+    def key_ranks(self) -> range:
+        """Every distinct ``tp_rank`` of keys: the store shards, or the ranks less their replicas."""
+        if self.store_format.store_tp_size is not None:
+            return range(self.store_format.store_tp_size)
+        return range(self.tp_size // self.tp_replicas)
+
+    @property
+    def shards_per_rank(self) -> int:
+        """How many objects of a block one rank holds: its store shards (one unless sharded)."""
+        return len(self.key_ranks) * self.tp_replicas // self.tp_size
+
+    def rank_keys(self, tp_rank: int) -> range:
+        """The ``tp_rank``s of rank ``tp_rank``'s keys: its store shards, or the one its replicas share."""
+        if self.store_format.sharded:
+            return range(tp_rank * self.shards_per_rank, (tp_rank + 1) * self.shards_per_rank)
+        return range(tp_rank // self.tp_replicas, tp_rank // self.tp_replicas + 1)
+
+    def writer(self, tp_rank: int) -> int:
+        """Who rank ``tp_rank`` is among the ranks that put (what its KV events are reported as)."""
+        return tp_rank if self.store_format.sharded else tp_rank // self.tp_replicas
+
+    @property
+    def writers(self) -> range:
+        """Every rank that puts, as :meth:`writer` names it."""
+        return range(self.tp_size) if self.store_format.sharded else range(self.tp_size // self.tp_replicas)
 
     def puts_from(self, tp_rank: int) -> bool:
         """Whether rank ``tp_rank`` puts its objects: of ranks with identical bytes, the first does.
 
         (vLLM's connector stripes a chunk's puts over the replicas; the keys and
         bytes are the same either way, and one writer keeps every save request whole.)
+        Store shards are never replicated: every rank puts its own.
         """
         return tp_rank % self.tp_replicas == 0
 
     def kv_cache(self, layouts: Mapping[int, BlockLayout], key_ranks: Sequence[int] | None = None) -> KVCache:
-        """The cache with ``layouts`` (by engine group) under ``key_ranks`` (default: every distinct one)."""
-        ranks = range(self.tp_size // self.tp_replicas) if key_ranks is None else key_ranks
-        shards = tuple(Shard(self.namespace(rank), dict(layouts)) for rank in ranks)
+        """The cache with ``layouts`` (by engine group) under ``key_ranks`` (default: :attr:`key_ranks`)."""
+        ranks = self.key_ranks if key_ranks is None else key_ranks
+        return self._cache(tuple(Shard(self.namespace(rank), dict(layouts)) for rank in ranks))
+
+    def rank_cache(self, tp_rank: int, shard_layouts: Sequence[Mapping[int, BlockLayout]]) -> KVCache:
+        """Rank ``tp_rank``'s cache: its keys (:meth:`rank_keys`), each over its own layouts."""
+        keys = self.rank_keys(tp_rank)
+        if len(shard_layouts) != len(keys):
+            raise ValueError(
+                f"rank {tp_rank} holds {len(keys)} store shards, got layouts for {len(shard_layouts)}"
+            )
+        return self._cache(
+            tuple(
+                Shard(self.namespace(rank), dict(layouts))
+                for rank, layouts in zip(keys, shard_layouts, strict=True)
+            )
+        )
+
+    def _cache(self, shards: tuple[Shard, ...]) -> KVCache:
         facts = (*self.byte_facts, *engine_facts({"layout": self.layout_name}))
         return KVCache(self.groups, self.hash_block_size, shards, self.hit_alignment, facts)
+
+
+def engine_shape(
+    vllm_config: VllmConfig, kv_cache_config: KVCacheConfig, kv_heads: int, layout_name: str
+) -> EngineShape:
+    """What of the engine decides its store format (:mod:`.store_format`)."""
+    from vllm.v1.kv_cache_interface import FullAttentionSpec
+
+    parallel = vllm_config.parallel_config
+    stored = [
+        group.kv_cache_spec
+        for group in kv_cache_config.kv_cache_groups
+        if getattr(group.kv_cache_spec, "prefix_cacheable", True)
+    ]
+    return EngineShape(
+        tp_size=int(parallel.tensor_parallel_size),
+        pp_size=int(parallel.pipeline_parallel_size),
+        kv_heads=kv_heads,
+        layout_name=layout_name,
+        one_plain_attention_group=len(stored) == 1 and type(stored[0]) is FullAttentionSpec,
+        context_parallel=int(getattr(parallel, "prefill_context_parallel_size", 1) or 1) > 1
+        or int(getattr(parallel, "decode_context_parallel_size", 1) or 1) > 1,
+    )
 
 
 def tp_replicas(kv_cache_config: KVCacheConfig, tp_size: int, kv_heads: int, dcp_size: int) -> int:

@@ -48,6 +48,7 @@ __all__ = [
     "group_layout",
     "is_dense",
     "layer_facts",
+    "shard_layouts",
     "storages_of",
 ]
 
@@ -128,16 +129,25 @@ def _representative(name: str, value: torch.Tensor | Sequence[torch.Tensor]) -> 
     return first
 
 
-def layer_facts(layers: Mapping[str, torch.Tensor | Sequence[torch.Tensor]]) -> list[list[object]]:
-    """Per layer, in order: its name and each KV view's dtype and block shape (the block count left out).
+def layer_facts(
+    layers: Mapping[str, torch.Tensor | Sequence[torch.Tensor]], shards: int = 1
+) -> list[list[object]]:
+    """Per layer, in order: its name and each KV view's dtype and object's block shape (no block count).
 
     Part of the seals' fingerprint: two engines whose layers agree in these (and
     in the layout) lay a block's bytes out alike, whatever their block counts.
+    With ``shards`` store shards a rank (:func:`shard_layouts`), an object holds
+    ``1 / shards`` of the rank's heads, which is what engines of every TP size
+    sharing the format agree on.
     """
     facts: list[list[object]] = []
     for name, value in layers.items():
         views = [value] if isinstance(value, torch.Tensor) else list(value)
-        facts.append([name, *[[str(view.dtype), list(view.shape[1:])] for view in views]])
+        shapes = [
+            [view.shape[1] // shards, *view.shape[2:]] if shards > 1 else list(view.shape[1:])
+            for view in views
+        ]
+        facts.append([name, *[[str(view.dtype), shape] for view, shape in zip(views, shapes, strict=True)]])
     return facts
 
 
@@ -169,10 +179,13 @@ def _runs(name: str, tensor: torch.Tensor, num_blocks: int, layout_name: str) ->
     return [_Run(name, head.data_ptr(), head[0].numel() * size, stride, storage) for head in heads]
 
 
-def _rows(storage: torch.UntypedStorage, start: int, nbytes: int, num_blocks: int) -> torch.Tensor:
-    """``num_blocks`` rows of ``nbytes`` from address ``start`` of ``storage``, as uint8, on its device."""
+def _rows(
+    storage: torch.UntypedStorage, start: int, nbytes: int, num_blocks: int, stride: int | None = None
+) -> torch.Tensor:
+    """``num_blocks`` rows of ``nbytes``, ``stride`` (default ``nbytes``) apart, from address ``start`` of
+    ``storage``, as uint8, on its device."""
     base = torch.empty(0, dtype=torch.uint8, device=storage.device).set_(storage)
-    return base.as_strided((num_blocks, nbytes), (nbytes, 1), start - storage.data_ptr())
+    return base.as_strided((num_blocks, nbytes), (stride or nbytes, 1), start - storage.data_ptr())
 
 
 def group_layout(
@@ -247,3 +260,62 @@ def storages_of(values: Sequence[torch.Tensor | Sequence[torch.Tensor]]) -> dict
             storage = tensor.untyped_storage()
             storages[storage.data_ptr()] = storage.nbytes()
     return storages
+
+
+def _dense_runs(block: torch.Tensor) -> list[tuple[int, int]]:
+    """(byte offset, bytes) of the gapless runs ``block``'s elements make, in memory order."""
+    dims = sorted(
+        ((size, stride) for size, stride in zip(block.shape, block.stride(), strict=True) if size > 1),
+        key=lambda dim: -dim[1],
+    )
+    inner = 1  # elements of the dense innermost dims
+    while dims and dims[-1][1] == inner:
+        inner *= dims.pop()[0]
+    size = block.element_size()
+    offsets = [0]
+    for count, stride in dims:
+        offsets = [offset + index * stride for offset in offsets for index in range(count)]
+    return [(offset * size, inner * size) for offset in offsets]
+
+
+def shard_layouts(
+    layers: Mapping[str, torch.Tensor | Sequence[torch.Tensor]],
+    num_blocks: int,
+    block_size: int,
+    shards: int,
+    layout_name: str = "?",
+) -> tuple[GroupLayout, ...]:
+    """The regions of each of ``shards`` store shards of a rank's heads (:mod:`.store_format`), in shard order.
+
+    A store shard's object for a block is its heads' bytes of that block in every
+    layer, layer by layer, each layer's in memory order: what vLLM's connector puts
+    for a TP-sharded store (``LBHNCStoreLayout``: one run per layer, ``LBNHCStoreLayout``:
+    one per token). Each run is a region that steps by the layer's block stride.
+    Raises :class:`LayoutError`, naming the layer, for a cache that is not
+    ``[num_blocks, heads, block_size, content]`` with heads that divide by ``shards``.
+    """
+    per_shard: list[list[EngineRegion]] = [[] for _ in range(shards)]
+    for name, value in layers.items():
+        tensor = _representative(name, value)
+        if tensor.dim() != 4 or tensor.shape[0] != num_blocks or tensor.shape[2] != block_size:
+            raise LayoutError(
+                f"KV cache of layer {name!r} ({layout_name}) has shape {tuple(tensor.shape)}: store TP "
+                f"sharding needs [{num_blocks} blocks, heads, {block_size} tokens, content]"
+            )
+        heads = tensor.shape[1]
+        if heads % shards:
+            raise LayoutError(
+                f"KV cache of layer {name!r} ({layout_name}): {heads} KV heads cannot be split "
+                f"into {shards} store shards"
+            )
+        width = heads // shards
+        stride = tensor.stride(0) * tensor.element_size()
+        storage = tensor.untyped_storage()
+        for shard, regions in enumerate(per_shard):
+            block = tensor[0, shard * width : (shard + 1) * width]
+            for offset, nbytes in _dense_runs(block):
+                start = block.data_ptr() + offset
+                rows = _rows(storage, start, nbytes, num_blocks, stride)
+                region = Region(start, nbytes, 0 if stride == nbytes else stride)
+                regions.append(EngineRegion(region, rows, (name,)))
+    return tuple(GroupLayout(tuple(regions)) for regions in per_shard)

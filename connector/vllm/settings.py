@@ -2,11 +2,12 @@
 
 from __future__ import annotations
 
+import math
 from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationError
+from pydantic import BaseModel, ConfigDict, Field, PositiveInt, ValidationError, model_validator
 
 from kvpipe.connector.store.configs import ByteCount, StoreConfig, without_store_tag
 from kvpipe.pipeline import BuildError
@@ -62,7 +63,29 @@ class ConnectorSettings(BaseModel):
     retention_min_requests: int = Field(2, ge=1, strict=True)
     retention_pin_ttl_s: float = Field(600.0, gt=0, le=MAX_SOFT_PIN_TTL_S)
     retention_max_pinned: ByteCount | None = None
+    # Heterogeneous TP, as vLLM's MooncakeStoreConnector has it (.store_format): objects
+    # sharded for a store TP size that engines of several TP sizes share: store_tp_size,
+    # or with enable_store_tp_lcm the lcm of prefill_tp_sizes (the prefill fleet's sizes).
+    store_tp_size: PositiveInt | None = Field(None, strict=True)
+    enable_store_tp_lcm: StrictFlag = False
+    prefill_tp_sizes: list[PositiveInt] | None = Field(None, min_length=1)
     config: str | None = None
+
+    @model_validator(mode="after")
+    def _lcm_needs_sizes(self) -> ConnectorSettings:
+        if self.enable_store_tp_lcm and self.prefill_tp_sizes is None:
+            raise ValueError("enable_store_tp_lcm needs prefill_tp_sizes (a list of TP sizes), got none")
+        return self
+
+    def requested_store_tp_size(self) -> int | None:
+        """The store TP size asked for: the lcm of ``prefill_tp_sizes`` or ``store_tp_size``; None: not asked."""
+        if self.enable_store_tp_lcm and self.prefill_tp_sizes:
+            return math.lcm(*self.prefill_tp_sizes)
+        return self.store_tp_size
+
+    def store_tp_topology(self) -> int | list[int] | None:
+        """What the user gave for the store TP size, as they gave it (for messages)."""
+        return self.prefill_tp_sizes if self.enable_store_tp_lcm else self.store_tp_size
 
     def max_pinned_bytes(self, lent_bytes: int) -> int:
         """The bytes one worker may hold soft-pinned, when its engine lends the store ``lent_bytes``."""

@@ -7,7 +7,9 @@ save pipeline reads the slot at its own pace.
 Why object-major: a store object is a block's bytes in every region of its group
 (:mod:`.kv_layout`), which in the engine's memory is one buffer per layer (or per
 head). Over TCP every buffer costs ~30 us whatever its size. A slot holds one
-object's regions side by side, so the object is ONE buffer.
+object's regions side by side, so the object is ONE buffer. A rank that holds
+several store shards of a block (:mod:`.store_format`) has one object per shard:
+its slot holds them one after another.
 
 Why host memory: a GPU cache cannot be registered with a store built without
 CUDA, so on a device the slots are pinned host memory: saves copy device ->
@@ -20,6 +22,7 @@ The same torch calls serve both: nothing here knows which device it runs on.
 
 from __future__ import annotations
 
+import itertools
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 
@@ -27,16 +30,17 @@ import torch
 
 from kvpipe.stages import BlockLayout, Region
 
-from .kv_layout import GroupLayout
+from .kv_layout import EngineRegion, GroupLayout
 
 
 @dataclass(frozen=True)
 class _GroupArea:
-    """One KV-cache group's part of the arena: ``rows[slot]`` is one object."""
+    """One KV-cache group's part of the arena: ``rows[slot]`` is a block's objects, shard after shard."""
 
-    layout: GroupLayout
-    offsets: tuple[int, ...]  # where each region's block starts within an object
-    rows: torch.Tensor  # [slots, object bytes], uint8, host
+    shards: tuple[GroupLayout, ...]
+    regions: tuple[EngineRegion, ...]  # every shard's, in slot order
+    offsets: tuple[int, ...]  # where each region's block starts within a slot
+    rows: torch.Tensor  # [slots, bytes of every shard's object], uint8, host
 
 
 class StagingArea:
@@ -46,29 +50,46 @@ class StagingArea:
     chunk of ``g``), so one pool serves them all.
     """
 
-    def __init__(self, layouts: Mapping[int, GroupLayout], slots: int) -> None:
-        devices = {region.rows.device for layout in layouts.values() for region in layout.regions}
+    def __init__(self, layouts: Mapping[int, Sequence[GroupLayout]], slots: int) -> None:
+        """``layouts``: per engine group, the layout of each store shard the rank holds (one, unless sharded)."""
+        devices = {
+            region.rows.device
+            for shards in layouts.values()
+            for layout in shards
+            for region in layout.regions
+        }
         self.device = devices.pop() if len(devices) == 1 else torch.device("cpu")
         if devices:
             raise ValueError(f"a KV cache on several devices cannot be staged: {sorted(map(str, devices))}")
         pinned = self.device.type != "cpu"
-        total = slots * sum(layout.object_size for layout in layouts.values())
+        total = slots * sum(layout.object_size for shards in layouts.values() for layout in shards)
         self.arena = torch.empty(total, dtype=torch.uint8, pin_memory=pinned)
         self._areas: dict[int, _GroupArea] = {}
         start = 0
-        for group, layout in layouts.items():
-            size = layout.object_size
-            sizes = [r.region.bytes_per_block for r in layout.regions]
-            offsets = tuple(sum(sizes[:i]) for i in range(len(sizes)))
+        for group, shards in layouts.items():
+            regions = tuple(region for layout in shards for region in layout.regions)
+            sizes = [r.region.bytes_per_block for r in regions]
+            offsets = tuple(itertools.accumulate(sizes, initial=0))[:-1]
+            size = sum(sizes)
             rows = self.arena[start : start + slots * size].view(slots, size)
-            self._areas[group] = _GroupArea(layout, offsets, rows)
+            self._areas[group] = _GroupArea(tuple(shards), regions, offsets, rows)
             start += slots * size
         self.slots = slots
         self._free = list(range(slots - 1, -1, -1))
 
-    def layouts(self) -> dict[int, BlockLayout]:
-        """Per engine group, the layout that makes a slot id one buffer of one whole object."""
-        return {g: BlockLayout((Region(a.rows.data_ptr(), a.rows.shape[1]),)) for g, a in self._areas.items()}
+    def layouts(self) -> list[dict[int, BlockLayout]]:
+        """Per store shard, per engine group: the layout that makes a slot id one buffer of one whole object."""
+        shards = len(next(iter(self._areas.values())).shards) if self._areas else 1
+        layouts: list[dict[int, BlockLayout]] = [{} for _ in range(shards)]
+        for group, area in self._areas.items():
+            slot_bytes = area.rows.shape[1]
+            offset = 0
+            for shard, layout in zip(layouts, area.shards, strict=True):
+                size = layout.object_size
+                region = Region(area.rows.data_ptr() + offset, size, 0 if size == slot_bytes else slot_bytes)
+                shard[group] = BlockLayout((region,))
+                offset += size
+        return layouts
 
     @property
     def free(self) -> int:
@@ -85,7 +106,7 @@ class StagingArea:
         """Start copying engine block ``block`` of ``engine_group``, every region, into ``slot``."""
         area = self._areas[engine_group]
         target = area.rows[slot]
-        for region, offset in zip(area.layout.regions, area.offsets, strict=True):
+        for region, offset in zip(area.regions, area.offsets, strict=True):
             source = region.rows[block]
             target[offset : offset + source.shape[0]].copy_(source, non_blocking=True)
 
@@ -93,7 +114,7 @@ class StagingArea:
         """Start copying ``slot`` back into engine block ``block`` of ``engine_group`` (a load)."""
         area = self._areas[engine_group]
         source = area.rows[slot]
-        for region, offset in zip(area.layout.regions, area.offsets, strict=True):
+        for region, offset in zip(area.regions, area.offsets, strict=True):
             target = region.rows[block]
             target.copy_(source[offset : offset + target.shape[0]], non_blocking=True)
 

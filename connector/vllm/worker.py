@@ -53,7 +53,7 @@ from kvpipe.stages.load import load_chunks, touched_block_ids
 
 from .engine_cache import EngineCache
 from .events import ChunkReporter
-from .kv_layout import GroupLayout, group_layout, layer_facts, storages_of
+from .kv_layout import GroupLayout, group_layout, layer_facts, shard_layouts, storages_of
 from .messages import (
     BREAKER_STATE,
     QUEUE_DEPTH,
@@ -136,7 +136,7 @@ class WorkerSide:
         self._load_via_staging = load_via_staging
         self._max_pinned_bytes = max_pinned_bytes
         self._lock = threading.Lock()
-        self.layouts: dict[int, GroupLayout] = {}
+        self.layouts: dict[int, tuple[GroupLayout, ...]] = {}  # per engine group, per store shard of the rank
         self._staging: StagingArea | None = None
         self._job_slots: dict[int, list[int]] = {}
         self._save_pipeline: SyncPipeline | None = None
@@ -149,7 +149,7 @@ class WorkerSide:
         self._failed_requests: set[str] = set()
         self._registered: list[int] = []
         self._byte_facts: tuple[tuple[str, str], ...] = ()  # the cache's and its layers' (at start)
-        self.reporter = ChunkReporter((cache.key_rank(tp_rank), cache.pp_rank)) if kv_events else None
+        self.reporter = ChunkReporter((cache.writer(tp_rank), cache.pp_rank)) if kv_events else None
 
     @property
     def started(self) -> bool:
@@ -168,9 +168,17 @@ class WorkerSide:
         # groups overlay them), in the engine's order: what vLLM's connector stores.
         stored = {name for group in cache.store_groups for name in cache.layer_names[group.engine_group]}
         layers = {name: value for name, value in kv_caches.items() if name in stored}
-        layout = group_layout(layers, cache.num_blocks, cache.layout_name)
-        self._byte_facts = (*cache.byte_facts, *engine_facts({"layers": layer_facts(layers)}))
-        self.layouts = {group.engine_group: layout for group in cache.store_groups}
+        shards: tuple[GroupLayout, ...]
+        if cache.store_format.sharded:
+            block_size = cache.store_groups[0].spec.block_size  # sharded: one plain attention group
+            shards = shard_layouts(
+                layers, cache.num_blocks, block_size, cache.shards_per_rank, cache.layout_name
+            )
+        else:
+            shards = (group_layout(layers, cache.num_blocks, cache.layout_name),)
+        facts = layer_facts(layers, cache.shards_per_rank if cache.store_format.sharded else 1)
+        self._byte_facts = (*cache.byte_facts, *engine_facts({"layers": facts}))
+        self.layouts = {group.engine_group: shards for group in cache.store_groups}
         slots = self.settings.staging_slots([group.spec.block_size for group in cache.store_groups])
         self._staging = StagingArea(self.layouts, slots)
         if self._load_via_staging is None:
@@ -184,7 +192,10 @@ class WorkerSide:
                 log.warning("register_buffer failed", address=hex(address), nbytes=nbytes, code=code)
             else:
                 self._registered.append(address)
-        engine = {g: layout.block_layout for g, layout in self.layouts.items()}
+        engine = [
+            {g: layouts[shard].block_layout for g, layouts in self.layouts.items()}
+            for shard in range(len(shards))
+        ]
         load_kv = self._rank_cache(self._staging.layouts() if self._load_via_staging else engine)
         self._save_pipeline = SyncPipeline(
             default_save_graph(
@@ -217,9 +228,9 @@ class WorkerSide:
             job_deadline_s=self.settings.load_deadline_s,
         ).start()
 
-    def _rank_cache(self, layouts: Mapping[int, BlockLayout]) -> KVCache:
-        """This rank's cache over ``layouts`` (the engine's blocks or the staging slots): one fingerprint."""
-        kv = self.cache.kv_cache(layouts, [self.cache.key_rank(self.tp_rank)])
+    def _rank_cache(self, layouts: Sequence[Mapping[int, BlockLayout]]) -> KVCache:
+        """This rank's cache over ``layouts`` (per store shard: the engine's blocks or the staging slots)."""
+        kv = self.cache.rank_cache(self.tp_rank, layouts)
         return replace(kv, byte_facts=self._byte_facts)
 
     # -- saves ---------------------------------------------------------------------------

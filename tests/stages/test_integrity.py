@@ -23,13 +23,13 @@ from kvpipe.stages import (
     LoadStage,
     LookupRequest,
     Seal,
+    Verdict,
     fingerprint,
     is_seal_key,
     longest_stored_prefix,
     lookup_keys,
     object_key,
     seal_key,
-    Verdict,
     storable_groups,
 )
 from kvpipe.stages.integrity import SEAL_SIZE, checksum, judge

@@ -8,9 +8,26 @@ from kvpipe.stages.keys import ObjectKeyParts, parse_object_key
 
 HASH = bytes.fromhex("00ff10ab")
 
-#: model names as engines spell them: a path whose last component is the key's model part
-models = st.text(min_size=1).filter(lambda name: "@" not in key_model_name(name) and key_model_name(name))
+#: model names as engines spell them: a path whose last component is the key's model part (and
+#: never reads as a store format's namespace part)
+models = st.text(min_size=1).filter(
+    lambda name: (
+        "@" not in key_model_name(name)
+        and key_model_name(name)
+        and not key_model_name(name).startswith(("store_tp:", "store_pp:", "store_format:"))
+    )
+)
 ranks = st.integers(min_value=0, max_value=10_000)
+#: the store formats' namespaces (vLLM's connector's): none, sharded, replicated MQA, compatibility
+namespaces = st.sampled_from(
+    [
+        "",
+        "@store_tp:4@store_pp:1@store_format:tp_shared_lbhnc",
+        "@store_tp:8@store_pp:2@store_format:tp_shared_lbnhc",
+        "@store_pp:1@store_format:tp_shared_mqa",
+        "@store_pp:1@store_format:rank_local_tp2_layout_LHBNC",
+    ]
+)
 
 
 @given(
@@ -22,16 +39,25 @@ ranks = st.integers(min_value=0, max_value=10_000)
     pp=ranks,
     store_group=ranks,
     chunk_hash=st.binary(max_size=40),
+    store_namespace=namespaces,
 )
 def test_parsing_a_key_gives_back_what_made_it(
-    model, cache_prefix, tp, pcp, dcp, pp, store_group, chunk_hash
+    model, cache_prefix, tp, pcp, dcp, pp, store_group, chunk_hash, store_namespace
 ):
-    namespace = KeyNamespace(model, cache_prefix, tp_rank=tp, pcp_rank=pcp, dcp_rank=dcp, pp_rank=pp)
+    namespace = KeyNamespace(
+        model,
+        cache_prefix,
+        tp_rank=tp,
+        pcp_rank=pcp,
+        dcp_rank=dcp,
+        pp_rank=pp,
+        store_namespace=store_namespace,
+    )
     key = object_key(namespace, store_group, chunk_hash)
 
     parts = parse_object_key(key)
 
-    keyed = KeyNamespace(key_model_name(model), cache_prefix, tp, pcp, dcp, pp)
+    keyed = KeyNamespace(key_model_name(model), cache_prefix, tp, pcp, dcp, pp, store_namespace)
     assert parts == ObjectKeyParts(keyed, store_group, chunk_hash)
     assert object_key(*parts) == key
 

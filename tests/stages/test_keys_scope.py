@@ -34,3 +34,21 @@ def test_the_pattern_finds_every_rank_and_group_of_its_deployment(prefix: str) -
 def test_the_pattern_finds_no_other_deployment_s_keys(model: str, prefix: str) -> None:
     pattern = re.compile(deployment_key_pattern(KeyNamespace("tiny-1.5", "")))
     assert not pattern.search(key(model, prefix))
+
+
+@pytest.mark.parametrize(
+    "store_namespace",
+    [
+        "@store_tp:4@store_pp:1@store_format:tp_shared_lbhnc",
+        "@store_pp:1@store_format:tp_shared_mqa",
+        "@store_pp:2@store_format:rank_local_tp2_layout_LBNHC",
+    ],
+)
+def test_the_pattern_finds_its_deployments_keys_in_every_store_format(store_namespace: str) -> None:
+    pattern = re.compile(deployment_key_pattern(KeyNamespace("tiny-1.5", "team-a")))
+    sharded = object_key(
+        KeyNamespace("tiny-1.5", "team-a", tp_rank=3, store_namespace=store_namespace), 0, HASH
+    )
+    assert pattern.search(sharded)
+    other = object_key(KeyNamespace("tiny-1.5-chat", "team-a", store_namespace=store_namespace), 0, HASH)
+    assert not pattern.search(other)

@@ -5,6 +5,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 
 from kvpipe.connector.vllm.engine_cache import EngineCache
+from kvpipe.connector.vllm.store_format import EngineShape, store_format
 from kvpipe.stages import GroupKind, GroupSpec
 
 
@@ -20,9 +21,16 @@ def engine_cache(
     tp_replicas: int = 1,
     hash_block_size: int | None = None,
     hit_alignment: int | None = None,
+    store_tp_size: int | None = None,
+    kv_heads: int = 8,
 ) -> EngineCache:
-    """One full-attention group over ``layers`` unless ``groups`` are given (each over ``layers``)."""
+    """One full-attention group over ``layers`` unless ``groups`` are given (each over ``layers``).
+
+    ``store_tp_size``: the store format vLLM's connector would pick for it over ``kv_heads`` heads.
+    """
     specs = tuple(groups) if groups is not None else (GroupSpec(GroupKind.FULL_ATTENTION, block_size),)
+    plain = len(specs) == 1 and specs[0].kind is GroupKind.FULL_ATTENTION
+    shape = EngineShape(tp_size, 1, kv_heads, layout_name, plain, context_parallel=False)
     return EngineCache(
         groups=specs,
         hash_block_size=hash_block_size or block_size,
@@ -35,4 +43,5 @@ def engine_cache(
         layout_name=layout_name,
         tp_replicas=tp_replicas,
         hit_alignment=hit_alignment,
+        store_format=store_format(store_tp_size, shape),
     )

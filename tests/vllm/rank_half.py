@@ -8,7 +8,8 @@ on a real master, and prints one ``RESULT {json}`` line. It never imports vLLM
 (~10 s): the step's metadata is the two fields the worker reads.
 
 SPEC: ``tp_rank``, ``tp_size``, ``tp_replicas``, ``store`` (kvpipe's store
-section), ``action`` (``"save"`` or ``"load"``), ``seed`` (the request's hashes).
+section), ``action`` (``"save"`` or ``"load"``), ``seed`` (the request's hashes),
+optionally ``store_tp_size`` (objects sharded for that store TP size).
 """
 
 from __future__ import annotations
@@ -30,15 +31,19 @@ HEADS = 4  # in all; each rank holds HEADS // tp_size, or all of them for a repl
 def views(tp_rank: int, tp_size: int, replicated: bool, fill: int | None) -> dict[str, torch.Tensor]:
     """Two layers of vLLM's CPU layout (LBHNC, one storage), ``[blocks, heads, 16, 64]`` bf16 each.
 
-    Made by hand rather than with vLLM's ``create_kv_cache_views``, so a rank's
-    process does not pay ~10 s for ``import vllm``.
+    A head's bytes are the same whichever TP size holds it (one model's KV, split
+    by heads), so ranks of two TP sizes can check each other's. Made by hand rather
+    than with vLLM's ``create_kv_cache_views``, so a rank's process does not pay
+    ~10 s for ``import vllm``.
     """
-    heads = HEADS if replicated else HEADS // tp_size
-    generator = torch.Generator().manual_seed(0 if replicated else tp_rank)
-    raw = torch.randint(-128, 127, (2 * 8 * heads * BLOCK * 64 * 2,), dtype=torch.int8, generator=generator)
+    generator = torch.Generator().manual_seed(0)
+    model = torch.randint(-128, 127, (2, 8, HEADS, BLOCK, 64 * 2), dtype=torch.int8, generator=generator)
+    width = HEADS if replicated else HEADS // tp_size
+    first = 0 if replicated else tp_rank * width
+    raw = model[:, :, first : first + width].contiguous()
     if fill is not None:
         raw.fill_(fill)
-    cache = raw.view(torch.bfloat16).view(2, 8, heads, BLOCK, 64)
+    cache = raw.view(torch.bfloat16)
     return dict(zip(LAYERS, cache, strict=True))
 
 
@@ -53,7 +58,15 @@ def main(spec: dict[str, Any]) -> dict[str, Any]:
 
     tp_rank, tp_size, replicas = spec["tp_rank"], spec["tp_size"], spec["tp_replicas"]
     settings = settings_from({"store": spec["store"], "enable_group_semantics": True, "staging_blocks": 8})
-    cache = engine_cache(LAYERS, num_blocks=8, model="ranked", tp_size=tp_size, tp_replicas=replicas)
+    cache = engine_cache(
+        LAYERS,
+        num_blocks=8,
+        model="ranked",
+        tp_size=tp_size,
+        tp_replicas=replicas,
+        store_tp_size=spec.get("store_tp_size"),
+        kv_heads=HEADS,
+    )
     store, _ = open_store(settings, mount_segment=False)
     side = WorkerSide(cache, settings, store, tp_rank)
     engine = views(tp_rank, tp_size, replicas > 1, fill=0 if spec["action"] == "load" else None)

@@ -81,11 +81,11 @@ def test_staging_copies_a_block_out_and_back_on_the_caches_device(name: str, dev
     if device == "cuda" and not torch.cuda.is_available():
         pytest.skip("no CUDA device")
     source, target = layout_views(name, device, seed=1), layout_views(name, device, seed=2)
-    area = StagingArea({0: group_layout(source, SHAPE["B"], name)}, slots=2)
+    area = StagingArea({0: (group_layout(source, SHAPE["B"], name),)}, slots=2)
     assert area.arena.is_pinned() == (device != "cpu")
     area.copy_in(0, slot=1, block=4)
     area.settle()
-    back = StagingArea({0: group_layout(target, SHAPE["B"], name)}, slots=2)
+    back = StagingArea({0: (group_layout(target, SHAPE["B"], name),)}, slots=2)
     back.arena.copy_(area.arena)
     back.copy_out(0, slot=1, block=0)
     back.settle()

@@ -22,7 +22,11 @@ from vllm.distributed.kv_transfer.kv_connector.v1.mooncake.store.data import (  
     KeyMetadata,
     RankLocalStoreLayout,
 )
-from vllm.v1.core.kv_cache_utils import _get_kv_cache_bytes_per_block  # noqa: E402
+
+try:  # vLLM 0.33 moved it to the KV-cache planning module
+    from vllm.v1.core.kv_cache_planning import _get_kv_cache_bytes_per_block  # noqa: E402
+except ImportError:  # vLLM 0.32
+    from vllm.v1.core.kv_cache_utils import _get_kv_cache_bytes_per_block  # noqa: E402
 from vllm.v1.kv_cache_interface import (  # noqa: E402
     FullAttentionSpec,
     KVCacheGroupSpec,

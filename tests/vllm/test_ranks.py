@@ -24,20 +24,29 @@ from kvpipe.stages.flags import ConfigError
 
 from ..stages.kv_fixtures import chain_hashes
 from .caches import engine_cache
-from .rank_half import BLOCK, CHUNKS, LAYERS
+from .rank_half import BLOCK, CHUNKS, HEADS, LAYERS
 
 ROOT = Path(__file__).resolve().parents[2]
 pytestmark = pytest.mark.mooncake
 
 
-def rank(store: dict[str, Any], tp_rank: int, action: str, seed: int, replicas: int = 1) -> dict[str, Any]:
+def rank(
+    store: dict[str, Any],
+    tp_rank: int,
+    action: str,
+    seed: int,
+    replicas: int = 1,
+    tp_size: int = 2,
+    store_tp_size: int | None = None,
+) -> dict[str, Any]:
     spec = {
         "tp_rank": tp_rank,
-        "tp_size": 2,
+        "tp_size": tp_size,
         "tp_replicas": replicas,
         "store": store,
         "action": action,
         "seed": seed,
+        "store_tp_size": store_tp_size,
     }
     done = subprocess.run(
         [sys.executable, "-m", "tests.vllm.rank_half", json.dumps(spec)],
@@ -51,10 +60,24 @@ def rank(store: dict[str, Any], tp_rank: int, action: str, seed: int, replicas: 
     return json.loads(lines[-1][len("RESULT ") :])
 
 
-def hit_tokens(store_section: dict[str, Any], seed: int, replicas: int = 1) -> int:
-    """What a TP=2 engine's scheduler side finds stored for the request the halves saved."""
+def hit_tokens(
+    store_section: dict[str, Any],
+    seed: int,
+    replicas: int = 1,
+    tp_size: int = 2,
+    store_tp_size: int | None = None,
+) -> int:
+    """What a TP=``tp_size`` engine's scheduler side finds stored for the request the halves saved."""
     settings = settings_from({"store": store_section})
-    cache = engine_cache(LAYERS, num_blocks=8, model="ranked", tp_size=2, tp_replicas=replicas)
+    cache = engine_cache(
+        LAYERS,
+        num_blocks=8,
+        model="ranked",
+        tp_size=tp_size,
+        tp_replicas=replicas,
+        store_tp_size=store_tp_size,
+        kv_heads=HEADS,
+    )
     store, _ = open_store(settings, mount_segment=False)
     try:
         side = SchedulerSide(cache, settings, store)
@@ -98,6 +121,48 @@ def test_a_replicated_latent_is_stored_once_under_rank_0_and_every_rank_loads_it
     assert len(put) == CHUNKS and all("@tp_rank:0@" in key for key, _ in put)
     assert hit_tokens(store_section, seed=3, replicas=2) == CHUNKS * BLOCK
     assert rank(store_section, 1, "load", seed=3, replicas=2) == {"failed_blocks": [], "identical": True}
+
+
+SHARED = "@store_tp:4@store_pp:1@store_format:tp_shared_lbhnc"  # store_tp_size 4 over LBHNC
+
+
+def test_a_tp4_prefill_stores_head_shards_that_a_tp2_decode_loads(store_section: dict[str, Any]) -> None:
+    """store_tp_size 4: a TP 4 rank puts its one shard, a TP 2 rank loads the two its heads cover."""
+    puts = [rank(store_section, r, "save", seed=4, tp_size=4, store_tp_size=4)["put"] for r in range(4)]
+    assert [{key.split("@tp_rank:")[1].split("@")[0] for key, _ in put} for put in puts] == [
+        {"0"},
+        {"1"},
+        {"2"},
+        {"3"},
+    ]
+    assert all(key.startswith(f"ranked{SHARED}@") for put in puts for key, _ in put)
+    assert {group for put in puts for _, group in put} == {
+        f"{GROUP_ID_SCOPE}:ranked{SHARED}@{key.rsplit('@', 1)[1]}" for key, _ in puts[0]
+    }
+    assert hit_tokens(store_section, seed=4, tp_size=2, store_tp_size=4) == CHUNKS * BLOCK
+    for tp_rank in (0, 1):
+        loaded = rank(store_section, tp_rank, "load", seed=4, tp_size=2, store_tp_size=4)
+        assert loaded == {"failed_blocks": [], "identical": True}
+
+
+def test_a_tp2_rank_stores_two_shards_that_tp4_ranks_load_one_by_one(store_section: dict[str, Any]) -> None:
+    for tp_rank in (0, 1):
+        assert (
+            len(rank(store_section, tp_rank, "save", seed=5, tp_size=2, store_tp_size=4)["put"]) == 2 * CHUNKS
+        )
+    assert hit_tokens(store_section, seed=5, tp_size=4, store_tp_size=4) == CHUNKS * BLOCK
+    for tp_rank in range(4):
+        loaded = rank(store_section, tp_rank, "load", seed=5, tp_size=4, store_tp_size=4)
+        assert loaded == {"failed_blocks": [], "identical": True}
+
+
+def test_a_sharded_chunk_is_a_hit_only_when_every_store_shard_exists(store_section: dict[str, Any]) -> None:
+    for tp_rank in range(3):
+        rank(store_section, tp_rank, "save", seed=6, tp_size=4, store_tp_size=4)
+    assert hit_tokens(store_section, seed=6, tp_size=2, store_tp_size=4) == 0  # shard 3 is missing
+    assert hit_tokens(store_section, seed=6, tp_size=4) == 0  # rank-local keys are another namespace
+    rank(store_section, 3, "save", seed=6, tp_size=4, store_tp_size=4)
+    assert hit_tokens(store_section, seed=6, tp_size=2, store_tp_size=4) == CHUNKS * BLOCK
 
 
 def kv_cache_config(spec: Any, *more: Any) -> Any:

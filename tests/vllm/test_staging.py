@@ -21,13 +21,13 @@ def block_bytes(layer: torch.Tensor, block: int) -> torch.Tensor:
 
 
 def staged(area: StagingArea, group: int, slot: int) -> torch.Tensor:
-    (buffer,) = area.layouts()[group].buffers(slot)  # one buffer: the whole object
+    (buffer,) = area.layouts()[0][group].buffers(slot)  # one buffer: the whole object
     return area.arena[buffer.address - area.arena.data_ptr() :][: buffer.size]
 
 
 def test_a_slot_holds_the_block_of_every_layer_concatenated_in_layer_order() -> None:
     layers = engine_layers()
-    area = StagingArea({0: group_layout(layers, NUM_BLOCKS)}, slots=4)
+    area = StagingArea({0: (group_layout(layers, NUM_BLOCKS),)}, slots=4)
     area.copy_in(0, slot=2, block=5)
     area.settle()
     expected = torch.cat([block_bytes(layers["layer.0"], 5), block_bytes(layers["layer.1"], 5)])
@@ -36,7 +36,7 @@ def test_a_slot_holds_the_block_of_every_layer_concatenated_in_layer_order() -> 
 
 def test_copy_out_puts_a_slot_back_into_an_engine_block() -> None:
     source, target = engine_layers(), engine_layers()
-    area = StagingArea({0: group_layout(target, NUM_BLOCKS)}, slots=2)
+    area = StagingArea({0: (group_layout(target, NUM_BLOCKS),)}, slots=2)
     area.copy_in(0, slot=1, block=3)
     staged(area, 0, 1).copy_(
         torch.cat([block_bytes(source["layer.0"], 4), block_bytes(source["layer.1"], 4)])
@@ -50,7 +50,7 @@ def test_copy_out_puts_a_slot_back_into_an_engine_block() -> None:
 def test_groups_share_slot_numbers_and_the_free_pool() -> None:
     layers = engine_layers()
     zero, one = group_layout({"layer.0": layers["layer.0"]}, NUM_BLOCKS), group_layout(layers, NUM_BLOCKS)
-    area = StagingArea({0: zero, 1: one}, slots=3)
+    area = StagingArea({0: (zero,), 1: (one,)}, slots=3)
     assert area.free == 3
     taken = area.take(2)
     assert area.free == 1
@@ -63,5 +63,5 @@ def test_groups_share_slot_numbers_and_the_free_pool() -> None:
 
 
 def test_on_cpu_the_arena_is_plain_host_memory() -> None:
-    area = StagingArea({0: group_layout(engine_layers(), NUM_BLOCKS)}, slots=1)
+    area = StagingArea({0: (group_layout(engine_layers(), NUM_BLOCKS),)}, slots=1)
     assert area.device.type == "cpu" and not area.arena.is_pinned()
