@@ -214,6 +214,16 @@ class KVPipeConnector(KVConnectorBase_V1, SupportsHMA):
     def register_kv_caches(self, kv_caches: dict[str, torch.Tensor]) -> None:
         self._worker().register_kv_caches(kv_caches)
 
+    def unregister_kv_caches(self) -> None:
+        """vLLM 0.33's sleep mode frees the KV caches after this (see :meth:`.WorkerSide.release_kv_caches`)."""
+        if self.worker is not None:
+            self.worker.release_kv_caches()
+
+    def restore_kv_caches(self) -> None:
+        """vLLM 0.33's wake-up gave the KV caches back, at the same addresses."""
+        if self.worker is not None:
+            self.worker.restore_kv_caches()
+
     def bind_connector_metadata(self, connector_metadata: KVConnectorMetadata) -> None:
         """Bind the step's metadata and start its loads (see :meth:`.WorkerSide.submit_loads`)."""
         super().bind_connector_metadata(connector_metadata)

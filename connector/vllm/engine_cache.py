@@ -108,6 +108,14 @@ class EngineCache:
         tp_size = int(parallel.tensor_parallel_size)
         kv_heads = int(vllm_config.model_config.get_total_num_kv_heads())
         layout_name = str(getattr(kv_cache_config, "kv_cache_layout", None) or "unresolved")
+        pcp, dcp = context_parallel(parallel)
+        if (pcp, dcp) != (1, 1):
+            # Each PCP/DCP rank holds its own share of a block's tokens: one key for all of
+            # them (pcp0@dcp0) would store one rank's bytes as every rank's.
+            raise ConfigError(
+                f"kvpipe does not store context-parallel engines yet: prefill_context_parallel_size={pcp}, "
+                f"decode_context_parallel_size={dcp} (1 and 1 are supported)"
+            )
         return cls(
             groups=groups,
             hash_block_size=int(kv_cache_config.hash_block_size),
@@ -123,7 +131,7 @@ class EngineCache:
                 kv_cache_config,
                 tp_size,
                 kv_heads,
-                int(getattr(parallel, "decode_context_parallel_size", 1) or 1),
+                dcp,
             ),
             store_format=store_format(
                 settings.requested_store_tp_size(),
@@ -237,8 +245,15 @@ def engine_shape(
         kv_heads=kv_heads,
         layout_name=layout_name,
         one_plain_attention_group=len(stored) == 1 and type(stored[0]) is FullAttentionSpec,
-        context_parallel=int(getattr(parallel, "prefill_context_parallel_size", 1) or 1) > 1
-        or int(getattr(parallel, "decode_context_parallel_size", 1) or 1) > 1,
+        context_parallel=context_parallel(parallel) != (1, 1),
+    )
+
+
+def context_parallel(parallel: Any) -> tuple[int, int]:
+    """The engine's (PCP, DCP) sizes, 1 where its vLLM has no such setting."""
+    return (
+        int(getattr(parallel, "prefill_context_parallel_size", 1) or 1),
+        int(getattr(parallel, "decode_context_parallel_size", 1) or 1),
     )
 
 

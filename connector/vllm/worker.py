@@ -147,7 +147,9 @@ class WorkerSide:
         self._load_failures: dict[str, frozenset[int]] = {}  # told by the load stage, per request
         self._load_errors: set[int] = set()  # engine block ids, for get_block_ids_with_load_errors
         self._failed_requests: set[str] = set()
-        self._registered: list[int] = []
+        self._registered: list[int] = []  # the staging arena, and the engine's storages on CPU
+        self._engine_storages: dict[int, int] = {}  # registered with the store: address -> bytes
+        self._released = False  # vLLM's sleep mode has the KV caches (unregister_kv_caches)
         self._byte_facts: tuple[tuple[str, str], ...] = ()  # the cache's and its layers' (at start)
         self.reporter = ChunkReporter((cache.writer(tp_rank), cache.pp_rank)) if kv_events else None
 
@@ -183,15 +185,13 @@ class WorkerSide:
         self._staging = StagingArea(self.layouts, slots)
         if self._load_via_staging is None:
             self._load_via_staging = self._staging.device.type != "cpu"
-        storages = {} if self._staging.device.type != "cpu" else storages_of(list(layers.values()))
+        # On CPU the store reads and writes the engine's blocks; a device cache only ever
+        # meets the store through the (host) staging arena.
+        self._engine_storages = (
+            {} if self._staging.device.type != "cpu" else storages_of(list(layers.values()))
+        )
         arena = self._staging.arena
-        storages[arena.data_ptr()] = arena.numel()
-        for address, nbytes in storages.items():
-            code = self.store.register_buffer(address, nbytes)
-            if code != 0:
-                log.warning("register_buffer failed", address=hex(address), nbytes=nbytes, code=code)
-            else:
-                self._registered.append(address)
+        self._register({**self._engine_storages, arena.data_ptr(): arena.numel()})
         engine = [
             {g: layouts[shard].block_layout for g, layouts in self.layouts.items()}
             for shard in range(len(shards))
@@ -227,6 +227,48 @@ class WorkerSide:
             name="kvpipe-load",
             job_deadline_s=self.settings.load_deadline_s,
         ).start()
+
+    def _register(self, storages: Mapping[int, int]) -> None:
+        for address, nbytes in storages.items():
+            code = self.store.register_buffer(address, nbytes)
+            if code != 0:
+                log.warning("register_buffer failed", address=hex(address), nbytes=nbytes, code=code)
+            else:
+                self._registered.append(address)
+
+    def _unregister(self, addresses: Sequence[int]) -> None:
+        for address in addresses:
+            if address in self._registered:
+                self._registered.remove(address)
+                try:
+                    self.store.unregister_buffer(address)
+                except Exception:  # noqa: BLE001, S110 - a closing client may refuse; nothing is lost
+                    pass
+
+    # -- sleep mode (vLLM 0.33) -----------------------------------------------------------
+
+    def release_kv_caches(self) -> None:
+        """Let go of the KV caches before vLLM's sleep mode frees them; idempotent.
+
+        vLLM sleeps an idle engine, but a load of a request it gave up on may still be
+        running: it is waited for (its job's deadline bounds the wait), so nothing writes
+        into memory being freed, and the engine's storages are unregistered from the
+        store. Saves read only the staging arena, which is host memory sleep keeps.
+        """
+        if self._released:
+            return
+        self._released = True
+        for load in [*self._loads.values(), *self._sync_loads]:
+            if load.job is not None and not load.job.wait(LOAD_TIMEOUT_S):
+                log.warning("a load outlived its wait before sleep", request_id=load.request.request_id)
+        self._unregister(list(self._engine_storages))
+
+    def restore_kv_caches(self) -> None:
+        """Take the KV caches back after vLLM's wake-up (the same addresses); idempotent."""
+        if not self._released:
+            return
+        self._released = False
+        self._register(self._engine_storages)
 
     def _rank_cache(self, layouts: Sequence[Mapping[int, BlockLayout]]) -> KVCache:
         """This rank's cache over ``layouts`` (per store shard: the engine's blocks or the staging slots)."""
@@ -486,12 +528,7 @@ class WorkerSide:
                     log.warning("pipeline stop failed", error=str(exc))
         self._reap()
         self._save_pipeline = self._load_pipeline = None
-        for address in self._registered:
-            try:
-                self.store.unregister_buffer(address)
-            except Exception:  # noqa: BLE001, S110 - a closing client may refuse; nothing is lost
-                pass
-        self._registered.clear()
+        self._unregister(list(self._registered))
         if owns_store:
             self.store.close()
 

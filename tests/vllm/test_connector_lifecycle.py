@@ -68,3 +68,29 @@ def test_sync_loads_are_refused_for_a_model_of_several_kv_cache_groups() -> None
 def test_a_bad_flag_names_the_field_and_the_value() -> None:
     with pytest.raises(ConfigError, match="kv_connector_extra_config.load_async.*'sometimes'"):
         connector({"store": {"kind": "memory"}, "load_async": "sometimes"})
+
+
+def test_sleep_and_wake_up_reach_the_workers_registrations() -> None:
+    """vLLM 0.33 calls unregister_kv_caches before sleep frees the KV caches, restore_kv_caches after."""
+    worker = connector({"store": {"kind": "memory", "capacity": "8MB"}, "staging_blocks": 2})
+    layer = torch.zeros(8, 4, 16, 64, dtype=torch.bfloat16)
+    worker.register_kv_caches({"layer.0": layer})
+    memory = worker.store.inner.inner
+    address = layer.untyped_storage().data_ptr()
+    assert address in memory._registered
+    worker.unregister_kv_caches()
+    assert address not in memory._registered
+    worker.restore_kv_caches()
+    assert address in memory._registered
+    worker.shutdown()
+
+
+def test_a_context_parallel_engine_is_refused_naming_the_sizes() -> None:
+    from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorRole
+
+    from kvpipe.connector.vllm import KVPipeConnector
+
+    config = vllm_config({"store": {"kind": "memory"}})
+    config.parallel_config.decode_context_parallel_size = 2
+    with pytest.raises(ConfigError, match="context-parallel.*decode_context_parallel_size=2"):
+        KVPipeConnector(config, KVConnectorRole.SCHEDULER, kv_cache_config())

@@ -61,3 +61,41 @@ def test_objects_are_interchangeable_with_vllm_mooncake_connector(
     assert back["cached"] == [engine.FULL_HIT, engine.FULL_HIT]
     assert back["tokens"] == reference[4] == own["tokens"]
     assert unverified == PER_BATCH
+
+
+#: store_tp_size 2 over the CPU build's LBHNC cache: two head shards per block, a namespace both share
+SHARDED = "@store_tp:2@store_pp:1@store_format:tp_shared_lbhnc@"
+
+
+def test_a_sharded_store_is_interchangeable_with_vllm_mooncake_connector(
+    master: LocalMaster,
+    store_section: dict[str, Any],
+    mooncake_json: Path,
+    reference: dict[int, list[list[int]]],
+) -> None:
+    """``store_tp_size: 2`` on both: a TP 1 engine stores and loads two head shards per block, both ways."""
+    sharing = {"store_tp_size": 2}
+    llm = engine.make_llm(kvpipe_transfer({"store": store_section, **sharing}))
+    try:
+        stored = engine.generate(llm, engine.prompts(5))
+    finally:
+        close_llm(llm)  # drains its saves
+    assert stored["tokens"] == reference[5]
+    sharded = [key for key in stored_keys(master) if SHARDED in key]
+    assert len(sharded) == 2 * PER_BATCH
+    assert {key.split(SHARDED)[1].split("@")[0] for key in sharded} == {"tp_rank:0", "tp_rank:1"}
+
+    commands = [engine.gen(5), engine.gen(6), {"sleep": 1}]
+    env = vllm_mooncake_env(mooncake_json)
+    hit, own, _ = engine.run_engine_process(mooncake_transfer(sharing), commands, env)
+    assert hit["cached"] == [engine.FULL_HIT, engine.FULL_HIT]
+    assert hit["tokens"] == reference[5]
+    assert own["cached"] == [0, 0]
+
+    llm = engine.make_llm(kvpipe_transfer({"store": store_section, **sharing}))
+    try:
+        back = engine.generate(llm, engine.prompts(6))
+    finally:
+        close_llm(llm)
+    assert back["cached"] == [engine.FULL_HIT, engine.FULL_HIT]
+    assert back["tokens"] == reference[6] == own["tokens"]

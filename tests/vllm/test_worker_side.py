@@ -186,3 +186,30 @@ def test_loads_start_when_the_steps_metadata_is_bound_and_go_out_once() -> None:
     assert torch.equal(target[LAYERS[0]][0].view(BITS), source[LAYERS[0]][4].view(BITS))
     assert loader.stats["loads"] == 2
     loader.shutdown(owns_store=False)
+
+
+def test_sleep_lets_go_of_the_engines_memory_and_wake_up_takes_it_back() -> None:
+    """vLLM 0.33's sleep mode: the KV caches' registrations go before sleep frees them, and come back."""
+    loader, source, target = loader_after_three_saves()
+    store = loader.store
+    engine_storage = target[LAYERS[0]].untyped_storage().data_ptr()
+    arena = loader._staging.arena.data_ptr()
+    assert {engine_storage, arena} <= set(store._registered)
+    loader.release_kv_caches()
+    loader.release_kv_caches()  # idempotent
+    assert arena in store._registered and engine_storage not in store._registered
+    loader.restore_kv_caches()
+    loader.restore_kv_caches()
+    assert engine_storage in store._registered
+    loader.start_load_kv(KVPipeMetadata(loads=[LoadRequest("l", HASHES, ((0, 2, 3),), 0, 3 * BLOCK)]))
+    assert wait_finished(loader) == {"l"}
+    assert torch.equal(target[LAYERS[0]][3].view(BITS), source[LAYERS[0]][5].view(BITS))
+    loader.shutdown(owns_store=False)
+
+
+def test_sleep_waits_for_loads_in_flight_to_end() -> None:
+    loader, _, _ = loader_after_three_saves()
+    loader.start_load_kv(KVPipeMetadata(loads=[LoadRequest("l", HASHES, ((0, 2, 3),), 0, 3 * BLOCK)]))
+    loader.release_kv_caches()
+    assert loader._loads["l"].done  # nothing writes into the engine's memory once sleep frees it
+    loader.shutdown(owns_store=False)
