@@ -94,6 +94,7 @@ class KVPipeConnector(KVConnectorBase_V1, SupportsHMA):
         )
         events_config = vllm_config.kv_events_config
         self.kv_events = bool(events_config and events_config.enable_kv_cache_events)
+        saves = self.settings.saves_for(vllm_config.kv_transfer_config.kv_role)
         self.scheduler: SchedulerSide | None = None
         self.worker: WorkerSide | None = None
         if self.is_scheduler:
@@ -107,12 +108,18 @@ class KVPipeConnector(KVConnectorBase_V1, SupportsHMA):
                 ]
                 pool = shared_pool_id(cache.namespace(0))
                 announcer = ChunkAnnouncer(cache.store_groups, cache.hash_block_size, ranks, pool)
-            self.scheduler = SchedulerSide(self.cache, self.settings, store, announcer=announcer)
+            self.scheduler = SchedulerSide(self.cache, self.settings, store, announcer=announcer, saves=saves)
             self._source = "scheduler"
         else:
             pinned = self.settings.max_pinned_bytes(lent_bytes(store_config(self.settings)))
             self.worker = WorkerSide(
-                self.cache, self.settings, store, tp_rank, kv_events=self.kv_events, max_pinned_bytes=pinned
+                self.cache,
+                self.settings,
+                store,
+                tp_rank,
+                kv_events=self.kv_events,
+                max_pinned_bytes=pinned,
+                transfers=saves or self.settings.enable_lookup,
             )
             self._source = f"worker:{tp_rank}:{pp_rank}"
         self._reported: Counter[str] = Counter()
@@ -127,6 +134,9 @@ class KVPipeConnector(KVConnectorBase_V1, SupportsHMA):
             storable=[g.engine_group for g in self.cache.store_groups],
             hash_block_size=self.cache.hash_block_size,
             load_async=self.settings.load_async,
+            saves=saves,
+            lookups=self.settings.enable_lookup,
+            store_format=self.cache.store_format.namespace or "rank-local",
         )
 
     @property

@@ -233,4 +233,3 @@ class ChunkAnnouncer:
     def take(self) -> list[KVCacheEvent]:
         ready, self._ready = self._ready, []
         return ready
-

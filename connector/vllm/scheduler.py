@@ -97,9 +97,15 @@ class SchedulerSide:
         store: Store,
         clock: Callable[[], float] = time.monotonic,
         announcer: ChunkAnnouncer | None = None,
+        saves: bool = True,
     ) -> None:
-        """``announcer``: publish KV events for what the workers store (vLLM's ``kv_events_config``)."""
+        """``announcer``: publish KV events for what the workers store (vLLM's ``kv_events_config``).
+
+        ``saves``: whether the engine stores what it computes (not a ``kv_consumer``,
+        :meth:`~.settings.ConnectorSettings.saves_for`); lookups follow ``enable_lookup``.
+        """
         self.cache = cache
+        self._saves = saves
         self.settings = settings
         self.store = store
         self.stats: Counter[str] = Counter()
@@ -146,6 +152,8 @@ class SchedulerSide:
         :meth:`update_state_after_alloc`.
         """
         rid = request.request_id
+        if not self.settings.enable_lookup:
+            return 0, False
         self._local_hits[rid] = num_computed_tokens  # vLLM does not pass it to update_state_after_alloc
         if rid in self._miss_once:
             self._miss_once.discard(rid)
@@ -317,7 +325,7 @@ class SchedulerSide:
 
     def _plan_saves(self, so: SchedulerOutput, meta: KVPipeMetadata) -> None:
         block_state = so.kv_connector_block_state
-        if block_state is None:
+        if block_state is None or not self._saves:
             return
         for rid, scheduled in so.num_scheduled_tokens.items():
             tracked = self._tracked.get(rid)

@@ -51,6 +51,10 @@ class ConnectorSettings(BaseModel):
     # ... unless no running request would wait for the load (see the scheduler's docstring)
     load_sync_when_idle: StrictFlag = True
     save_decode_cache: StrictFlag = False
+    # As vLLM's MooncakeStoreConnector: false: the engine never looks the store up (saves
+    # still go out unless it is a kv_consumer); a kv_consumer that neither looks up nor
+    # saves decode chunks is capacity-only (see saves_for).
+    enable_lookup: StrictFlag = True
     # Seals: every put stores its object's checksum and configuration fingerprint beside
     # it, every load checks them (kvpipe.stages.integrity). off: neither (sizes only);
     # required: a chunk without seals (vLLM's connector wrote it) is a miss.
@@ -76,6 +80,16 @@ class ConnectorSettings(BaseModel):
         if self.enable_store_tp_lcm and self.prefill_tp_sizes is None:
             raise ValueError("enable_store_tp_lcm needs prefill_tp_sizes (a list of TP sizes), got none")
         return self
+
+    def saves_for(self, kv_role: str | None) -> bool:
+        """Whether an engine of vLLM's ``kv_role`` stores what it computes, as vLLM's connector rules.
+
+        A ``kv_consumer`` (the decode side of a disaggregated deployment) reads what
+        producers stored and stores nothing, unless ``save_decode_cache``. A consumer
+        that also has ``enable_lookup: false`` transfers nothing at all: it only lends
+        the store its segment (vLLM's "capacity-only" mode).
+        """
+        return kv_role != "kv_consumer" or self.save_decode_cache
 
     def requested_store_tp_size(self) -> int | None:
         """The store TP size asked for: the lcm of ``prefill_tp_sizes`` or ``store_tp_size``; None: not asked."""

@@ -119,8 +119,12 @@ class WorkerSide:
         load_via_staging: bool | None = None,
         kv_events: bool = False,
         max_pinned_bytes: int = 0,
+        transfers: bool = True,
     ) -> None:
         """``load_via_staging``: None lets the cache's device decide (host slots for a device cache).
+
+        ``transfers``: False for a capacity-only engine (a ``kv_consumer`` that neither
+        looks up nor saves): it lends the store its segment and touches no KV cache.
 
         ``kv_events``: report each saved chunk's outcome for the scheduler's KV events
         (:meth:`take_chunk_reports`). ``max_pinned_bytes``: what the saves may hold
@@ -135,6 +139,7 @@ class WorkerSide:
         self._put_here: OrderedDict[bytes, None] = OrderedDict()  # chunk hashes, newest last
         self._load_via_staging = load_via_staging
         self._max_pinned_bytes = max_pinned_bytes
+        self._transfers = transfers
         self._lock = threading.Lock()
         self.layouts: dict[int, tuple[GroupLayout, ...]] = {}  # per engine group, per store shard of the rank
         self._staging: StagingArea | None = None
@@ -165,6 +170,9 @@ class WorkerSide:
         Raises :class:`~.kv_layout.LayoutError` (naming the layer and the layout)
         for a cache whose blocks cannot be stored as equal-stride rows.
         """
+        if not self._transfers:
+            log.info("capacity-only: the store gets this engine's segment, no KV cache is transferred")
+            return
         cache = self.cache
         # Every storable group's objects are made of every storable layer's cache (the
         # groups overlay them), in the engine's order: what vLLM's connector stores.

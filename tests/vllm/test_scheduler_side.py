@@ -414,3 +414,27 @@ def test_retention_min_requests_sets_how_many_requests_earn_a_pin() -> None:
     side.on_new_request(second := Request("b", shared))
 
     assert _first_save_of(side, second).reused_chunks == {}
+
+
+def test_a_kv_consumer_plans_no_saves() -> None:
+    """The decode side of a disaggregated deployment reads what producers stored, as in vLLM's connector."""
+    settings = settings_from({"store": {"kind": "memory"}})
+    side = SchedulerSide(
+        engine_cache(), settings, MemoryStore(1 << 20), saves=settings.saves_for("kv_consumer")
+    )
+    request = Request("a", chain_hashes(4, salt="consumer"))
+    side.on_new_request(request)
+    side.update_state_after_alloc(request, SimpleNamespace(get_block_ids=lambda: ([],)), 0)
+    assert plan_saves(side, request, PROMPT) == []
+
+
+def test_a_kv_consumer_saves_with_save_decode_cache() -> None:
+    settings = settings_from({"store": {"kind": "memory"}, "save_decode_cache": True})
+    assert settings.saves_for("kv_consumer") and settings_from({}).saves_for("kv_producer")
+
+
+def test_with_enable_lookup_off_nothing_is_a_hit_and_the_store_is_not_asked() -> None:
+    harness = make_harness(enable_lookup=False)
+    harness.store_chunks(4)
+    assert harness.side.get_num_new_matched_tokens(harness.request("a"), 0) == (0, False)
+    assert harness.side.stats["lookup_calls"] == 0

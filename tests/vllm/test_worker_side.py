@@ -213,3 +213,15 @@ def test_sleep_waits_for_loads_in_flight_to_end() -> None:
     loader.release_kv_caches()
     assert loader._loads["l"].done  # nothing writes into the engine's memory once sleep frees it
     loader.shutdown(owns_store=False)
+
+
+def test_a_capacity_only_worker_touches_no_kv_cache() -> None:
+    """vLLM's capacity-only mode (a kv_consumer without lookups or decode saves): it only lends its segment."""
+    store = MemoryStore(16 << 20)
+    side = worker(store, KVCacheLayout.LBHNC, transfers=False)
+    side.register_kv_caches(engine_views(KVCacheLayout.LBHNC))
+    assert not side.started and store._registered == {}
+    side.wait_for_save(KVPipeMetadata(saves=[SaveRequest("s", HASHES, ((4, 1, 5),), 3 * BLOCK)]))
+    side.start_load_kv(KVPipeMetadata(loads=[LoadRequest("l", HASHES, ((0, 2, 3),), 0, 3 * BLOCK)]))
+    assert side.get_finished() == set() and store.stats().objects == 0
+    side.shutdown(owns_store=False)
