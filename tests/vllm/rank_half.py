@@ -47,6 +47,21 @@ def views(tp_rank: int, tp_size: int, replicated: bool, fill: int | None) -> dic
     return dict(zip(LAYERS, cache, strict=True))
 
 
+def ranked_cache(tp_size: int, replicas: int = 1, store_tp_size: int | None = None) -> Any:
+    """The engine cache of the ranks' model at ``tp_size``, objects sharded if ``store_tp_size`` is given."""
+    from .caches import engine_cache
+
+    return engine_cache(
+        LAYERS,
+        num_blocks=8,
+        model="ranked",
+        tp_size=tp_size,
+        tp_replicas=replicas,
+        store_tp_size=store_tp_size,
+        kv_heads=HEADS,
+    )
+
+
 def main(spec: dict[str, Any]) -> dict[str, Any]:
     from kvpipe.connector.vllm.engine_cache import open_store
     from kvpipe.connector.vllm.settings import settings_from
@@ -54,19 +69,10 @@ def main(spec: dict[str, Any]) -> dict[str, Any]:
     from kvpipe.stages import LoadRequest, SaveRequest
 
     from ..stages.kv_fixtures import chain_hashes
-    from .caches import engine_cache
 
     tp_rank, tp_size, replicas = spec["tp_rank"], spec["tp_size"], spec["tp_replicas"]
     settings = settings_from({"store": spec["store"], "enable_group_semantics": True, "staging_blocks": 8})
-    cache = engine_cache(
-        LAYERS,
-        num_blocks=8,
-        model="ranked",
-        tp_size=tp_size,
-        tp_replicas=replicas,
-        store_tp_size=spec.get("store_tp_size"),
-        kv_heads=HEADS,
-    )
+    cache = ranked_cache(tp_size, replicas, spec.get("store_tp_size"))
     store, _ = open_store(settings, mount_segment=False)
     side = WorkerSide(cache, settings, store, tp_rank)
     engine = views(tp_rank, tp_size, replicas > 1, fill=0 if spec["action"] == "load" else None)

@@ -23,8 +23,7 @@ from kvpipe.stages import GROUP_ID_SCOPE
 from kvpipe.stages.flags import ConfigError
 
 from ..stages.kv_fixtures import chain_hashes
-from .caches import engine_cache
-from .rank_half import BLOCK, CHUNKS, HEADS, LAYERS
+from .rank_half import BLOCK, CHUNKS, ranked_cache
 
 ROOT = Path(__file__).resolve().parents[2]
 pytestmark = pytest.mark.mooncake
@@ -69,15 +68,7 @@ def hit_tokens(
 ) -> int:
     """What a TP=``tp_size`` engine's scheduler side finds stored for the request the halves saved."""
     settings = settings_from({"store": store_section})
-    cache = engine_cache(
-        LAYERS,
-        num_blocks=8,
-        model="ranked",
-        tp_size=tp_size,
-        tp_replicas=replicas,
-        store_tp_size=store_tp_size,
-        kv_heads=HEADS,
-    )
+    cache = ranked_cache(tp_size, replicas, store_tp_size)
     store, _ = open_store(settings, mount_segment=False)
     try:
         side = SchedulerSide(cache, settings, store)

@@ -11,7 +11,7 @@ from __future__ import annotations
 import ctypes
 import dataclasses
 from types import SimpleNamespace
-from typing import Any
+from typing import Any, NamedTuple
 
 import pytest
 import torch
@@ -51,72 +51,64 @@ HEADS = 8  # in all, over every rank
 ORACLES = {KVCacheLayout.LBHNC: LBHNCStoreLayout, KVCacheLayout.LBNHC: LBNHCStoreLayout}
 
 
-def vllms_choice(
-    store_tp: dict[str, Any],
-    *,
-    tp: int,
-    heads: int,
-    layout: KVCacheLayout,
-    spec: Any,
-    pp: int = 1,
-    dcp: int = 1,
-) -> tuple[int | None, str]:
-    """What vLLM's worker picks (store TP size, namespace) for one engine, without building one."""
+class Case(NamedTuple):
+    """One engine asking for a store TP size: the settings, its TP size, KV heads, layout, stored spec, DCP."""
+
+    store_tp: dict[str, Any]
+    tp: int
+    heads: int
+    layout: KVCacheLayout
+    spec: Any
+    dcp: int = 1
+
+
+def vllms_choice(case: Case) -> tuple[int | None, str]:
+    """What vLLM's worker picks (store TP size, namespace) for the engine, without building one."""
     worker: Any = SimpleNamespace(
-        tp_size=tp,
-        pp_size=pp,
-        num_kv_head=heads,
+        tp_size=case.tp,
+        pp_size=1,
+        num_kv_head=case.heads,
         pcp_size=1,
-        dcp_size=dcp,
-        cache_config=SimpleNamespace(get_resolved_kv_cache_layout=lambda: layout),
-        _kv_cache_groups=[KVCacheGroupSpec(list(LAYERS), spec)],
+        dcp_size=case.dcp,
+        cache_config=SimpleNamespace(get_resolved_kv_cache_layout=lambda: case.layout),
+        _kv_cache_groups=[KVCacheGroupSpec(list(LAYERS), case.spec)],
     )
     worker._supports_tp_sharded_store_layout = lambda cls, extra: (
         MooncakeStoreWorker._supports_tp_sharded_store_layout(worker, cls, extra)
     )
-    size, namespace, _ = MooncakeStoreWorker._select_store_layout(worker, store_tp)
+    size, namespace, _ = MooncakeStoreWorker._select_store_layout(worker, case.store_tp)
     return size, namespace
 
 
-def ours(
-    store_tp: dict[str, Any],
-    *,
-    tp: int,
-    heads: int,
-    layout: KVCacheLayout,
-    spec: Any,
-    pp: int = 1,
-    dcp: int = 1,
-) -> StoreFormat:
+def ours(case: Case) -> StoreFormat:
     from kvpipe.connector.vllm.settings import settings_from
 
-    settings = settings_from(store_tp)
+    settings = settings_from(case.store_tp)
     engine = EngineShape(
-        tp_size=tp,
-        pp_size=pp,
-        kv_heads=heads,
-        layout_name=layout.name,
-        one_plain_attention_group=type(spec) is FullAttentionSpec,
-        context_parallel=dcp > 1,
+        tp_size=case.tp,
+        pp_size=1,
+        kv_heads=case.heads,
+        layout_name=case.layout.name,
+        one_plain_attention_group=type(case.spec) is FullAttentionSpec,
+        context_parallel=case.dcp > 1,
     )
     return store_format(settings.requested_store_tp_size(), engine, settings.store_tp_topology())
 
 
 ATTENTION = FullAttentionSpec(block_size=BLOCK, num_kv_heads=HEADS, head_size=32, dtype=torch.bfloat16)
 CHOICES = [
-    # (store TP settings, engine TP, KV heads, layout, spec, dcp)
-    ({"store_tp_size": 4}, 2, 8, KVCacheLayout.LBHNC, ATTENTION, 1),  # sharded, 2 shards a rank
-    ({"store_tp_size": 4}, 4, 8, KVCacheLayout.LBHNC, ATTENTION, 1),
-    ({"store_tp_size": 4}, 1, 8, KVCacheLayout.LBNHC, ATTENTION, 1),  # sharded over tokens
-    ({"enable_store_tp_lcm": True, "prefill_tp_sizes": [2, 4]}, 2, 8, KVCacheLayout.LBHNC, ATTENTION, 1),
-    ({"enable_store_tp_lcm": True, "prefill_tp_sizes": [2, 3]}, 2, 12, KVCacheLayout.LBHNC, ATTENTION, 1),
-    ({"store_tp_size": 4}, 2, 1, KVCacheLayout.LBHNC, ATTENTION, 1),  # one KV head: replicated MQA
-    ({"store_tp_size": 4}, 2, 6, KVCacheLayout.LBHNC, ATTENTION, 1),  # heads do not divide: compatibility
-    ({"store_tp_size": 2}, 4, 8, KVCacheLayout.LBHNC, ATTENTION, 1),  # below the engine's TP
-    ({"store_tp_size": 4}, 2, 8, KVCacheLayout.LHBNC, ATTENTION, 1),  # a layout that cannot shard
-    ({"store_tp_size": 4}, 2, 8, KVCacheLayout.BLHNC, ATTENTION, 1),  # cross-layer blocks
-    ({"store_tp_size": 4}, 2, 8, KVCacheLayout.LBHNC, ATTENTION, 2),  # DCP
-    (
+    Case({"store_tp_size": 4}, 2, 8, KVCacheLayout.LBHNC, ATTENTION, 1),  # sharded, 2 shards a rank
+    Case({"store_tp_size": 4}, 4, 8, KVCacheLayout.LBHNC, ATTENTION, 1),
+    Case({"store_tp_size": 4}, 1, 8, KVCacheLayout.LBNHC, ATTENTION, 1),  # sharded over tokens
+    Case({"enable_store_tp_lcm": True, "prefill_tp_sizes": [2, 4]}, 2, 8, KVCacheLayout.LBHNC, ATTENTION, 1),
+    Case({"enable_store_tp_lcm": True, "prefill_tp_sizes": [2, 3]}, 2, 12, KVCacheLayout.LBHNC, ATTENTION, 1),
+    Case({"store_tp_size": 4}, 2, 1, KVCacheLayout.LBHNC, ATTENTION, 1),  # one KV head: replicated MQA
+    Case({"store_tp_size": 4}, 2, 6, KVCacheLayout.LBHNC, ATTENTION, 1),  # heads do not divide: compatibility
+    Case({"store_tp_size": 2}, 4, 8, KVCacheLayout.LBHNC, ATTENTION, 1),  # below the engine's TP
+    Case({"store_tp_size": 4}, 2, 8, KVCacheLayout.LHBNC, ATTENTION, 1),  # a layout that cannot shard
+    Case({"store_tp_size": 4}, 2, 8, KVCacheLayout.BLHNC, ATTENTION, 1),  # cross-layer blocks
+    Case({"store_tp_size": 4}, 2, 8, KVCacheLayout.LBHNC, ATTENTION, 2),  # DCP
+    Case(
         {"store_tp_size": 2},
         2,
         1,
@@ -124,7 +116,7 @@ CHOICES = [
         MLAAttentionSpec(block_size=BLOCK, num_kv_heads=1, head_size=96, dtype=torch.bfloat16),
         1,
     ),
-    (
+    Case(
         {"store_tp_size": 4},
         2,
         8,
@@ -137,17 +129,14 @@ CHOICES = [
 ]
 
 
-@pytest.mark.parametrize(("store_tp", "tp", "heads", "layout", "spec", "dcp"), CHOICES)
-def test_the_store_format_is_the_one_vllms_connector_picks(
-    store_tp: dict[str, Any], tp: int, heads: int, layout: KVCacheLayout, spec: Any, dcp: int
-) -> None:
-    expected = vllms_choice(store_tp, tp=tp, heads=heads, layout=layout, spec=spec, dcp=dcp)
-    chosen = ours(store_tp, tp=tp, heads=heads, layout=layout, spec=spec, dcp=dcp)
-    assert (chosen.store_tp_size, chosen.namespace) == expected
+@pytest.mark.parametrize("case", CHOICES)
+def test_the_store_format_is_the_one_vllms_connector_picks(case: Case) -> None:
+    chosen = ours(case)
+    assert (chosen.store_tp_size, chosen.namespace) == vllms_choice(case)
 
 
 def test_without_a_store_tp_size_keys_have_no_namespace() -> None:
-    chosen = ours({}, tp=2, heads=8, layout=KVCacheLayout.LBHNC, spec=ATTENTION)
+    chosen = ours(Case({}, 2, 8, KVCacheLayout.LBHNC, ATTENTION))
     assert chosen == StoreFormat() and not chosen.sharded
 
 
@@ -219,7 +208,7 @@ def test_a_cache_of_another_shape_is_refused_for_sharding() -> None:
 
 
 def sharded_cache(tp: int, store_tp: int) -> Any:
-    chosen = ours({"store_tp_size": store_tp}, tp=tp, heads=HEADS, layout=KVCacheLayout.LBHNC, spec=ATTENTION)
+    chosen = ours(Case({"store_tp_size": store_tp}, tp, HEADS, KVCacheLayout.LBHNC, ATTENTION))
     return dataclasses.replace(
         engine_cache(
             LAYERS, model="org/tiny", tp_size=tp, groups=[GroupSpec(GroupKind.FULL_ATTENTION, BLOCK)]
