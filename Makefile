@@ -84,7 +84,8 @@ COMPAT_STAMP := $(COMPAT_DIR)/.unpacked
 COMPAT_TESTS := tests/vllm/test_kv_layout.py tests/vllm/test_scheduler_side.py \
 	tests/vllm/test_settings.py tests/vllm/test_connector_lifecycle.py \
 	tests/vllm/test_staging.py tests/vllm/test_worker_side.py \
-	tests/vllm/test_prom.py tests/vllm/test_kv_events.py tests/vllm/test_store_format.py
+	tests/vllm/test_prom.py tests/vllm/test_kv_events.py tests/vllm/test_store_format.py \
+	tests/vllm/test_context_parallel.py
 compat: $(COMPAT_STAMP)
 	PYTHONPATH=$(abspath $(COMPAT_DIR)) VLLM_TARGET_DEVICE=cpu \
 		$(PY) -m pytest -p tests.compat.engine_free --engine-free --expect-vllm $(COMPAT_VLLM) \

@@ -76,8 +76,8 @@ class KVPipeConnector(KVConnectorBase_V1, SupportsHMA):
             raise ConfigError("KVPipeConnector needs vLLM's kv_cache_config (vLLM >= 0.32)")
         self.settings = settings_from(vllm_config.kv_transfer_config.kv_connector_extra_config)
         self.is_scheduler = role == KVConnectorRole.SCHEDULER
-        tp_rank, pp_rank = (0, 0) if self.is_scheduler else parallel_ranks()
-        self.cache = EngineCache.of(vllm_config, kv_cache_config, self.settings, pp_rank=pp_rank)
+        tp_rank, pp_rank, pcp_rank = (0, 0, 0) if self.is_scheduler else parallel_ranks()
+        self.cache = EngineCache.of(vllm_config, kv_cache_config, self.settings, pp_rank, pcp_rank)
         if len(self.cache.groups) > 1 and not self.settings.load_async:
             raise ConfigError(
                 f"kv_connector_extra_config.load_async: false cannot serve a model with {len(self.cache.groups)} "

@@ -39,10 +39,12 @@ if TYPE_CHECKING:
     from vllm.v1.kv_cache_interface import KVCacheConfig
 
 
-def _group_spec(spec: Any, mamba_mode: str | None) -> GroupSpec:
+def _group_spec(spec: Any, mamba_mode: str | None, dcp_size: int = 1) -> GroupSpec:
     from vllm.v1.kv_cache_interface import MambaSpec, SlidingWindowSpec
 
-    block_size = int(spec.block_size)
+    # Under DCP a block-table entry spans the tokens of every DCP rank's block (each rank
+    # holds its share): that span is the group's block as the scheduler and hashes see it.
+    block_size = int(spec.block_size) * (dcp_size if getattr(spec, "dcp_sharded", False) else 1)
     cacheable = bool(getattr(spec, "prefix_cacheable", True))
     if isinstance(spec, MambaSpec):
         return GroupSpec(
@@ -55,9 +57,13 @@ def _group_spec(spec: Any, mamba_mode: str | None) -> GroupSpec:
     return GroupSpec(GroupKind.FULL_ATTENTION, block_size, cacheable)
 
 
-def groups_of(kv_cache_config: KVCacheConfig, mamba_mode: str | None) -> tuple[GroupSpec, ...]:
-    """One :class:`GroupSpec` per engine KV-cache group, in the engine's order."""
-    return tuple(_group_spec(group.kv_cache_spec, mamba_mode) for group in kv_cache_config.kv_cache_groups)
+def groups_of(
+    kv_cache_config: KVCacheConfig, mamba_mode: str | None, dcp_size: int = 1
+) -> tuple[GroupSpec, ...]:
+    """One :class:`GroupSpec` per engine KV-cache group, in the engine's order (DCP-resolved block sizes)."""
+    return tuple(
+        _group_spec(group.kv_cache_spec, mamba_mode, dcp_size) for group in kv_cache_config.kv_cache_groups
+    )
 
 
 @dataclass(frozen=True)
@@ -76,7 +82,7 @@ class EngineCache:
     model: str
     cache_prefix: str
     tp_size: int
-    pp_rank: int
+    pp_rank: int  # this worker's (the scheduler: 0)
     layer_names: tuple[tuple[str, ...], ...]  # per engine group
     num_blocks: int
     layout_name: str
@@ -88,6 +94,12 @@ class EngineCache:
     tp_replicas: int = 1
     #: rank-local objects (the default) or store shards engines of several TP sizes share
     store_format: StoreFormat = StoreFormat()
+    pp_size: int = 1
+    #: context parallelism: each PCP/DCP rank holds its share of a block's tokens, keyed
+    #: ``@pcp{r}@dcp{r}`` as in vLLM's connector (a DCP rank is ``tp_rank % dcp_size``)
+    pcp_size: int = 1
+    pcp_rank: int = 0  # this worker's (the scheduler: 0)
+    dcp_size: int = 1
     #: what of the engine's configuration decides the bytes of its objects (dtypes,
     #: revision), for the seals' fingerprint; :meth:`kv_cache` adds the layout, the worker
     #: its layers' shapes
@@ -100,21 +112,21 @@ class EngineCache:
         kv_cache_config: KVCacheConfig,
         settings: ConnectorSettings,
         pp_rank: int = 0,
+        pcp_rank: int = 0,
     ) -> EngineCache:
         mamba_mode = getattr(vllm_config.cache_config, "mamba_cache_mode", None)
         parallel = vllm_config.parallel_config
-        groups = groups_of(kv_cache_config, mamba_mode)
+        pcp, dcp = context_parallel(parallel)
+        groups = groups_of(kv_cache_config, mamba_mode, dcp)
         alignment = getattr(kv_cache_config, "cache_hit_alignment_tokens", None)
         tp_size = int(parallel.tensor_parallel_size)
         kv_heads = int(vllm_config.model_config.get_total_num_kv_heads())
         layout_name = str(getattr(kv_cache_config, "kv_cache_layout", None) or "unresolved")
-        pcp, dcp = context_parallel(parallel)
-        if (pcp, dcp) != (1, 1):
-            # Each PCP/DCP rank holds its own share of a block's tokens: one key for all of
-            # them (pcp0@dcp0) would store one rank's bytes as every rank's.
+        stored = sum(1 for g in groups if g.prefix_cacheable)
+        if pcp > 1 and stored > 1:
             raise ConfigError(
-                f"kvpipe does not store context-parallel engines yet: prefill_context_parallel_size={pcp}, "
-                f"decode_context_parallel_size={dcp} (1 and 1 are supported)"
+                f"prefill_context_parallel_size={pcp} with {stored} stored KV-cache groups (a hybrid model): "
+                "neither kvpipe nor vLLM's connector stores that"
             )
         return cls(
             groups=groups,
@@ -123,6 +135,10 @@ class EngineCache:
             cache_prefix=settings.cache_prefix,
             tp_size=tp_size,
             pp_rank=pp_rank,
+            pp_size=int(parallel.pipeline_parallel_size),
+            pcp_size=pcp,
+            pcp_rank=pcp_rank,
+            dcp_size=dcp,
             layer_names=tuple(tuple(g.layer_names) for g in kv_cache_config.kv_cache_groups),
             num_blocks=int(kv_cache_config.num_blocks),
             layout_name=layout_name,
@@ -148,7 +164,7 @@ class EngineCache:
         )
 
     store_groups: tuple[StoreGroup, ...] = field(init=False)
-    #: every TP rank's namespace: a chunk is a hit only if every rank stored it
+    #: every rank's namespace: a chunk is a hit only if every rank stored it
     lookup_shards: tuple[Shard, ...] = field(init=False)
 
     def __post_init__(self) -> None:
@@ -158,14 +174,44 @@ class EngineCache:
         stored = self.kv_cache({g.engine_group: BlockLayout(()) for g in self.store_groups})
         object.__setattr__(self, "lookup_shards", stored.shards)
 
-    def namespace(self, key_rank: int) -> KeyNamespace:
+    def namespace(
+        self, key_rank: int, *, pcp_rank: int = 0, dcp_rank: int = 0, pp_rank: int | None = None
+    ) -> KeyNamespace:
+        """The keys of ``key_rank`` (a TP rank less its replicas, or a store shard); ``pp_rank``: this worker's."""
         return KeyNamespace(
             self.model,
             self.cache_prefix,
             tp_rank=key_rank,
-            pp_rank=self.pp_rank,
+            pcp_rank=pcp_rank,
+            dcp_rank=dcp_rank,
+            pp_rank=self.pp_rank if pp_rank is None else pp_rank,
             store_namespace=self.store_format.namespace,
         )
+
+    @property
+    def chunk_namespaces(self) -> tuple[KeyNamespace, ...]:
+        """Every object's namespace of one chunk and store group: what a hit needs (vLLM's lookup prefixes).
+
+        Every store shard or distinct TP rank, every PCP rank, every PP stage; under
+        DCP every TP rank, whose DCP rank is ``tp_rank % dcp_size`` (no replicas then).
+        """
+        pcp_ranks = range(1) if self.store_format.sharded else range(self.pcp_size)
+        return tuple(
+            self.namespace(rank, pcp_rank=pcp, dcp_rank=self._dcp_rank(rank), pp_rank=pp)
+            for pcp in pcp_ranks
+            for rank in self.key_ranks
+            for pp in range(self.pp_size)
+        )
+
+    def rank_namespaces(self, tp_rank: int) -> tuple[KeyNamespace, ...]:
+        """The namespaces of the objects rank ``tp_rank`` (of this worker's PCP rank and PP stage) stores."""
+        return tuple(
+            self.namespace(key, pcp_rank=self.pcp_rank, dcp_rank=self._dcp_rank(tp_rank))
+            for key in self.rank_keys(tp_rank)
+        )
+
+    def _dcp_rank(self, tp_rank: int) -> int:
+        return tp_rank % self.dcp_size if self.dcp_size > 1 else 0
 
     @property
     def key_ranks(self) -> range:
@@ -186,13 +232,17 @@ class EngineCache:
         return range(tp_rank // self.tp_replicas, tp_rank // self.tp_replicas + 1)
 
     def writer(self, tp_rank: int) -> int:
-        """Who rank ``tp_rank`` is among the ranks that put (what its KV events are reported as)."""
-        return tp_rank if self.store_format.sharded else tp_rank // self.tp_replicas
+        """Who rank ``tp_rank`` (of this worker's PCP rank) is among the ranks that put (its KV events' rank)."""
+        per_pcp = self.tp_size if self.store_format.sharded else self.tp_size // self.tp_replicas
+        return self.pcp_rank * per_pcp + (
+            tp_rank if self.store_format.sharded else tp_rank // self.tp_replicas
+        )
 
     @property
     def writers(self) -> range:
         """Every rank that puts, as :meth:`writer` names it."""
-        return range(self.tp_size) if self.store_format.sharded else range(self.tp_size // self.tp_replicas)
+        per_pcp = self.tp_size if self.store_format.sharded else self.tp_size // self.tp_replicas
+        return range(self.pcp_size * per_pcp)
 
     def puts_from(self, tp_rank: int) -> bool:
         """Whether rank ``tp_rank`` puts its objects: of ranks with identical bytes, the first does.
@@ -203,22 +253,21 @@ class EngineCache:
         """
         return tp_rank % self.tp_replicas == 0
 
-    def kv_cache(self, layouts: Mapping[int, BlockLayout], key_ranks: Sequence[int] | None = None) -> KVCache:
-        """The cache with ``layouts`` (by engine group) under ``key_ranks`` (default: :attr:`key_ranks`)."""
-        ranks = self.key_ranks if key_ranks is None else key_ranks
-        return self._cache(tuple(Shard(self.namespace(rank), dict(layouts)) for rank in ranks))
+    def kv_cache(self, layouts: Mapping[int, BlockLayout]) -> KVCache:
+        """The cache with ``layouts`` (by engine group) in every namespace of a chunk (:attr:`chunk_namespaces`)."""
+        return self._cache(tuple(Shard(namespace, dict(layouts)) for namespace in self.chunk_namespaces))
 
     def rank_cache(self, tp_rank: int, shard_layouts: Sequence[Mapping[int, BlockLayout]]) -> KVCache:
-        """Rank ``tp_rank``'s cache: its keys (:meth:`rank_keys`), each over its own layouts."""
-        keys = self.rank_keys(tp_rank)
-        if len(shard_layouts) != len(keys):
+        """Rank ``tp_rank``'s cache: its namespaces (:meth:`rank_namespaces`), each over its own layouts."""
+        namespaces = self.rank_namespaces(tp_rank)
+        if len(shard_layouts) != len(namespaces):
             raise ValueError(
-                f"rank {tp_rank} holds {len(keys)} store shards, got layouts for {len(shard_layouts)}"
+                f"rank {tp_rank} holds {len(namespaces)} store shards, got layouts for {len(shard_layouts)}"
             )
         return self._cache(
             tuple(
-                Shard(self.namespace(rank), dict(layouts))
-                for rank, layouts in zip(keys, shard_layouts, strict=True)
+                Shard(namespace, dict(layouts))
+                for namespace, layouts in zip(namespaces, shard_layouts, strict=True)
             )
         )
 

@@ -78,14 +78,20 @@ LOAD_TIMEOUT_S = 60.0
 STOP_DEADLINE_S = 10.0
 
 
-def parallel_ranks() -> tuple[int, int]:
-    """(tp_rank, pp_rank) from vLLM's parallel state; (0, 0) where it is not initialised."""
+def parallel_ranks() -> tuple[int, int, int]:
+    """(tp_rank, pp_rank, pcp_rank) from vLLM's parallel state; 0 where it is not initialised."""
     try:
         from vllm.distributed.parallel_state import get_pp_group, get_tp_group
 
-        return get_tp_group().rank_in_group, get_pp_group().rank_in_group
+        tp, pp = get_tp_group().rank_in_group, get_pp_group().rank_in_group
     except Exception:  # noqa: BLE001 - no parallel state (a unit test, one rank)
-        return 0, 0
+        return 0, 0, 0
+    try:
+        from vllm.distributed.parallel_state import get_pcp_group
+
+        return tp, pp, get_pcp_group().rank_in_group
+    except Exception:  # noqa: BLE001 - no PCP group (not initialised, or a vLLM without PCP)
+        return tp, pp, 0
 
 
 #: how many chunks a worker remembers having put, to tell a load of another engine's

@@ -23,6 +23,10 @@ def engine_cache(
     hit_alignment: int | None = None,
     store_tp_size: int | None = None,
     kv_heads: int = 8,
+    pcp_size: int = 1,
+    pcp_rank: int = 0,
+    dcp_size: int = 1,
+    pp_size: int = 1,
 ) -> EngineCache:
     """One full-attention group over ``layers`` unless ``groups`` are given (each over ``layers``).
 
@@ -30,7 +34,9 @@ def engine_cache(
     """
     specs = tuple(groups) if groups is not None else (GroupSpec(GroupKind.FULL_ATTENTION, block_size),)
     plain = len(specs) == 1 and specs[0].kind is GroupKind.FULL_ATTENTION
-    shape = EngineShape(tp_size, 1, kv_heads, layout_name, plain, context_parallel=False)
+    shape = EngineShape(
+        tp_size, pp_size, kv_heads, layout_name, plain, context_parallel=(pcp_size, dcp_size) != (1, 1)
+    )
     return EngineCache(
         groups=specs,
         hash_block_size=hash_block_size or block_size,
@@ -44,4 +50,8 @@ def engine_cache(
         tp_replicas=tp_replicas,
         hit_alignment=hit_alignment,
         store_format=store_format(store_tp_size, shape),
+        pp_size=pp_size,
+        pcp_size=pcp_size,
+        pcp_rank=pcp_rank,
+        dcp_size=dcp_size,
     )

@@ -9,7 +9,8 @@ on a real master, and prints one ``RESULT {json}`` line. It never imports vLLM
 
 SPEC: ``tp_rank``, ``tp_size``, ``tp_replicas``, ``store`` (kvpipe's store
 section), ``action`` (``"save"`` or ``"load"``), ``seed`` (the request's hashes),
-optionally ``store_tp_size`` (objects sharded for that store TP size).
+optionally ``store_tp_size`` (objects sharded for that store TP size) and
+``dcp_size`` (the ranks are DCP ranks too: ``tp_rank % dcp_size``).
 """
 
 from __future__ import annotations
@@ -47,7 +48,7 @@ def views(tp_rank: int, tp_size: int, replicated: bool, fill: int | None) -> dic
     return dict(zip(LAYERS, cache, strict=True))
 
 
-def ranked_cache(tp_size: int, replicas: int = 1, store_tp_size: int | None = None) -> Any:
+def ranked_cache(tp_size: int, replicas: int = 1, store_tp_size: int | None = None, dcp_size: int = 1) -> Any:
     """The engine cache of the ranks' model at ``tp_size``, objects sharded if ``store_tp_size`` is given."""
     from .caches import engine_cache
 
@@ -59,6 +60,7 @@ def ranked_cache(tp_size: int, replicas: int = 1, store_tp_size: int | None = No
         tp_replicas=replicas,
         store_tp_size=store_tp_size,
         kv_heads=HEADS,
+        dcp_size=dcp_size,
     )
 
 
@@ -72,7 +74,7 @@ def main(spec: dict[str, Any]) -> dict[str, Any]:
 
     tp_rank, tp_size, replicas = spec["tp_rank"], spec["tp_size"], spec["tp_replicas"]
     settings = settings_from({"store": spec["store"], "enable_group_semantics": True, "staging_blocks": 8})
-    cache = ranked_cache(tp_size, replicas, spec.get("store_tp_size"))
+    cache = ranked_cache(tp_size, replicas, spec.get("store_tp_size"), spec.get("dcp_size", 1))
     store, _ = open_store(settings, mount_segment=False)
     side = WorkerSide(cache, settings, store, tp_rank)
     engine = views(tp_rank, tp_size, replicas > 1, fill=0 if spec["action"] == "load" else None)

@@ -85,12 +85,12 @@ def test_sleep_and_wake_up_reach_the_workers_registrations() -> None:
     worker.shutdown()
 
 
-def test_a_context_parallel_engine_is_refused_naming_the_sizes() -> None:
+def test_pcp_over_several_stored_groups_is_refused_as_vllms_connector_refuses_it() -> None:
     from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorRole
 
     from kvpipe.connector.vllm import KVPipeConnector
 
     config = vllm_config({"store": {"kind": "memory"}})
-    config.parallel_config.decode_context_parallel_size = 2
-    with pytest.raises(ConfigError, match="context-parallel.*decode_context_parallel_size=2"):
-        KVPipeConnector(config, KVConnectorRole.SCHEDULER, kv_cache_config())
+    config.parallel_config.prefill_context_parallel_size = 2
+    with pytest.raises(ConfigError, match="prefill_context_parallel_size=2 with 2 stored KV-cache groups"):
+        KVPipeConnector(config, KVConnectorRole.SCHEDULER, kv_cache_config(groups=2))

@@ -37,6 +37,7 @@ def rank(
     replicas: int = 1,
     tp_size: int = 2,
     store_tp_size: int | None = None,
+    dcp_size: int = 1,
 ) -> dict[str, Any]:
     spec = {
         "tp_rank": tp_rank,
@@ -46,6 +47,7 @@ def rank(
         "action": action,
         "seed": seed,
         "store_tp_size": store_tp_size,
+        "dcp_size": dcp_size,
     }
     done = subprocess.run(
         [sys.executable, "-m", "tests.vllm.rank_half", json.dumps(spec)],
@@ -65,10 +67,11 @@ def hit_tokens(
     replicas: int = 1,
     tp_size: int = 2,
     store_tp_size: int | None = None,
+    dcp_size: int = 1,
 ) -> int:
     """What a TP=``tp_size`` engine's scheduler side finds stored for the request the halves saved."""
     settings = settings_from({"store": store_section})
-    cache = ranked_cache(tp_size, replicas, store_tp_size)
+    cache = ranked_cache(tp_size, replicas, store_tp_size, dcp_size)
     store, _ = open_store(settings, mount_segment=False)
     try:
         side = SchedulerSide(cache, settings, store)
@@ -154,6 +157,21 @@ def test_a_sharded_chunk_is_a_hit_only_when_every_store_shard_exists(store_secti
     assert hit_tokens(store_section, seed=6, tp_size=4) == 0  # rank-local keys are another namespace
     rank(store_section, 3, "save", seed=6, tp_size=4, store_tp_size=4)
     assert hit_tokens(store_section, seed=6, tp_size=2, store_tp_size=4) == CHUNKS * BLOCK
+
+
+def test_dcp_ranks_store_under_their_own_dcp_key_and_a_hit_needs_every_one(
+    store_section: dict[str, Any],
+) -> None:
+    """TP 2 with DCP 2: each rank holds its share of a block's tokens, keyed ``@dcp{tp_rank % 2}``."""
+    first = rank(store_section, 0, "save", seed=7, dcp_size=2)["put"]
+    assert all("@tp_rank:0@pcp0@dcp0@" in key for key, _ in first)
+    assert hit_tokens(store_section, seed=7, dcp_size=2) == 0  # rank 1's share is missing
+    second = rank(store_section, 1, "save", seed=7, dcp_size=2)["put"]
+    assert all("@tp_rank:1@pcp0@dcp1@" in key for key, _ in second)
+    assert hit_tokens(store_section, seed=7, dcp_size=2) == CHUNKS * BLOCK
+    for tp_rank in (0, 1):
+        loaded = rank(store_section, tp_rank, "load", seed=7, dcp_size=2)
+        assert loaded == {"failed_blocks": [], "identical": True}
 
 
 def kv_cache_config(spec: Any, *more: Any) -> Any:
