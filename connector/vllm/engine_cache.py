@@ -151,7 +151,7 @@ class EngineCache:
             ),
             store_format=store_format(
                 settings.requested_store_tp_size(),
-                engine_shape(vllm_config, kv_cache_config, kv_heads, layout_name),
+                engine_shape(vllm_config, kv_cache_config, kv_heads, layout_name, settings),
                 settings.store_tp_topology(),
             ),
             byte_facts=engine_facts(
@@ -277,7 +277,11 @@ class EngineCache:
 
 
 def engine_shape(
-    vllm_config: VllmConfig, kv_cache_config: KVCacheConfig, kv_heads: int, layout_name: str
+    vllm_config: VllmConfig,
+    kv_cache_config: KVCacheConfig,
+    kv_heads: int,
+    layout_name: str,
+    settings: ConnectorSettings,
 ) -> EngineShape:
     """What of the engine decides its store format (:mod:`.store_format`)."""
     from vllm.v1.kv_cache_interface import FullAttentionSpec
@@ -295,6 +299,7 @@ def engine_shape(
         layout_name=layout_name,
         one_plain_attention_group=len(stored) == 1 and type(stored[0]) is FullAttentionSpec,
         context_parallel=context_parallel(parallel) != (1, 1),
+        cross_layer_blocks=settings.enable_cross_layers_blocks,
     )
 
 

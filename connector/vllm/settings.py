@@ -7,6 +7,7 @@ from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
+import structlog
 from pydantic import BaseModel, ConfigDict, Field, PositiveInt, ValidationError, model_validator
 
 from kvpipe.connector.store.configs import ByteCount, StoreConfig, without_store_tag
@@ -17,6 +18,8 @@ from kvpipe.stages import MAX_BUFFERS_PER_CALL, Integrity, StrictFlag
 from kvpipe.stages.flags import ConfigError
 from kvpipe.stages.retention import PINNED_SHARE
 from kvpipe.stages.store import MAX_SOFT_PIN_TTL_S
+
+log = structlog.get_logger("kvpipe.connector.vllm")
 
 #: 256 chunks of 128 tokens: one step's saves of a full batch, with the last steps' still in flight
 DEFAULT_STAGING_TOKENS = 32768
@@ -73,6 +76,9 @@ class ConnectorSettings(BaseModel):
     store_tp_size: PositiveInt | None = Field(None, strict=True)
     enable_store_tp_lcm: StrictFlag = False
     prefill_tp_sizes: list[PositiveInt] | None = Field(None, min_length=1)
+    # vLLM's connector shares no store shards when this is true (its own test: the text
+    # "true", any case): the same keys need the same choice
+    enable_cross_layers_blocks: bool = False
     config: str | None = None
 
     @model_validator(mode="after")
@@ -116,6 +122,15 @@ class ConnectorSettings(BaseModel):
         return sum(-(-self.staging_tokens // size) for size in block_sizes)
 
 
+#: keys of vLLM's MooncakeStoreConnector for machinery kvpipe does not have: accepted, so a
+#: deployment switches connectors without editing its config, and each named once, with why
+VLLM_ONLY_KEYS = {
+    "lookup_async": "kvpipe's scheduler asks the store itself, once per step",
+    "lookup_rpc_port": "kvpipe's scheduler asks the store itself: there is no lookup RPC to its workers",
+    "custom_mem_pool": "kvpipe copies device KV through host memory and allocates no device pool",
+}
+
+
 def settings_from(extra: Mapping[str, Any] | None) -> ConnectorSettings:
     """Validate ``extra`` (defaults from the ``config`` YAML's ``store``/``save`` sections).
 
@@ -123,6 +138,13 @@ def settings_from(extra: Mapping[str, Any] | None) -> ConnectorSettings:
         is wrong; the message names the field (``kv_connector_extra_config.<field>``) and the value.
     """
     extra = dict(extra or {})
+    for key in VLLM_ONLY_KEYS.keys() & extra.keys():
+        log.info(
+            "a vLLM connector setting kvpipe has no use for",
+            key=key,
+            value=extra.pop(key),
+            why=VLLM_ONLY_KEYS[key],
+        )
     document: dict[str, Any] = {}
     if extra.get("config"):
         path = Path(str(extra["config"]))

@@ -13,7 +13,8 @@ heads cover. This module makes the choice vLLM's connector makes (its worker's
   when ``S`` is a multiple of ``tp_size``, the heads divide by ``S``, the one stored
   group is plain full attention, there is no PCP/DCP, and the KV layout is LBHNC
   (a shard's heads are one run per layer) or LBNHC (one run per token per layer,
-  many small transfers: a warning); cross-layer blocks (``BL*`` layouts) never are;
+  many small transfers: a warning); cross-layer blocks (``BL*`` layouts, or
+  ``enable_cross_layers_blocks``) never are;
 - **replicated MQA** (``@store_pp:{P}@store_format:tp_shared_mqa``): one KV head,
   which every rank holds whole: rank-local objects every TP size shares;
 - **compatibility** (``@store_pp:{P}@store_format:rank_local_tp{T}_layout_{L}``):
@@ -59,6 +60,7 @@ class EngineShape:
     #: exactly one stored group, and it is plain full attention (not MLA, not a window)
     one_plain_attention_group: bool
     context_parallel: bool  # PCP or DCP above 1
+    cross_layer_blocks: bool = False  # vLLM's enable_cross_layers_blocks
 
 
 def store_format(requested: int | None, engine: EngineShape, topology: object = None) -> StoreFormat:
@@ -75,6 +77,7 @@ def store_format(requested: int | None, engine: EngineShape, topology: object = 
         and engine.layout_name in SHARDED_FORMATS
         and engine.one_plain_attention_group
         and not engine.context_parallel
+        and not engine.cross_layer_blocks
     )
     if shardable and engine.kv_heads % requested == 0:
         if engine.layout_name == "LBNHC":

@@ -107,3 +107,18 @@ def test_with_retention_off_a_worker_pins_nothing() -> None:
     settings = settings_from({"retention": False, "retention_max_pinned": "64MB"})
 
     assert settings.max_pinned_bytes(1 << 30) == 0
+
+
+def test_vllm_connector_keys_for_its_own_machinery_are_accepted_and_named_in_a_log() -> None:
+    """A deployment switches from vLLM's MooncakeStoreConnector without editing its config."""
+    import structlog
+
+    with structlog.testing.capture_logs() as logs:
+        settings = settings_from({"lookup_rpc_port": 5555, "lookup_async": True, "cache_prefix": "p"})
+    assert settings.cache_prefix == "p"
+    assert {
+        log["key"] for log in logs if log["event"] == "a vLLM connector setting kvpipe has no use for"
+    } == {
+        "lookup_rpc_port",
+        "lookup_async",
+    }

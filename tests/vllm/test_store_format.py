@@ -91,6 +91,7 @@ def ours(case: Case) -> StoreFormat:
         layout_name=case.layout.name,
         one_plain_attention_group=type(case.spec) is FullAttentionSpec,
         context_parallel=case.dcp > 1,
+        cross_layer_blocks=settings.enable_cross_layers_blocks,
     )
     return store_format(settings.requested_store_tp_size(), engine, settings.store_tp_topology())
 
@@ -108,6 +109,7 @@ CHOICES = [
     Case({"store_tp_size": 4}, 2, 8, KVCacheLayout.LHBNC, ATTENTION, 1),  # a layout that cannot shard
     Case({"store_tp_size": 4}, 2, 8, KVCacheLayout.BLHNC, ATTENTION, 1),  # cross-layer blocks
     Case({"store_tp_size": 4}, 2, 8, KVCacheLayout.LBHNC, ATTENTION, 2),  # DCP
+    Case({"store_tp_size": 4, "enable_cross_layers_blocks": "True"}, 2, 8, KVCacheLayout.LBHNC, ATTENTION, 1),
     Case(
         {"store_tp_size": 2},
         2,
