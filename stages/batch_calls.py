@@ -1,4 +1,4 @@
-"""What the stages that call the store share: per-key store calls, and forced removal.
+"""What the stages that call the store share: per-key store calls, and removal.
 
 A batch call answers per key. When it answers nothing usable (it raised, or gave
 a result list of the wrong length) there is no way to know which answer belongs to
@@ -33,11 +33,13 @@ async def call_per_key(
     return list(results)
 
 
-def remove_forced(keys: Sequence[str], store: SavingStore | LoadingStore) -> list[int]:
-    """Remove each of ``keys``, leased or not (blocking; per key 0 or negative).
+def remove_each(keys: Sequence[str], store: SavingStore | LoadingStore, force: bool) -> list[int]:
+    """Remove each of ``keys`` (blocking; per key 0 or negative); unless ``force``, not a leased one.
 
-    Only for objects no reader can use (a torn chunk's, a damaged one's): a
+    ``force`` only for objects no reader can use (a torn chunk's, a damaged one's): a
     lookup's ``batch_is_exist`` leases what it finds, so a hot chunk's objects may
     stay leased for as long as it is hot, and an unforced remove would leave them.
+    Unforced for what a reader may still want (a demoted pin: a lease means a load
+    is about to read it).
     """
-    return [store.remove(key, force=True) for key in keys]
+    return [store.remove(key, force=force) for key in keys]

@@ -32,7 +32,7 @@ from pydantic import BaseModel, ConfigDict, Field
 
 from kvpipe.pipeline.stage import BatchEntry, BatchStage, Emit
 
-from .batch_calls import StoreCallError, call_per_key, remove_forced
+from .batch_calls import StoreCallError, call_per_key, remove_each
 from .chunks import chunk_hash_at, is_recurrent
 from .integrity import REFUSED, SEAL_SIZE, Integrity, Verdict, fingerprint, judge, seal_key
 from .keys import object_key
@@ -367,7 +367,7 @@ class LoadStage(BatchStage):
             holder.loaded += 1
         if damaged:
             try:  # forced: every lookup leases a hot chunk's objects
-                await call_per_key(self, remove_forced, damaged, self._store)
+                await call_per_key(self, remove_each, damaged, self._store, True)
             except StoreCallError as error:
                 log.warning("removing damaged objects failed", keys=damaged, error=str(error))
 

@@ -21,7 +21,7 @@ from kvpipe.pipeline.priority import cpu_wait_seconds
 from kvpipe.pipeline.stage import BatchEntry, BatchStage, Emit
 
 from .backoff import Backoff
-from .batch_calls import StoreCallError, call_per_key, remove_forced
+from .batch_calls import StoreCallError, call_per_key, remove_each
 from .integrity import SEAL_SIZE, seal_key, seal_of
 from .model import Records, StoreObject
 from .object_status import DEADLINE_PASSED, ObjectObserver, ObjectReporter
@@ -59,11 +59,6 @@ class PutParams(BaseModel):
                 f"backoff_initial_s ({self.backoff_initial_s})"
             )
         return self
-
-
-def _remove_unforced(keys: Sequence[str], store: SavingStore) -> list[int]:
-    """Remove each of ``keys`` unless it is leased (blocking; per key 0 or negative)."""
-    return [store.remove(key) for key in keys]
 
 
 #: key -> the jobs' records that put it (requests sharing a prefix share keys), first first
@@ -197,46 +192,55 @@ class PutStage(BatchStage):
         pinned, unpinned = await self._pinned(first_of_each_key, holders)
         calls = [(call, True) for call in split_into_calls(pinned, self._max_buffers, self._seal_buffers)]
         calls += [(call, False) for call in split_into_calls(unpinned, self._max_buffers, self._seal_buffers)]
-        for call, pin in calls:
-            # Checked per call, after any back-off: the calls before it (and the back-off) may
-            # have outlasted a job's deadline, or shown the store to be slow.
-            await self._backoff.wait()
-            call = self._fail_expired(call, holders)
-            if not call:
+        for offered, pin in calls:
+            stored = await self._put_call(offered, pin, holders)
+            if pin and self._pins is not None:
+                for record in offered:  # a pin whose put did not store its object holds nothing
+                    if record.key not in stored:
+                        self._pins.release(record.key)
+
+    async def _put_call(self, call: Sequence[StoreObject], pin: bool, holders: Holders) -> set[str]:
+        """Put one call's records (``pin``: soft-pinned) and report each; the keys it stored."""
+        # Checked per call, after any back-off: the calls before it (and the back-off) may
+        # have outlasted a job's deadline, or shown the store to be slow.
+        await self._backoff.wait()
+        call = self._fail_expired(call, holders)
+        if not call:
+            return set()
+        if self.throttle is not None and not self.throttle.allow():
+            self._shed(call, holders)
+            return set()
+        try:
+            codes, unsealed = await self._put_making_room(call, pin, holders)
+        except StoreCallError as error:
+            for record in call:
+                for emit, held in holders[record.key]:
+                    self._reporter.failed(emit, held, f"put {held.key}: {error}")
+            return set()
+        for key in unsealed:  # stored, but a load will find it unverified
+            holders[key][0][0].count("unsealed")
+        rolled_back = await self._remove_torn_chunks(call, codes)
+        stored: dict[int, tuple[Emit, list[StoreObject]]] = {}  # per job, counted at once
+        for record, code in zip(call, codes, strict=True):
+            (emit, held), *sharers = holders[record.key]
+            if rolled_back and record.key in rolled_back:
+                for emit, held in holders[record.key]:
+                    self._reporter.failed(emit, held, f"put {held.key}: {ROLLED_BACK}")
                 continue
-            if self.throttle is not None and not self.throttle.allow():
-                self._shed(call, holders)
-                continue
-            try:
-                codes, unsealed = await self._put_making_room(call, pin, holders)
-            except StoreCallError as error:
-                for record in call:
-                    for emit, held in holders[record.key]:
-                        self._reporter.failed(emit, held, f"put {held.key}: {error}")
-                continue
-            for key in unsealed:  # stored, but a load will find it unverified
-                holders[key][0][0].count("unsealed")
-            rolled_back = await self._remove_torn_chunks(call, codes)
-            stored: dict[int, tuple[Emit, list[StoreObject]]] = {}  # per job, counted at once
-            for record, code in zip(call, codes, strict=True):
-                (emit, held), *sharers = holders[record.key]
-                if rolled_back and record.key in rolled_back:
-                    for emit, held in holders[record.key]:
-                        self._reporter.failed(emit, held, f"put {held.key}: {ROLLED_BACK}")
-                    continue
-                if code == Code.OK:
-                    if (of_job := stored.get(id(emit))) is None:
-                        stored[id(emit)] = (emit, [held])
-                    else:
-                        of_job[1].append(held)
+            if code == Code.OK:
+                if (of_job := stored.get(id(emit))) is None:
+                    stored[id(emit)] = (emit, [held])
                 else:
-                    self._settle(emit, held, code)
-                for emit, held in sharers:  # their object is there now, stored for the first
-                    self._settle(emit, held, Code.ALREADY_EXISTS if code == Code.OK else code)
-            for emit, records in stored.values():
-                self._reporter.all_stored(emit, records)
-                if pin:
-                    emit.count("pinned", len(records))
+                    of_job[1].append(held)
+            else:
+                self._settle(emit, held, code)
+            for emit, held in sharers:  # their object is there now, stored for the first
+                self._settle(emit, held, Code.ALREADY_EXISTS if code == Code.OK else code)
+        for emit, records in stored.values():
+            self._reporter.all_stored(emit, records)
+            if pin:
+                emit.count("pinned", len(records))
+        return {record.key for _, records in stored.values() for record in records}
 
     async def _pinned(
         self, records: list[StoreObject], holders: Holders
@@ -265,7 +269,7 @@ class PutStage(BatchStage):
         if demoted:
             keys = demoted + ([seal_key(key) for key in demoted] if self._fingerprint is not None else [])
             try:
-                await call_per_key(self, _remove_unforced, keys, self._store)
+                await call_per_key(self, remove_each, keys, self._store, False)
             except StoreCallError:
                 pass  # they stay until their pins lapse: the budget counts them gone all the same
         return pinned, unpinned
@@ -440,7 +444,7 @@ class PutStage(BatchStage):
         if not torn:
             return set()
         try:
-            results = await call_per_key(self, remove_forced, torn, self._store)
+            results = await call_per_key(self, remove_each, torn, self._store, True)
         except StoreCallError:
             return set()  # they stay stored: reported as put, the chunk partial
         return {key for key, result in zip(torn, results, strict=True) if result == Code.OK}

@@ -133,12 +133,12 @@ class PinBudget:
         """
         now = self._clock()
         self._lapse(now)
-        self._release(key)
+        self.release(key)
         demoted = self._make_room(size, reuse)
         if demoted is None:
             return False, []
         for victim in demoted:
-            self._release(victim)
+            self.release(victim)
         pin = _Pin(size, now + self.ttl_s, reuse)
         self._pins[key] = pin
         self._held += size
@@ -173,7 +173,8 @@ class PinBudget:
             return None
         return victims
 
-    def _release(self, key: str) -> None:
+    def release(self, key: str) -> None:
+        """``key`` holds no pin (its pinned put failed, or it was demoted): its bytes are free again."""
         pin = self._pins.pop(key, None)
         if pin is not None:
             self._held -= pin.size

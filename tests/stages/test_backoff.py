@@ -6,13 +6,7 @@ import pytest
 from kvpipe.stages import Backoff
 from kvpipe.stages import backoff as backoff_module
 
-
-class _Clock:
-    def __init__(self) -> None:
-        self.now = 100.0
-
-    def __call__(self) -> float:
-        return self.now
+from .clock import Clock
 
 
 def test_delay_starts_at_initial_doubles_and_is_capped():
@@ -49,7 +43,7 @@ def sleeps(monkeypatch: pytest.MonkeyPatch) -> list[float]:
 
 
 async def test_wait_sleeps_out_what_is_left_of_the_delay(sleeps):
-    clock = _Clock()
+    clock = Clock(100.0)
     backoff = Backoff(10.0, 10.0, clock=clock)
     backoff.record(pressured=True)
     clock.now += 4.0
@@ -61,7 +55,7 @@ async def test_wait_sleeps_out_what_is_left_of_the_delay(sleeps):
 
 
 async def test_wait_returns_at_once_when_the_delay_has_already_passed(sleeps):
-    clock = _Clock()
+    clock = Clock(100.0)
     backoff = Backoff(10.0, 10.0, clock=clock)
     backoff.record(pressured=True)
     clock.now += 10.0

@@ -7,21 +7,14 @@ import torch
 
 from kvpipe.connector.store.memory import MemoryStore
 from kvpipe.pipeline.testing import batch_of
-from kvpipe.stages import Buffer, PutParams, PutStage, StoreObject
+from kvpipe.stages import Buffer, Code, PutParams, PutStage, StoreObject
 from kvpipe.stages.retention import PinBudget, ReuseCounter
 
+from .clock import Clock
 from .stores import RecordingStore, ScriptedStore, fake_record
 
 HOT = b"\x01" * 16
 COLD = b"\x02" * 16
-
-
-class Clock:
-    def __init__(self) -> None:
-        self.now = 0.0
-
-    def __call__(self) -> float:
-        return self.now
 
 
 # -- which chunks are reused ---------------------------------------------------------------
@@ -252,3 +245,16 @@ async def test_pinned_objects_are_evicted_after_every_unpinned_one():
 
     assert store.batch_is_exist(["hot0", "hot1", "hot2"]) == [1, 1, 1]
     assert store.batch_is_exist(["cold0"]) == [0]
+
+
+@pytest.mark.parametrize("code", [Code.NO_SPACE, Code.ALREADY_EXISTS], ids=["no-space", "already-there"])
+async def test_a_pin_whose_put_did_not_store_its_object_holds_no_budget(code: int):
+    """The next chunk may take the budget: a failed or redundant put pinned nothing."""
+    store = RecordingStore(ScriptedStore(put=lambda key: code if key == "first" else 0))
+    stage = _put_stage(store, max_pinned_bytes=64, seal=False)
+    await stage.process_batch(batch_of([(fake_record("first", reuse=2),)]))
+
+    await stage.process_batch(batch_of([(fake_record("second", reuse=2),)]))
+
+    assert _pin_ttl_of(store)["second"] == 600_000
+    assert store.inner.removed == []  # nothing to demote: "first" holds no pin

@@ -18,19 +18,12 @@ from kvpipe.connector.vllm.scheduler import FAILED_CHUNK_TTL_S, SchedulerSide
 from kvpipe.connector.vllm.settings import settings_from
 from kvpipe.stages import GroupKind, GroupSpec, object_key
 
+from ..stages.clock import Clock
 from ..stages.kv_fixtures import chain_hashes
 from .caches import engine_cache
 
 BLOCK = 16
 PROMPT = 4 * BLOCK + 5  # four whole chunks, then five tokens
-
-
-class Clock:
-    def __init__(self) -> None:
-        self.now = 0.0
-
-    def __call__(self) -> float:
-        return self.now
 
 
 @dataclass
