@@ -21,6 +21,7 @@ from __future__ import annotations
 import math
 import time
 from collections.abc import Callable
+from contextlib import AsyncExitStack
 from dataclasses import dataclass
 from typing import Any, Self
 
@@ -150,7 +151,7 @@ class Pipeline:
             metrics = StageMetrics(spec.name, queue_depth=_depth_of(receive))
             self._nodes[spec.name] = _Node(spec, send, receive, metrics)
         self._entry = self._nodes[graph.entry].inbox_send
-        self._task_group: TaskGroup | None = None
+        self._running: AsyncExitStack | None = None  # the task group the workers run in, entered
         self._workers_scope = anyio.CancelScope()
         self._stopped = anyio.Event()  # the workers are gone, drained or cancelled
         self._drained = False
@@ -165,18 +166,19 @@ class Pipeline:
         What a stage's ``start`` raises propagates, once the stages started before it are stopped.
         """
         await self._start_stages()
-        self._task_group = anyio.create_task_group()
-        await self._task_group.__aenter__()
-        await self._task_group.start(self._run)
+        async with AsyncExitStack() as stack:  # left at once (the task group exited) if the start raises
+            task_group = await stack.enter_async_context(anyio.create_task_group())
+            await task_group.start(self._run)
+            self._running = stack.pop_all()
         return self
 
     async def __aexit__(self, exc_type: Any, exc: Any, tb: Any) -> bool | None:
-        assert self._task_group is not None
+        assert self._running is not None
         if exc_type is None:
             await self.close()
         else:
             self.cancel()
-        return await self._task_group.__aexit__(exc_type, exc, tb)
+        return await self._running.__aexit__(exc_type, exc, tb)
 
     async def close(self) -> None:
         """Stop accepting items and wait until everything queued is processed."""
