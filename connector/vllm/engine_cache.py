@@ -223,7 +223,8 @@ class EngineCache:
     @property
     def shards_per_rank(self) -> int:
         """How many objects of a block one rank holds: its store shards (one unless sharded)."""
-        return len(self.key_ranks) * self.tp_replicas // self.tp_size
+        size = self.store_format.store_tp_size
+        return 1 if size is None else size // self.tp_size
 
     def rank_keys(self, tp_rank: int) -> range:
         """The ``tp_rank``s of rank ``tp_rank``'s keys: its store shards, or the one its replicas share."""
@@ -231,18 +232,20 @@ class EngineCache:
             return range(tp_rank * self.shards_per_rank, (tp_rank + 1) * self.shards_per_rank)
         return range(tp_rank // self.tp_replicas, tp_rank // self.tp_replicas + 1)
 
+    @property
+    def _writers_per_pcp(self) -> int:
+        """The ranks of one PCP rank that put: every TP rank if sharded, else one per set of replicas."""
+        return self.tp_size if self.store_format.sharded else self.tp_size // self.tp_replicas
+
     def writer(self, tp_rank: int) -> int:
         """Who rank ``tp_rank`` (of this worker's PCP rank) is among the ranks that put (its KV events' rank)."""
-        per_pcp = self.tp_size if self.store_format.sharded else self.tp_size // self.tp_replicas
-        return self.pcp_rank * per_pcp + (
-            tp_rank if self.store_format.sharded else tp_rank // self.tp_replicas
-        )
+        within = tp_rank if self.store_format.sharded else tp_rank // self.tp_replicas
+        return self.pcp_rank * self._writers_per_pcp + within
 
     @property
     def writers(self) -> range:
         """Every rank that puts, as :meth:`writer` names it."""
-        per_pcp = self.tp_size if self.store_format.sharded else self.tp_size // self.tp_replicas
-        return range(self.pcp_size * per_pcp)
+        return range(self.pcp_size * self._writers_per_pcp)
 
     def puts_from(self, tp_rank: int) -> bool:
         """Whether rank ``tp_rank`` puts its objects: of ranks with identical bytes, the first does.

@@ -192,7 +192,7 @@ class WorkerSide:
             )
         else:
             shards = (group_layout(layers, cache.num_blocks, cache.layout_name),)
-        facts = layer_facts(layers, cache.shards_per_rank if cache.store_format.sharded else 1)
+        facts = layer_facts(layers, cache.shards_per_rank)
         self._byte_facts = (*cache.byte_facts, *engine_facts({"layers": facts}))
         self.layouts = {group.engine_group: shards for group in cache.store_groups}
         slots = self.settings.staging_slots([group.spec.block_size for group in cache.store_groups])
