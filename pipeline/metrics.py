@@ -26,6 +26,7 @@ class StageSnapshot:
     p50_ms: float
     p99_ms: float
     passes_through: bool = False  # it would pass every item through unchanged: the runtime never ran it
+    fused: bool = False  # run inline by its producer's task (no inbox: its queue depth is always 0)
 
     def as_dict(self) -> dict[str, float | int | bool]:
         return {
@@ -37,6 +38,7 @@ class StageSnapshot:
             "p50_ms": self.p50_ms,
             "p99_ms": self.p99_ms,
             "passes_through": self.passes_through,
+            "fused": self.fused,
             # its name before 2026-12: the run report's field names are a contract
             "wired_around": self.passes_through,
         }
@@ -62,7 +64,7 @@ class StageMetrics:
         self.durations: deque[float] = deque(maxlen=WINDOW)
         self.queue_depth = queue_depth
 
-    def snapshot(self, *, passes_through: bool = False) -> StageSnapshot:
+    def snapshot(self, *, passes_through: bool = False, fused: bool = False) -> StageSnapshot:
         durations = sorted(self.durations)
         return StageSnapshot(
             stage=self.stage,
@@ -74,4 +76,5 @@ class StageMetrics:
             p50_ms=percentile(durations, 0.50) * 1e3,
             p99_ms=percentile(durations, 0.99) * 1e3,
             passes_through=passes_through,
+            fused=fused,
         )

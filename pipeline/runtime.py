@@ -10,6 +10,16 @@ entry closes, the entry stage's workers finish their items and exit, their clone
 close, the next stage sees end-of-stream once all its producers are gone, and so
 on: closing drains the graph in topological order without a coordinator.
 
+Adjacent stages that compute run as one task where nothing is lost by it (a
+*fused chain*): a single-worker, single-item stage whose every producer runs in
+the task of one single-worker, single-item stage is called inline from that
+task's emits instead of through an inbox. A queue hop costs a send, a receive
+and usually a task switch per item; a fused stage costs a call. Ordering and
+back-pressure are what the queue gave with one worker at each end, and job
+accounting and per-stage metrics are unchanged (a stage's processing time
+excludes what its fused consumers took). Only a stage that says it only computes
+is fused (:attr:`~.stage.Stage.fuses`): one that waits would hold its producer.
+
 A stage that raises fails only the item it was given (its job records the error,
 the stage's error counter goes up) and the worker takes the next item. Cancelling
 the pipeline stops every worker at once and ends every open job as failed, so a
@@ -23,6 +33,7 @@ import time
 from collections.abc import Callable
 from contextlib import AsyncExitStack
 from dataclasses import dataclass
+from functools import cached_property
 from typing import Any, Self
 
 import anyio
@@ -43,8 +54,8 @@ Envelope = tuple[Job, Any, bool]
 SendStream = MemoryObjectSendStream[Envelope]
 ReceiveStream = MemoryObjectReceiveStream[Envelope]
 
-#: Where a port's items go: the inboxes of the stages it feeds.
-Outs = dict[str, list[SendStream]]
+#: Where a port's items go: the inboxes of the stages it feeds, or those stages run inline.
+Outs = dict[str, list["SendStream | _Fused"]]
 
 #: A worker that always finds its inbox non-empty yields to the loop this often,
 #: so a busy stage cannot starve the others (receive_nowait never yields).
@@ -54,7 +65,7 @@ _YIELD_EVERY = 64
 class _Emit:
     """The :class:`~kvpipe.pipeline.stage.Emit` handle for one input item."""
 
-    __slots__ = ("_node", "_job", "_outs", "_borrows", "acted")
+    __slots__ = ("_node", "_job", "_outs", "_borrows", "acted", "inline_s")
 
     def __init__(self, node: _Node, job: Job, outs: Outs, borrows: bool) -> None:
         self._node = node
@@ -62,6 +73,7 @@ class _Emit:
         self._outs = outs
         self._borrows = borrows
         self.acted = False  # emitted, dropped, failed or succeeded anything
+        self.inline_s = 0.0  # time fused consumers took inside this item's emits
 
     async def __call__(self, item: Any, port: str = DEFAULT_PORT, *, released: bool = False) -> None:
         try:
@@ -72,10 +84,15 @@ class _Emit:
         job = self._job
         borrows = self._borrows and not released
         envelope = (job, item, borrows)
-        if borrows:
-            job.borrowing += len(targets)
         for send in targets:
+            if isinstance(send, _Fused):
+                # Inline, this item's own pending count covers the consumer's work, and
+                # its borrow outlasts the consumer's: the job's counts need no update.
+                self.inline_s += await send.process(send.node, send.stage, job, item, borrows, send.outs)
+                continue
             job.pending += 1
+            if borrows:
+                job.borrowing += 1
             try:
                 send.send_nowait(envelope)
             except anyio.WouldBlock:
@@ -85,6 +102,11 @@ class _Emit:
                     job.pending -= 1
                     raise  # the job ends as cancelled, which releases it whatever ``borrowing`` says
         self._node.metrics.items_out += 1
+
+    def finish(self) -> None:
+        """The stage is done with the item: a sink that took it without complaint succeeded a unit."""
+        if not self.acted and self._node.is_sink:
+            self._job.succeeded_units += 1
 
     def drop(self, reason: str) -> None:
         self.acted = True
@@ -123,6 +145,11 @@ class _Node:
     def name(self) -> str:
         return self.spec.name
 
+    @cached_property
+    def is_sink(self) -> bool:
+        """A stage without ports: an item it takes without complaint is a unit that succeeded."""
+        return not self.spec.stage.ports
+
 
 class Pipeline:
     """A running graph. Use as ``async with Pipeline(graph) as p: job = await p.submit(x)``.
@@ -151,6 +178,7 @@ class Pipeline:
             metrics = StageMetrics(spec.name, queue_depth=_depth_of(receive))
             self._nodes[spec.name] = _Node(spec, send, receive, metrics)
         self._entry = self._nodes[graph.entry].inbox_send
+        self._task_of = self._tasks()
         self._running: AsyncExitStack | None = None  # the task group the workers run in, entered
         self._workers_scope = anyio.CancelScope()
         self._stopped = anyio.Event()  # the workers are gone, drained or cancelled
@@ -259,7 +287,9 @@ class Pipeline:
 
     def metrics(self) -> dict[str, StageSnapshot]:
         return {
-            name: node.metrics.snapshot(passes_through=self._passes_through(name))
+            name: node.metrics.snapshot(
+                passes_through=self._passes_through(name), fused=self._task_of.get(name, name) != name
+            )
             for name, node in self._nodes.items()
         }
 
@@ -296,15 +326,13 @@ class Pipeline:
             self._stopped.set()
 
     def _start_workers(self, workers: TaskGroup) -> None:
+        tasks = self._task_of
         for name in self.graph.order:
             node = self._nodes[name]
-            if self._passes_through(name):
-                continue  # its producers send to its consumers directly
+            if self._passes_through(name) or tasks[name] != name:
+                continue  # wired around, or run inline by its producer's task
             for _ in range(node.spec.workers):
-                outs = {
-                    port: [self._nodes[target].inbox_send.clone() for target in self._receivers(name, port)]
-                    for port in node.spec.stage.ports
-                }
+                outs = self._outs(name, tasks)
                 run = self._run_batch_worker if node.spec.is_batch else self._run_worker
                 workers.start_soon(run, node, node.inbox.clone(), outs, name=f"{self.name}.{name}")
         # The workers hold clones now: each stream ends when its last holder exits.
@@ -312,6 +340,47 @@ class Pipeline:
             if node.name != self.graph.entry:
                 node.inbox_send.close()
             node.inbox.close()
+
+    def _outs(self, name: str, tasks: dict[str, str]) -> Outs:
+        """Per port of ``name``: a clone of each receiver's inbox, or the receiver itself if fused."""
+        return {
+            port: [
+                self._nodes[target].inbox_send.clone()
+                if tasks[target] == target
+                else _Fused(self, self._nodes[target], self._outs(target, tasks))
+                for target in self._receivers(name, port)
+            ]
+            for port in self._nodes[name].spec.stage.ports
+        }
+
+    def _tasks(self) -> dict[str, str]:
+        """Per stage that runs, the stage whose workers run it: itself, or the head of its fused chain.
+
+        A stage is fused when it is single-item, has one worker, says it may be, and
+        every producer runs in the task of one single-item, single-worker stage: its
+        items then arrive one at a time, in order, as its inbox would have given them.
+        """
+        producers: dict[str, list[str]] = {}
+        for name in self.graph.order:
+            if not self._passes_through(name):
+                for port in self._nodes[name].spec.stage.ports:
+                    for target in self._receivers(name, port):
+                        producers.setdefault(target, []).append(name)
+        tasks: dict[str, str] = {}
+        for name in self.graph.order:
+            if self._passes_through(name):
+                continue
+            spec = self._nodes[name].spec
+            heads = {tasks[producer] for producer in producers.get(name, ())}
+            head = heads.pop() if len(heads) == 1 else None
+            fused = (
+                head is not None
+                and _runs_alone(spec)
+                and spec.stage.fuses
+                and _runs_alone(self._nodes[head].spec)
+            )
+            tasks[name] = head if fused and head is not None else name
+        return tasks
 
     def _passes_through(self, name: str) -> bool:
         """Whether the runtime wires ``name`` around; the entry always runs (submitters send to it)."""
@@ -330,7 +399,6 @@ class Pipeline:
     async def _run_worker(self, node: _Node, inbox: ReceiveStream, outs: Outs) -> None:
         stage = node.spec.stage
         assert isinstance(stage, Stage)
-        metrics = node.metrics
         with inbox, _closing_all(outs):
             since_yield = 0
             while True:
@@ -347,16 +415,29 @@ class Pipeline:
                         return
                 except anyio.EndOfStream:
                     return
-                metrics.items_in += 1
-                emit = _Emit(node, job, outs, borrows)
-                started = time.perf_counter()
-                try:
-                    await stage.process(item, emit)
-                except Exception as exc:
-                    self._item_raised(node, job, exc)
-                finally:
-                    metrics.durations.append(time.perf_counter() - started)
-                self._settle(node, job, emit, borrows)
+                await self._process(node, stage, job, item, borrows, outs)
+                self.jobs.settle(job, borrows)
+
+    async def _process(
+        self, node: _Node, stage: Stage, job: Job, item: Any, borrows: bool, outs: Outs
+    ) -> float:
+        """One item through ``stage`` (what a worker does per item, and a fused stage per call).
+
+        Returns the seconds it took, its fused consumers' included; the job's counts are
+        the caller's to settle.
+        """
+        node.metrics.items_in += 1
+        emit = _Emit(node, job, outs, borrows)
+        started = time.perf_counter()
+        try:
+            await stage.process(item, emit)
+        except Exception as exc:
+            self._item_raised(node, job, exc)
+        finally:
+            took = time.perf_counter() - started
+            node.metrics.durations.append(took - emit.inline_s)
+        emit.finish()
+        return took
 
     async def _run_batch_worker(self, node: _Node, inbox: ReceiveStream, outs: Outs) -> None:
         stage = node.spec.stage
@@ -383,17 +464,13 @@ class Pipeline:
                 finally:
                     metrics.durations.append(time.perf_counter() - started)
                 for (job, _, borrows), emit in zip(batch, emits, strict=True):
-                    self._settle(node, job, emit, borrows)
+                    emit.finish()
+                    self.jobs.settle(job, borrows)
 
     def _item_raised(self, node: _Node, job: Job, exc: Exception) -> None:
         node.metrics.errors += 1
         job.record_failure(exc)
         log.warning("stage raised", stage=node.name, job=job.id, error=f"{type(exc).__name__}: {exc}")
-
-    def _settle(self, node: _Node, job: Job, emit: _Emit, borrows: bool) -> None:
-        if not emit.acted and not node.spec.stage.ports:
-            job.succeeded_units += 1  # a sink that took the item without complaint
-        self.jobs.settle(job, borrows)
 
 
 async def _gather(inbox: ReceiveStream, batch: list[Envelope], max_items: int, max_wait_s: float) -> None:
@@ -417,8 +494,27 @@ async def _gather(inbox: ReceiveStream, batch: list[Envelope], max_items: int, m
                 return
 
 
+class _Fused:
+    """A stage run inline by its producer's task (a fused chain): the target of an emit, like an inbox."""
+
+    __slots__ = ("process", "node", "stage", "outs")
+
+    def __init__(self, pipeline: Pipeline, node: _Node, outs: Outs) -> None:
+        stage = node.spec.stage
+        assert isinstance(stage, Stage)  # only single-item stages are fused
+        self.process = pipeline._process
+        self.node = node
+        self.stage = stage
+        self.outs = outs
+
+
+def _runs_alone(spec: StageSpec) -> bool:
+    """Whether ``spec``'s items go through one ``process`` call at a time (single-item, one worker)."""
+    return not spec.is_batch and spec.workers == 1
+
+
 class _closing_all:
-    """Close every send stream of ``outs`` on exit, so downstream sees end-of-stream."""
+    """Close every send stream of ``outs`` on exit (fused stages' too), so downstream sees end-of-stream."""
 
     def __init__(self, outs: Outs) -> None:
         self._outs = outs
@@ -429,7 +525,10 @@ class _closing_all:
     def __exit__(self, *exc: object) -> None:
         for sends in self._outs.values():
             for send in sends:
-                send.close()
+                if isinstance(send, _Fused):
+                    _closing_all(send.outs).__exit__()
+                else:
+                    send.close()
 
 
 def _depth_of(receive: ReceiveStream) -> Callable[[], int]:

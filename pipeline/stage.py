@@ -89,6 +89,12 @@ class _StageBase:
     #: on its one port, e.g. a feature turned off. The runtime then wires its
     #: producers straight to its consumers: one queue hop less per item.
     passes_through: bool = False
+    #: Whether the runtime may run this stage inline in its producer's task when
+    #: both take one item at a time with one worker (a fused chain: no queue hop
+    #: between them). Opt-in, for a stage that only computes: inline, a stage that
+    #: waits (on I/O, on an event) would hold its producer, and the producer's item
+    #: would stay unsettled (its job unreleased) until the wait ended.
+    fuses: ClassVar[bool] = False
 
     _limiter: anyio.CapacityLimiter | None = None
 

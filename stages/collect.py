@@ -60,6 +60,8 @@ def chunk_records(
 class _CollectStage(Stage):
     """ProjectedRequest -> the tuple of its records on ``out`` (or a drop if none)."""
 
+    fuses = True  # pure computation: it may run inline in its producer's task
+
     input_type: ClassVar[Any] = ProjectedRequest
     output_types: ClassVar[dict[str, Any]] = {"out": Records}
 

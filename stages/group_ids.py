@@ -35,6 +35,8 @@ class GroupIdsParams(BaseModel):
 class GroupIdsStage(Stage):
     """Records -> the same records, with ``group_id`` set when enabled and supported."""
 
+    fuses = True  # pure computation: it may run inline in its producer's task
+
     input_type: ClassVar[Any] = Records
     output_types: ClassVar[dict[str, Any]] = {"out": Records}
 

@@ -23,6 +23,8 @@ TAIL_PORT = "tail"
 class ProjectStage(Stage):
     """SaveRequest -> ProjectedRequest on ``full`` and/or ``tail``, or a drop."""
 
+    fuses = True  # pure computation: it may run inline in its producer's task
+
     ports: ClassVar[tuple[str, ...]] = (FULL_PORT, TAIL_PORT)
     input_type: ClassVar[Any] = SaveRequest
     output_types: ClassVar[dict[str, Any]] = {FULL_PORT: ProjectedRequest, TAIL_PORT: ProjectedRequest}

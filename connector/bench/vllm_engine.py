@@ -13,6 +13,8 @@ command read from stdin with one ``RESULT {json}`` line:
 - ``{"generate": [[ids...], ...], "max_tokens": N}`` -> :class:`~kvpipe.connector.bench.launch.PassResult`
 - ``{"reset": true}`` -> ``{"reset": bool}`` (vLLM's prefix cache; the connector's store stays)
 - ``{"sleep": S}`` -> ``{"slept": S}``
+- ``{"hook_times": true}`` -> :meth:`.HookReport.as_dict`: what the connector's hooks cost
+  this thread (the engine's) since the last ask (engines of :mod:`.vllm_timed`'s connector)
 
 and leaves at end of input. :class:`EngineProcess` is the other end.
 """
@@ -151,7 +153,23 @@ def _answer(llm: Any, command: Mapping[str, Any]) -> dict[str, Any]:
     if "sleep" in command:
         time.sleep(float(command["sleep"]))
         return {"slept": float(command["sleep"])}
+    if "hook_times" in command:
+        return _hook_times(llm)
     return {"error": f"unknown command {sorted(command)}"}
+
+
+def _hook_times(llm: Any) -> dict[str, Any]:
+    """The timed connector's hook times since the last ask, read on the engine's thread (this one).
+
+    :raises TypeError: the engine's connector is not the bench's timed one.
+    """
+    from .launch import connectors
+    from .vllm_timed import CLOCK, TimedKVPipeConnector
+
+    scheduler, _ = connectors(llm)
+    if not isinstance(scheduler, TimedKVPipeConnector):
+        raise TypeError(f"the engine's connector is {type(scheduler).__name__}, not the timed one")
+    return CLOCK.take().as_dict()
 
 
 def _reset_prefix_cache(llm: Any) -> bool:

@@ -1,7 +1,9 @@
 """The ``kvpipe`` command line (:mod:`.main`) and the jobs only it runs.
 
-- :mod:`.main`: argument parsing, one-line errors with exit 2, SIGTERM handling;
-  ``kvpipe run | bench | store | inspect``.
+- :mod:`.main`: the parser and the dispatch, one-line errors with exit 2, SIGTERM
+  handling; :mod:`.commands`: each command (``run | bench | store | inspect | fleet``)
+  in a module of its own; :mod:`.usage`: the user's error and the checks every
+  command shares.
 - :mod:`.run`: the main job: a synthetic workload saved through the pipeline,
   read back, checked and reported (``kvpipe run``, ``make run``).
 - :mod:`.inspect`: what a live Mooncake store holds of one model's KV cache,

@@ -37,7 +37,8 @@ from kvpipe.stages.flags import ConfigError
 from .engine_cache import EngineCache, lent_bytes, open_store, store_config
 from .events import ChunkAnnouncer
 from .messages import GAUGES, OPS, KVPipeKVEvents, KVPipeMetadata, KVPipeStats
-from .prom import RECORDS_DROPPED, KVPipePromMetrics
+from .metrics import RECORDS_DROPPED
+from .prom import KVPipePromMetrics
 from .scheduler import SchedulerSide
 from .settings import settings_from
 from .worker import WorkerSide, parallel_ranks

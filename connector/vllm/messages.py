@@ -25,34 +25,10 @@ from vllm.distributed.kv_events import KVConnectorKVEvents
 from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorMetadata
 from vllm.distributed.kv_transfer.kv_connector.v1.metrics import KVConnectorStats
 
-from kvpipe.stages import LoadRequest, SaveRequest, Verdict
-from kvpipe.stages.integrity import REFUSED
+from kvpipe.stages import LoadRequest, SaveRequest
 
 OPS = "ops"
 GAUGES = "gauges"
-#: The names a role reports under, and :mod:`.prom` reads back (per-stage ones via :func:`per_stage`).
-BREAKER_STATE = "breaker_state"
-STAGING_SLOTS = "staging_slots"
-STAGING_SLOTS_IN_USE = "staging_slots_in_use"
-QUEUE_DEPTH = "stage_queue_depth"  # a gauge per stage
-STAGE_DROPPED = "stage_dropped"  # a counter per stage
-#: what a load's objects are counted under, by their integrity verdict
-VERDICT_COUNTERS = {
-    Verdict.VERIFIED: "chunks_verified",
-    Verdict.UNVERIFIED: "chunks_unverified",
-    **{verdict: f"integrity_failures_{verdict.value}" for verdict in sorted(REFUSED)},
-}
-
-
-def per_stage(family: str, pipeline: str, stage: str) -> str:
-    """The name of one stage's figure: ``family/pipeline/stage``."""
-    return f"{family}/{pipeline}/{stage}"
-
-
-def split_per_stage(name: str) -> tuple[str, str, str] | None:
-    """``(family, pipeline, stage)`` of a :func:`per_stage` name; None for any other name."""
-    parts = name.split("/", 2)
-    return (parts[0], parts[1], parts[2]) if len(parts) == 3 else None
 
 
 @dataclass

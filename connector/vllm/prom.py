@@ -1,26 +1,16 @@
 """kvpipe's Prometheus series in vLLM's ``/metrics``, built from :class:`~.messages.KVPipeStats`.
 
 vLLM builds this once in its logger process (``build_prom_metrics``) and feeds
-it every engine step's stats. Every series is named ``kvpipe:...`` (vLLM's own
-are ``vllm:...``, so none can clash) and carries vLLM's labels (``model_name``,
-``engine``). The series, and where each comes from:
+it every engine step's stats. The series are the catalogue's (:data:`~.metrics.CATALOGUE`:
+names, kinds, labels and help come from there), each named ``kvpipe:...`` (vLLM's own
+are ``vllm:...``, so none can clash) and carrying vLLM's labels (``model_name``,
+``engine``) before its own. How each kind of stats arrives:
 
-Store calls (:mod:`kvpipe.connector.store.metered`), labels ``operation`` (``exist``,
-``put``, ``get``, ``remove``) and ``status`` (``ok``, ``error``):
-``kvpipe:store_operation_seconds`` (histogram), ``kvpipe:store_operation_keys_total``,
-``kvpipe:store_operation_bytes_total``, ``kvpipe:store_operation_failed_keys_total``;
-``kvpipe:store_operation_records_dropped_total`` counts calls whose record found
-the log full.
-
-The connector's counters (:data:`COUNTERS`, :data:`LABELLED`), each ``_total``;
-``kvpipe:stage_dropped_total`` (labels ``pipeline``, ``stage``: items a stage
-took out of the stream, e.g. the filter's objects the store already has; ``entry``
-for saves refused at a full queue).
-
-Gauges, the latest reading of every role summed over ranks (the breaker: the
-worst of them): ``kvpipe:stage_queue_depth`` (labels ``pipeline``, ``stage``),
-``kvpipe:staging_slots_in_use``, ``kvpipe:staging_slots``, ``kvpipe:breaker_state``
-(label ``role``; 0 closed, 1 half-open, 2 open).
+- counters, ``key -> growth``: added to the series the key names (:func:`~.metrics.metric_of`);
+  a key the catalogue does not know is exported under its own name rather than lost;
+- the store calls' records: the ``store_operation_*`` series, labelled by operation and status;
+- gauges, the latest reading of every role on every rank: summed over ranks, except
+  the breaker's, which shows the worst rank of each role.
 """
 
 from __future__ import annotations
@@ -34,58 +24,20 @@ from vllm.distributed.kv_transfer.kv_connector.v1.metrics import (
     PromMetricT,
 )
 
-from .messages import (
+from .messages import GAUGES, OPS
+from .metrics import (
     BREAKER_STATE,
-    GAUGES,
-    OPS,
-    QUEUE_DEPTH,
-    STAGE_DROPPED,
-    STAGING_SLOTS,
-    STAGING_SLOTS_IN_USE,
-    split_per_stage,
+    CATALOGUE,
+    OPERATION_BYTES,
+    OPERATION_FAILED_KEYS,
+    OPERATION_KEYS,
+    OPERATION_SECONDS,
+    PREFIX,
+    Kind,
+    Metric,
+    metric_of,
 )
 
-PREFIX = "kvpipe:"
-
-#: The counters the roles keep, and what each counts (the README's table is this one).
-COUNTERS: dict[str, str] = {
-    "saves_planned": "Save requests the scheduler planned (chunks an engine step completes).",
-    "saves_submitted": "Save requests a worker staged and handed to its save pipeline.",
-    "saves_dropped_no_staging": "Save requests dropped because no staging slot was free (a step never waits).",
-    "saves_landed": "Save requests whose every object was stored.",
-    "save_landing_ms": (
-        "Milliseconds from the step that computed a save to its objects stored, summed over saves_landed: "
-        "their mean is how long another replica waits before it can hit what a step computed."
-    ),
-    "lookup_calls": "batch_is_exist calls of the scheduler's lookups (one per scheduling step at most).",
-    "lookup_hit_tokens": "Tokens lookups found in the store beyond the engine's own prefix cache.",
-    "lookups_deferred": "Lookups told to ask again because another request was loading the same prefix.",
-    "lookups_missed_after_failed_load": "Lookups answered as misses because the request's load had failed.",
-    "loads_planned": "Loads the scheduler planned.",
-    "loads_sync": "Loads run before the forward of the step computing their request (nothing else ran).",
-    "loads": "Loads a worker submitted.",
-    "loads_failed": "Loads that failed (the engine recomputes their blocks).",
-    "loads_failed_no_staging": "Loads failed at once for want of staging slots (device caches).",
-    "loads_spared": "Requests that waited on another request's load of their prefix and then hit it locally.",
-    "chunks_loaded": "Chunks (one store group, one rank) loaded into the engine's blocks.",
-    "chunks_load_failed": "Chunks whose load failed.",
-    "chunks_loaded_from_others": "Chunks loaded that this engine did not put (another replica's saves).",
-    "chunks_verified": "Chunks loaded whose seal vouched for their bytes (checksum and configuration).",
-    "chunks_unverified": "Chunks loaded without a seal (vLLM's connector wrote them, or the seal was lost).",
-    "seals_failed": "Objects stored whose seal could not be stored (loads will find them unverified).",
-    "events_dropped": "KV events not published because the chunks awaiting their reports were too many.",
-}
-#: Counter families whose suffix is a label: ``objects_put`` -> ``kvpipe:objects_total{status="put"}``.
-LABELLED: dict[str, tuple[str, str]] = {
-    "objects": ("status", "Save-path objects by final status: put, existing, failed, throttled."),
-    "save_jobs": ("outcome", "Save jobs by outcome: ok, partial, failed, dropped."),
-    "integrity_failures": (
-        "reason",
-        "Loaded chunks refused by their seal, their blocks recomputed: corrupt (bytes not as sealed; "
-        "removed), foreign (another configuration wrote them), unsealed (no seal under integrity: required).",
-    ),
-}
-RECORDS_DROPPED = "store_operation_records_dropped"
 OPERATION_BUCKETS = (
     1e-4,
     2.5e-4,
@@ -130,71 +82,24 @@ class KVPipePromMetrics(KVConnectorPromMetrics):
     ) -> None:
         super().__init__(vllm_config, metric_types, labelnames, per_engine_labelvalues)
         unregister_kvpipe_metrics()
-        operation = [*labelnames, "operation", "status"]
-        stage = [*labelnames, "pipeline", "stage"]
-        self._operation_seconds = self._histogram_cls(
-            name=f"{PREFIX}store_operation_seconds",
-            documentation="Time of kvpipe's store calls.",
-            labelnames=operation,
-            buckets=list(OPERATION_BUCKETS),
-        )
-        self._operation_counters = {
-            field: self._counter_cls(
-                name=f"{PREFIX}store_operation_{field}_total", documentation=doc, labelnames=operation
-            )
-            for field, doc in (
-                ("keys", "Keys kvpipe's store calls asked about."),
-                ("bytes", "Bytes kvpipe's store calls moved (put: stored, get: read)."),
-                ("failed_keys", "Keys kvpipe's store calls failed."),
-            )
-        }
-        self._counters = {
-            name: self._counter_cls(name=f"{PREFIX}{name}_total", documentation=doc, labelnames=labelnames)
-            for name, doc in {
-                **COUNTERS,
-                RECORDS_DROPPED: "Store calls not recorded because the log was full.",
-            }.items()
-        }
-        self._labelled = {
-            family: self._counter_cls(
-                name=f"{PREFIX}{family}_total", documentation=doc, labelnames=[*labelnames, label]
-            )
-            for family, (label, doc) in LABELLED.items()
-        }
-        self._stage_dropped = self._counter_cls(
-            name=f"{PREFIX}{STAGE_DROPPED}_total",
-            documentation="Items a pipeline stage took out of the stream (entry: saves refused at a full queue).",
-            labelnames=stage,
-        )
-        self._queue_depth = self._gauge_cls(
-            name=f"{PREFIX}{QUEUE_DEPTH}",
-            documentation="Items waiting in front of a pipeline stage (summed over ranks).",
-            labelnames=stage,
-            multiprocess_mode="mostrecent",
-        )
-        self._staging = {
-            name: self._gauge_cls(
-                name=f"{PREFIX}{name}",
-                documentation=doc,
-                labelnames=labelnames,
-                multiprocess_mode="mostrecent",
-            )
-            for name, doc in (
-                (STAGING_SLOTS_IN_USE, "Staging slots holding a save or a load (summed over ranks)."),
-                (STAGING_SLOTS, "Staging slots (summed over ranks)."),
-            )
-        }
-        self._breaker = self._gauge_cls(
-            name=f"{PREFIX}{BREAKER_STATE}",
-            documentation="The store circuit breaker, worst over ranks: 0 closed, 1 half-open, 2 open.",
-            labelnames=[*labelnames, "role"],
-            multiprocess_mode="mostrecent",
-        )
+        self._series = {metric.name: self._register(metric) for metric in CATALOGUE}
+        #: counters a side reported that the catalogue does not know, by key
+        self._unknown: dict[str, Any] = {}
         #: per engine, the latest gauge readings of each source (a role on a rank)
         self._readings: dict[int, dict[str, dict[str, float]]] = {}
         for engine in per_engine_labelvalues.values():  # at 0 from the start, not from the first event
-            for counter in self._counters.values():
-                counter.labels(*engine)
+            for metric in CATALOGUE:
+                if metric.kind is Kind.COUNTER and not metric.labels:
+                    self._series[metric.name].labels(*engine)
+
+    def _register(self, metric: Metric) -> Any:
+        labelnames = [*self._labelnames, *(label.name for label in metric.labels)]
+        series = {"name": metric.series, "documentation": metric.help, "labelnames": labelnames}
+        if metric.kind is Kind.COUNTER:
+            return self._counter_cls(**series)
+        if metric.kind is Kind.GAUGE:
+            return self._gauge_cls(**series, multiprocess_mode="mostrecent")
+        return self._histogram_cls(**series, buckets=list(OPERATION_BUCKETS))
 
     def observe(self, transfer_stats_data: dict[str, Any], engine_idx: int = 0) -> None:
         engine = self.per_engine_labelvalues[engine_idx]
@@ -208,26 +113,29 @@ class KVPipePromMetrics(KVConnectorPromMetrics):
                 self._count(engine, name, value)
 
     def _observe_operations(self, engine: list[object], records: list[list[Any]]) -> None:
+        seconds_series = self._series[OPERATION_SECONDS]
         for operation, status, seconds, keys, moved, failed in records:
             labels = [*engine, operation, status]
-            self._operation_seconds.labels(*labels).observe(seconds)
-            for field, amount in (("keys", keys), ("bytes", moved), ("failed_keys", failed)):
+            seconds_series.labels(*labels).observe(seconds)
+            for name, amount in (
+                (OPERATION_KEYS, keys),
+                (OPERATION_BYTES, moved),
+                (OPERATION_FAILED_KEYS, failed),
+            ):
                 if amount:
-                    self._operation_counters[field].labels(*labels).inc(amount)
+                    self._series[name].labels(*labels).inc(amount)
 
-    def _count(self, engine: list[object], name: str, value: int) -> None:
-        if (stage := split_per_stage(name)) is not None and stage[0] == STAGE_DROPPED:
-            self._stage_dropped.labels(*engine, *stage[1:]).inc(value)
+    def _count(self, engine: list[object], key: str, value: int) -> None:
+        found = metric_of(key)
+        if found is not None:
+            metric, label_values = found
+            self._series[metric.name].labels(*engine, *label_values).inc(value)
             return
-        for family, counter in self._labelled.items():
-            if name.startswith(f"{family}_"):
-                counter.labels(*engine, name.removeprefix(f"{family}_")).inc(value)
-                return
-        counter = self._counters.get(name)
-        if counter is None:  # a counter the table does not know yet: exported, not lost
-            counter = self._counters[name] = self._counter_cls(
-                name=f"{PREFIX}{name}_total",
-                documentation=f"kvpipe counter {name}.",
+        counter = self._unknown.get(key)
+        if counter is None:  # a counter the catalogue does not know yet: exported, not lost
+            counter = self._unknown[key] = self._counter_cls(
+                name=f"{PREFIX}{key}_total",
+                documentation=f"kvpipe counter {key}.",
                 labelnames=self._labelnames,
             )
         counter.labels(*engine).inc(value)
@@ -243,9 +151,8 @@ class KVPipePromMetrics(KVConnectorPromMetrics):
                 else:
                     summed[name] = summed.get(name, 0) + value
         for name, value in summed.items():
-            if (stage := split_per_stage(name)) is not None and stage[0] == QUEUE_DEPTH:
-                self._queue_depth.labels(*engine, *stage[1:]).set(value)
-            elif name in self._staging:
-                self._staging[name].labels(*engine).set(value)
+            if (found := metric_of(name)) is not None:
+                metric, label_values = found
+                self._series[metric.name].labels(*engine, *label_values).set(value)
         for role, value in worst.items():
-            self._breaker.labels(*engine, role).set(value)
+            self._series[BREAKER_STATE].labels(*engine, role).set(value)

@@ -59,7 +59,20 @@ from kvpipe.stages.store import EXISTS
 
 from .engine_cache import EngineCache
 from .events import ChunkAnnouncer
-from .messages import BREAKER_STATE, KVPipeKVEvents, KVPipeMetadata
+from .messages import KVPipeKVEvents, KVPipeMetadata
+from .metrics import (
+    BREAKER_STATE,
+    EVENTS_DROPPED,
+    LOADS_FAILED,
+    LOADS_PLANNED,
+    LOADS_SPARED,
+    LOADS_SYNC,
+    LOOKUP_CALLS,
+    LOOKUP_HIT_TOKENS,
+    LOOKUPS_DEFERRED,
+    LOOKUPS_MISSED_AFTER_FAILED_LOAD,
+    SAVES_PLANNED,
+)
 from .settings import ConnectorSettings
 
 if TYPE_CHECKING:
@@ -157,7 +170,7 @@ class SchedulerSide:
         self._local_hits[rid] = num_computed_tokens  # vLLM does not pass it to update_state_after_alloc
         if rid in self._miss_once:
             self._miss_once.discard(rid)
-            self.stats["lookups_missed_after_failed_load"] += 1
+            self.stats[LOOKUPS_MISSED_AFTER_FAILED_LOAD] += 1
             return 0, False
         lookup = LookupRequest(rid, tuple(request.block_hashes), request.num_tokens, num_computed_tokens)
         cache = self.cache
@@ -180,10 +193,10 @@ class SchedulerSide:
         )
         new = max(0, hit - num_computed_tokens)
         if new and self._loaded_by_another(lookup, hit):
-            self.stats["lookups_deferred"] += 1
+            self.stats[LOOKUPS_DEFERRED] += 1
             self._deferred.add(rid)
             return None, False
-        self.stats["lookup_hit_tokens"] += new
+        self.stats[LOOKUP_HIT_TOKENS] += new
         load_async = bool(new) and self._loads_async()
         self._load_async[rid] = load_async
         return new, load_async
@@ -245,7 +258,7 @@ class SchedulerSide:
             keys_ahead = self._lookup_keys(ahead)
             wanted.update(dict.fromkeys(key for key in keys_ahead if key not in self._exists))
         asked = list(wanted)
-        self.stats["lookup_calls"] += 1
+        self.stats[LOOKUP_CALLS] += 1
         try:
             answers = self.store.batch_is_exist(asked)
         except Exception as exc:  # noqa: BLE001 - a lookup that cannot answer is a miss
@@ -272,7 +285,7 @@ class SchedulerSide:
         if rid in self._deferred:
             self._deferred.discard(rid)
             if num_external_tokens == 0 and local > 0:
-                self.stats["loads_spared"] += 1  # another request's load put its prefix in the local cache
+                self.stats[LOADS_SPARED] += 1  # another request's load put its prefix in the local cache
         load_async = self._load_async.pop(rid, False)
         if num_external_tokens > 0:
             block_ids = tuple(tuple(ids) for ids in blocks.get_block_ids())
@@ -285,7 +298,7 @@ class SchedulerSide:
                     dict.fromkeys(self._hashes(load, load.start_tokens, load.end_tokens), rid)
                 )
             else:
-                self.stats["loads_sync"] += 1
+                self.stats[LOADS_SYNC] += 1
 
     def build_connector_meta(self, scheduler_output: SchedulerOutput) -> KVPipeMetadata:
         so = scheduler_output
@@ -318,7 +331,7 @@ class SchedulerSide:
             else:
                 meta.sync_loads.add(rid)
                 self._sync_loads[rid] = load
-            self.stats["loads_planned"] += 1
+            self.stats[LOADS_PLANNED] += 1
         self._running = set(so.num_scheduled_tokens) - set(so.finished_req_ids)
         self._plan_saves(so, meta)
         return meta
@@ -356,9 +369,9 @@ class SchedulerSide:
                 meta.saves.append(save)
                 if self.announcer is not None:
                     self.announcer.expect(request, save)
-                    self.stats["events_dropped"] = self.announcer.given_up  # monotonic: reported as growth
+                    self.stats[EVENTS_DROPPED] = self.announcer.given_up  # monotonic: reported as growth
                 saved = max(saved, reach)
-                self.stats["saves_planned"] += 1
+                self.stats[SAVES_PLANNED] += 1
             tracked.saved_tokens = saved
 
     def _reused(self, hashes: Sequence[bytes], saved: int, end: int) -> dict[bytes, int]:
@@ -417,7 +430,7 @@ class SchedulerSide:
 
     def _load_failed(self, load: LoadRequest, failed_blocks: set[int] | None) -> None:
         """Count a failed load, announce its chunks gone, and take them for misses a while."""
-        self.stats["loads_failed"] += 1
+        self.stats[LOADS_FAILED] += 1
         if self.announcer is not None:
             self.announcer.load_failed(load, failed_blocks)
         until = self._clock() + FAILED_CHUNK_TTL_S

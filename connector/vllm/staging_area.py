@@ -1,4 +1,4 @@
-"""The worker's staging area: host slots that hold whole objects, one buffer each.
+"""The worker's staging area: host slots that hold whole objects, one buffer each, filled a step at a time.
 
 Why a copy at all: the step must not wait on the store, and vLLM may reuse a block
 as soon as the step ends, so the worker copies what it saves into a slot and the
@@ -11,18 +11,36 @@ object's regions side by side, so the object is ONE buffer. A rank that holds
 several store shards of a block (:mod:`.store_format`) has one object per shard:
 its slot holds them one after another.
 
+Why batched: a step saves many blocks of many regions, and a copy per region per
+block is a launch each (layers x blocks, times heads for LHBNC) from the engine
+thread. Regions are rows of strided tensors, so one indexed copy per region
+moves every block of the step (``index_select`` for saves, ``index_copy_`` for
+loads), and regions that line up in memory (same row geometry, a constant step
+apart: a layer's heads, layers carved from one allocation) are one
+``[regions, blocks, bytes]`` view and one copy together. The launches per step
+are a few per group, whatever the number of blocks.
+
 Why host memory: a GPU cache cannot be registered with a store built without
-CUDA, so on a device the slots are pinned host memory: saves copy device ->
-slot (non-blocking, settled once per step by :meth:`StagingArea.settle`) and
-loads land in slots and are copied slot -> device blocks before the forward.
-On CPU, loads skip the slots and land straight in the engine's blocks, where a
-staging copy would cost more memcpy than the per-buffer overhead it saves.
-The same torch calls serve both: nothing here knows which device it runs on.
+CUDA, so on a device the slots are pinned host memory. A save gathers the
+step's blocks into one device scratch buffer and moves it to the slots with one
+transfer per run of consecutive slots (:meth:`StagingArea.take` hands out the
+lowest free slots, so a step's are mostly one run); a load does the reverse.
+All of it runs on a side stream (:mod:`.device`) and the engine thread never
+waits: a save returns the :class:`~.device.Fence` the save pipeline waits on
+before it reads the slots, and the engine's next forward waits (on the device)
+for the gathers, so it cannot overwrite a block before it was read; a load's
+copies are ordered before the next forward the same way. A slot given back
+while a copy that touches it may still run is reused only once its fence is done.
+On CPU the gathers write straight into the slots, and loads skip the slots and
+land straight in the engine's blocks, where a staging copy would cost more
+memcpy than the per-buffer overhead it saves.
 """
 
 from __future__ import annotations
 
+import heapq
 import itertools
+from collections import defaultdict
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 
@@ -30,7 +48,25 @@ import torch
 
 from kvpipe.stages import BlockLayout, Region
 
-from .kv_layout import EngineRegion, GroupLayout
+from .device import DONE, Device, Fence, device_of
+from .kv_layout import GroupLayout
+
+#: (engine group, slot, engine block): one block to move between the engine and a slot
+Copy = tuple[int, int, int]
+
+
+@dataclass(frozen=True)
+class _Run:
+    """Regions side by side in a slot that line up in memory: ``rows[r, b]`` is block ``b`` in the run's ``r``-th."""
+
+    offset: int  # where the run's first region starts within a slot
+    rows: torch.Tensor  # uint8 [regions, num_blocks, bytes], over the engine's memory
+
+    def columns(self, slots: torch.Tensor) -> torch.Tensor:
+        """The run's part of ``slots`` ([n, slot bytes]) as ``[regions, n, bytes]``, a view."""
+        regions, _, width = self.rows.shape
+        part = slots[:, self.offset : self.offset + regions * width]
+        return part.unflatten(1, (regions, width)).transpose(0, 1)
 
 
 @dataclass(frozen=True)
@@ -38,8 +74,7 @@ class _GroupArea:
     """One KV-cache group's part of the arena: ``rows[slot]`` is a block's objects, shard after shard."""
 
     shards: tuple[GroupLayout, ...]
-    regions: tuple[EngineRegion, ...]  # every shard's, in slot order
-    offsets: tuple[int, ...]  # where each region's block starts within a slot
+    runs: tuple[_Run, ...]  # every shard's regions, in slot order
     rows: torch.Tensor  # [slots, bytes of every shard's object], uint8, host
 
 
@@ -47,10 +82,14 @@ class StagingArea:
     """``slots`` object slots per storable group, in one host allocation, and the free-slot pool.
 
     A slot number is shared by every group (slot ``s`` of group ``g`` holds one
-    chunk of ``g``), so one pool serves them all.
+    chunk of ``g``), so one pool serves them all. ``device`` (default: the one for
+    the cache's device) is where the copies run. Raises ValueError for a cache
+    on several devices.
     """
 
-    def __init__(self, layouts: Mapping[int, Sequence[GroupLayout]], slots: int) -> None:
+    def __init__(
+        self, layouts: Mapping[int, Sequence[GroupLayout]], slots: int, device: Device | None = None
+    ) -> None:
         """``layouts``: per engine group, the layout of each store shard the rank holds (one, unless sharded)."""
         devices = {
             region.rows.device
@@ -61,21 +100,25 @@ class StagingArea:
         self.device = devices.pop() if len(devices) == 1 else torch.device("cpu")
         if devices:
             raise ValueError(f"a KV cache on several devices cannot be staged: {sorted(map(str, devices))}")
+        self._device = device if device is not None else device_of(self.device)
         pinned = self.device.type != "cpu"
         total = slots * sum(layout.object_size for shards in layouts.values() for layout in shards)
         self.arena = torch.empty(total, dtype=torch.uint8, pin_memory=pinned)
         self._areas: dict[int, _GroupArea] = {}
         start = 0
         for group, shards in layouts.items():
-            regions = tuple(region for layout in shards for region in layout.regions)
+            regions = [region for layout in shards for region in layout.regions]
             sizes = [r.region.bytes_per_block for r in regions]
-            offsets = tuple(itertools.accumulate(sizes, initial=0))[:-1]
+            offsets = list(itertools.accumulate(sizes, initial=0))[:-1]
             size = sum(sizes)
             rows = self.arena[start : start + slots * size].view(slots, size)
-            self._areas[group] = _GroupArea(tuple(shards), regions, offsets, rows)
+            runs = _lined_up(list(zip(offsets, (r.rows for r in regions), strict=True)))
+            self._areas[group] = _GroupArea(tuple(shards), runs, rows)
             start += slots * size
         self.slots = slots
-        self._free = list(range(slots - 1, -1, -1))
+        self._free = list(range(slots))  # a heap: the lowest slots go first, so a step's are consecutive
+        self._fences: dict[int, Fence] = {}  # slot -> the last copy that touches it
+        self._cooling: list[tuple[Fence, list[int]]] = []  # given back while that copy may still run
 
     def layouts(self) -> list[dict[int, BlockLayout]]:
         """Per store shard, per engine group: the layout that makes a slot id one buffer of one whole object."""
@@ -93,39 +136,150 @@ class StagingArea:
 
     @property
     def free(self) -> int:
+        self._reclaim()
         return len(self._free)
 
     def take(self, count: int) -> list[int]:
-        """``count`` free slots (the caller checked :attr:`free`)."""
-        return [self._free.pop() for _ in range(count)]
+        """The ``count`` lowest free slots, ascending (the caller checked :attr:`free`)."""
+        self._reclaim()
+        return [heapq.heappop(self._free) for _ in range(count)]
 
     def give_back(self, slots: Sequence[int]) -> None:
-        self._free.extend(slots)
+        """Return ``slots`` to the pool: at once, or once the last copy that touches each is done."""
+        waiting: dict[int, tuple[Fence, list[int]]] = {}
+        for slot in slots:
+            fence = self._fences.pop(slot, DONE)
+            if fence.done():
+                heapq.heappush(self._free, slot)
+            else:
+                waiting.setdefault(id(fence), (fence, []))[1].append(slot)
+        self._cooling.extend(waiting.values())
 
-    def copy_in(self, engine_group: int, slot: int, block: int) -> None:
-        """Start copying engine block ``block`` of ``engine_group``, every region, into ``slot``."""
-        area = self._areas[engine_group]
-        target = area.rows[slot]
-        for region, offset in zip(area.regions, area.offsets, strict=True):
-            source = region.rows[block]
-            target[offset : offset + source.shape[0]].copy_(source, non_blocking=True)
+    def _reclaim(self) -> None:
+        """Slots given back whose copies have finished go back to the pool (asks each fence, never waits)."""
+        still: list[tuple[Fence, list[int]]] = []
+        for fence, slots in self._cooling:
+            if fence.done():
+                for slot in slots:
+                    heapq.heappush(self._free, slot)
+            else:
+                still.append((fence, slots))
+        self._cooling = still
 
-    def copy_out(self, engine_group: int, slot: int, block: int) -> None:
-        """Start copying ``slot`` back into engine block ``block`` of ``engine_group`` (a load)."""
-        area = self._areas[engine_group]
-        source = area.rows[slot]
-        for region, offset in zip(area.regions, area.offsets, strict=True):
-            target = region.rows[block]
-            target.copy_(source[offset : offset + target.shape[0]], non_blocking=True)
+    def copy_in(self, copies: Sequence[Copy]) -> Fence:
+        """Start copying a step's engine blocks into their slots; the fence a reader of the slots waits on.
 
-    def settle(self) -> None:
-        """Wait until the copies started so far are done (on CPU they already are).
-
-        A device copy into pinned memory returns before its bytes arrive; the
-        slot may only be handed to the store after this. A copy into device
-        blocks runs on the current stream, ahead of the next forward on it.
+        Never blocks. On a device the engine's next forward waits (on the device)
+        for the blocks to have been read, not for them to reach the slots.
         """
-        if self.device.type != "cpu":
-            event = torch.Event(device=self.device)
-            event.record()
-            event.synchronize()
+        device = self._device
+        device.after_engine()
+        moves: list[tuple[_GroupArea, list[tuple[int, int, int]], torch.Tensor]] = []
+        for group, pairs in _by_group(copies).items():
+            area = self._areas[group]
+            runs, blocks = _batch(pairs)
+            index = device.index(blocks)
+            if device.host:
+                for slot, first, last in runs:
+                    landing = area.rows[slot : slot + last - first]
+                    for run in area.runs:
+                        device.gather(run.columns(landing), run.rows, index[first:last])
+                continue
+            scratch = device.scratch(len(blocks), area.rows.shape[1])
+            for run in area.runs:
+                device.gather(run.columns(scratch), run.rows, index)
+            moves.append((area, runs, scratch))
+        if moves:
+            device.record(engine_waits=True)  # the blocks are read: the engine may overwrite them
+        for area, runs, scratch in moves:
+            for slot, first, last in runs:
+                device.transfer(area.rows[slot : slot + last - first], scratch[first:last])
+        return self._fenced(copies)
+
+    def copy_out(self, copies: Sequence[Copy]) -> None:
+        """Start copying slots into engine blocks (a load), ordered before the engine's next forward.
+
+        Never blocks; the slots are reused only once the copies are done.
+        """
+        device = self._device
+        device.after_engine()
+        for group, pairs in _by_group(copies).items():
+            area = self._areas[group]
+            runs, blocks = _batch(pairs)
+            index = device.index(blocks)
+            if device.host:
+                for slot, first, last in runs:
+                    landed = area.rows[slot : slot + last - first]
+                    for run in area.runs:
+                        device.scatter(run.rows, index[first:last], run.columns(landed))
+                continue
+            scratch = device.scratch(len(blocks), area.rows.shape[1])
+            for slot, first, last in runs:
+                device.transfer(scratch[first:last], area.rows[slot : slot + last - first])
+            for run in area.runs:
+                device.scatter(run.rows, index, run.columns(scratch))
+        self._fenced(copies, engine_waits=True)
+
+    def _fenced(self, copies: Sequence[Copy], engine_waits: bool = False) -> Fence:
+        """A fence after the copies launched so far, remembered as the last to touch each slot of ``copies``."""
+        fence = self._device.record(engine_waits=engine_waits)
+        for _, slot, _ in copies:
+            self._fences[slot] = fence
+        return fence
+
+
+def _by_group(copies: Sequence[Copy]) -> dict[int, list[tuple[int, int]]]:
+    """``copies`` as (slot, engine block) per engine group."""
+    groups: dict[int, list[tuple[int, int]]] = defaultdict(list)
+    for group, slot, block in copies:
+        groups[group].append((slot, block))
+    return groups
+
+
+def _batch(pairs: Sequence[tuple[int, int]]) -> tuple[list[tuple[int, int, int]], list[int]]:
+    """(slot, engine block) pairs as runs of consecutive slots and the blocks in slot order.
+
+    A run is (its first slot, and the ``[first, last)`` range of the blocks it holds).
+    """
+    ordered = sorted(pairs)
+    runs: list[tuple[int, int, int]] = []
+    for position, (slot, _) in enumerate(ordered):
+        if runs and slot == runs[-1][0] + position - runs[-1][1]:
+            runs[-1] = (runs[-1][0], runs[-1][1], position + 1)
+        else:
+            runs.append((slot, position, position + 1))
+    return runs, [block for _, block in ordered]
+
+
+def _lined_up(regions: Sequence[tuple[int, torch.Tensor]]) -> tuple[_Run, ...]:
+    """(offset in a slot, rows) of a group's regions, in slot order, merged into runs where they line up."""
+    runs: list[list[tuple[int, torch.Tensor]]] = []
+    for offset, rows in regions:
+        if runs and _continues(runs[-1], offset, rows):
+            runs[-1].append((offset, rows))
+        else:
+            runs.append([(offset, rows)])
+    return tuple(_Run(run[0][0], _stacked([rows for _, rows in run])) for run in runs)
+
+
+def _continues(run: Sequence[tuple[int, torch.Tensor]], offset: int, rows: torch.Tensor) -> bool:
+    """Whether ``rows`` at ``offset`` extends ``run``: next in the slot, same geometry, the run's step on."""
+    last_offset, last = run[-1]
+    step = rows.data_ptr() - last.data_ptr()
+    return (
+        offset == last_offset + last.shape[1]
+        and rows.shape == last.shape
+        and rows.stride() == last.stride()
+        and rows.untyped_storage().data_ptr() == last.untyped_storage().data_ptr()
+        and step >= rows.shape[1]  # side by side in memory too: a scatter never writes a byte twice
+        and (len(run) == 1 or step == last.data_ptr() - run[-2][1].data_ptr())
+    )
+
+
+def _stacked(rows: Sequence[torch.Tensor]) -> torch.Tensor:
+    """Equal-geometry row tensors a constant step apart as one ``[len(rows), blocks, bytes]`` view."""
+    first = rows[0]
+    if len(rows) == 1:
+        return first.unsqueeze(0)
+    step = rows[1].data_ptr() - first.data_ptr()
+    return first.as_strided((len(rows), *first.shape), (step, *first.stride()), first.storage_offset())

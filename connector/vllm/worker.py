@@ -5,9 +5,10 @@ tensors into block layouts (:mod:`.kv_layout`) and registers their memory; per
 step it runs the loads the scheduler planned and stages the saves:
 
 - **saves**: at the end of a step (``wait_for_save``) the blocks to save are
-  copied into staging slots (:mod:`.staging_area`), one buffer per object, and a
-  :class:`~kvpipe.stages.SaveRequest` over the slots goes to the save pipeline
-  (``when_full="drop"``). The step never waits on the store and vLLM may reuse
+  copied into staging slots (:mod:`.staging_area`), one buffer per object, in
+  one batch, and a :class:`~kvpipe.stages.SaveRequest` over the slots goes to the
+  save pipeline (``when_full="drop"``), which waits for a device's copy before it
+  reads them. The step never waits on the store and vLLM may reuse
   the blocks at once; a save that finds no free slot is dropped and counted.
 - **loads**: ``submit_loads`` (when vLLM binds the step's metadata, before the
   forward) submits them to the load pipeline. Async loads
@@ -18,7 +19,8 @@ step it runs the loads the scheduler planned and stages the saves:
   (one KV-cache group) or as a failed request (several groups: vLLM cannot map
   block ids back then), and are recomputed under ``kv_load_failure_policy:
   recompute``. On CPU a load lands straight in the engine's blocks; a device
-  cache is loaded into host slots and copied into its blocks before the report.
+  cache is loaded into host slots and copied into its blocks, ordered before the
+  next forward.
 """
 
 from __future__ import annotations
@@ -51,20 +53,33 @@ from kvpipe.stages import (
 from kvpipe.stages.integrity import engine_facts
 from kvpipe.stages.load import load_chunks, touched_block_ids
 
+from .device import Device
 from .engine_cache import EngineCache
 from .events import ChunkReporter
 from .kv_layout import GroupLayout, group_layout, layer_facts, shard_layouts, storages_of
-from .messages import (
+from .metrics import (
     BREAKER_STATE,
-    QUEUE_DEPTH,
+    CHUNKS_BY_VERDICT,
+    CHUNKS_LOAD_FAILED,
+    CHUNKS_LOADED,
+    CHUNKS_LOADED_FROM_OTHERS,
+    LOADS,
+    LOADS_FAILED_NO_STAGING,
+    OBJECTS_BY_STATUS,
+    SAVE_JOBS_BY_OUTCOME,
+    SAVE_LANDING_MS,
+    SAVES_DROPPED_NO_STAGING,
+    SAVES_LANDED,
+    SAVES_SUBMITTED,
+    SEALS_FAILED,
     STAGE_DROPPED,
+    STAGE_QUEUE_DEPTH,
     STAGING_SLOTS,
     STAGING_SLOTS_IN_USE,
-    VERDICT_COUNTERS,
     per_stage,
 )
 from .settings import ConnectorSettings
-from .staging_area import StagingArea
+from .staging_area import Copy, StagingArea
 
 if TYPE_CHECKING:
     from kvpipe.stages import Chunk
@@ -105,7 +120,7 @@ class _Load:
 
     request: LoadRequest  # over engine block ids
     job: Job | None
-    bounce: list[tuple[int, int, int]] = field(default_factory=list)  # (engine group, slot, engine block)
+    bounce: list[Copy] = field(default_factory=list)  # (engine group, slot, engine block)
 
     @property
     def done(self) -> bool:
@@ -126,6 +141,7 @@ class WorkerSide:
         kv_events: bool = False,
         max_pinned_bytes: int = 0,
         transfers: bool = True,
+        staging_device: Device | None = None,
     ) -> None:
         """``load_via_staging``: None lets the cache's device decide (host slots for a device cache).
 
@@ -135,6 +151,7 @@ class WorkerSide:
         ``kv_events``: report each saved chunk's outcome for the scheduler's KV events
         (:meth:`take_chunk_reports`). ``max_pinned_bytes``: what the saves may hold
         soft-pinned (the chunks the scheduler marks as reused; 0: none).
+        ``staging_device``: where the staging copies run (None: the cache's device; a test's double).
         """
         self.cache = cache
         self.settings = settings
@@ -146,6 +163,7 @@ class WorkerSide:
         self._load_via_staging = load_via_staging
         self._max_pinned_bytes = max_pinned_bytes
         self._transfers = transfers
+        self._staging_device = staging_device
         self._lock = threading.Lock()
         self.layouts: dict[int, tuple[GroupLayout, ...]] = {}  # per engine group, per store shard of the rank
         self._staging: StagingArea | None = None
@@ -196,7 +214,7 @@ class WorkerSide:
         self._byte_facts = (*cache.byte_facts, *engine_facts({"layers": facts}))
         self.layouts = {group.engine_group: shards for group in cache.store_groups}
         slots = self.settings.staging_slots([group.spec.block_size for group in cache.store_groups])
-        self._staging = StagingArea(self.layouts, slots)
+        self._staging = StagingArea(self.layouts, slots, self._staging_device)
         if self._load_via_staging is None:
             self._load_via_staging = self._staging.device.type != "cpu"
         # On CPU the store reads and writes the engine's blocks; a device cache only ever
@@ -293,7 +311,7 @@ class WorkerSide:
 
     def _observe(self, record: StoreObject, status: ObjectStatus) -> None:
         self.observed.append((record, status))
-        self.stats[f"objects_{status.value}"] += 1
+        self.stats[OBJECTS_BY_STATUS[status]] += 1
         if status is ObjectStatus.PUT:
             self._put_here[record.chunk_hash] = None
             if len(self._put_here) > PUT_HERE_REMEMBERED:
@@ -309,17 +327,22 @@ class WorkerSide:
         if not self.cache.puts_from(self.tp_rank):
             return  # a replica's bytes: the first rank of its replicas puts them
         staged = [staged for save in meta.saves if (staged := self._stage(save)) is not None]
-        self._staging.settle()  # a device copy must land before a put reads the slot
-        for slots, request, chunks in staged:
-            job = self._save_pipeline.submit(request)
-            self.stats["saves_submitted"] += 1
-            self._job_slots[job.id] = slots
+        if not staged:
+            return
+        # One batch for the step's every block; on a device it is still under way, and
+        # the save pipeline (never this thread) waits for it before a put reads a slot.
+        fence = self._staging.copy_in([copy for copies, _, _ in staged for copy in copies])
+        ready = None if fence.done() else fence.wait
+        for copies, request, chunks in staged:
+            job = self._save_pipeline.submit(request, ready=ready)
+            self.stats[SAVES_SUBMITTED] += 1
+            self._job_slots[job.id] = [slot for _, slot, _ in copies]
             if self.reporter is not None:
                 self.reporter.planned(job.id, request.request_id, chunks)
         self._reap()
 
-    def _stage(self, save: SaveRequest) -> tuple[list[int], SaveRequest, list[Chunk]] | None:
-        """Copy the save's chunks into free slots: the slots, the request over them, its chunks.
+    def _stage(self, save: SaveRequest) -> tuple[list[Copy], SaveRequest, list[Chunk]] | None:
+        """Free slots for the save's chunks: the copies that fill them, the request over them, its chunks.
 
         None: nothing to save, or no room.
         """
@@ -331,14 +354,13 @@ class WorkerSide:
         if not plan:
             return None
         if len(plan) > self._staging.free:
-            self.stats["saves_dropped_no_staging"] += 1
+            self.stats[SAVES_DROPPED_NO_STAGING] += 1
             if self.reporter is not None:
                 self.reporter.dropped(chunks)
             return None
         slots, ids = self._into_slots(plan, save.block_ids)
-        for (engine_group, _, block), slot in zip(plan, slots, strict=True):
-            self._staging.copy_in(engine_group, slot, block)
-        return slots, replace(save, block_ids=ids), chunks
+        copies = [(group, slot, block) for (group, _, block), slot in zip(plan, slots, strict=True)]
+        return copies, replace(save, block_ids=ids), chunks
 
     def _into_slots(
         self, plan: Sequence[tuple[int, int, int]], block_ids: tuple[tuple[int, ...], ...]
@@ -355,12 +377,12 @@ class WorkerSide:
             return
         for job in self._save_pipeline.completed():
             self._staging.give_back(self._job_slots.pop(job.id, ()))
-            self.stats["seals_failed"] += job.counts.get("unsealed", 0)
-            self.stats[f"save_jobs_{job.outcome.value if job.outcome else 'unknown'}"] += 1
+            self.stats[SEALS_FAILED] += job.counts.get("unsealed", 0)
+            self.stats[SAVE_JOBS_BY_OUTCOME[job.outcome]] += 1  # a completed job has its outcome
             if job.outcome is Outcome.OK and job.elapsed_s is not None:
                 # from the step that computed it to stored: when another replica can hit it
-                self.stats["saves_landed"] += 1
-                self.stats["save_landing_ms"] += round(job.elapsed_s * 1000)
+                self.stats[SAVES_LANDED] += 1
+                self.stats[SAVE_LANDING_MS] += round(job.elapsed_s * 1000)
             if self.reporter is not None:
                 self.reporter.ended(job.id)
 
@@ -398,19 +420,19 @@ class WorkerSide:
         for load in waited:
             if load.job is not None and not load.job.wait(LOAD_TIMEOUT_S):
                 log.warning("load timed out", request_id=load.request.request_id)
-            self._settle_load(load, reported=False)
+        self._settle_loads(waited, reported=False)
         if waited:
             self._load_pipeline.completed()  # their completions: nothing waits for them now
 
     def _submit_load(self, load: LoadRequest) -> _Load:
         """Submit one load (into staging slots first, for a device cache); no free slot: it fails whole."""
         assert self._load_pipeline is not None and self._staging is not None
-        self.stats["loads"] += 1
+        self.stats[LOADS] += 1
         if not self._load_via_staging:
             return _Load(load, self._load_pipeline.submit(load))
         plan = self._load_plan(load)
         if len(plan) > self._staging.free:
-            self.stats["loads_failed_no_staging"] += 1
+            self.stats[LOADS_FAILED_NO_STAGING] += 1
             return _Load(load, None)
         slots, ids = self._into_slots(plan, load.block_ids)
         job = self._load_pipeline.submit(replace(load, block_ids=ids))
@@ -424,8 +446,28 @@ class WorkerSide:
             return []  # the load stage refuses it with the reason; its blocks fail
         return [(chunk.group.engine_group, chunk.block_index, chunk.block_id) for chunk in chunks]
 
-    def _settle_load(self, load: _Load, reported: bool) -> None:
-        """A load whose job has ended: copy bounced blocks home, count it, record what failed.
+    def _settle_loads(self, loads: Sequence[_Load], reported: bool) -> None:
+        """Loads whose jobs have ended (or timed out): settle each, then copy their bounced blocks home.
+
+        One batch for them all, ordered before the engine's next forward without
+        waiting for it here; their slots are reused once it is done.
+        """
+        home: list[Copy] = []
+        slots: list[int] = []
+        for load in loads:
+            failed = self._settle_load(load, reported)
+            if load.bounce and load.job is not None and load.job.done:
+                home.extend(copy for copy in load.bounce if copy[2] not in failed)
+                slots.extend(slot for _, slot, _ in load.bounce)
+            # else the job may still write its slots: they stay taken (a leak bounded by timeouts)
+        if slots:
+            assert self._staging is not None
+            if home:
+                self._staging.copy_out(home)
+            self._staging.give_back(slots)
+
+    def _settle_load(self, load: _Load, reported: bool) -> set[int]:
+        """A load whose job has ended: count it, record what failed; the engine blocks that failed.
 
         ``reported``: an async load, whose end ``get_finished`` reports (a sync one's is not).
         """
@@ -439,28 +481,21 @@ class WorkerSide:
         else:
             by_slot = {slot: block for _, slot, block in load.bounce}
             failed = {by_slot.get(block, block) for block in told}
-        if load.bounce:
-            assert self._staging is not None
-            if job is not None and job.done:
-                for group, slot, block in load.bounce:
-                    if block not in failed:
-                        self._staging.copy_out(group, slot, block)
-                self._staging.give_back([slot for _, slot, _ in load.bounce])
-            # else the job may still write its slots: they stay taken (a leak bounded by timeouts)
         if job is not None:
-            self.stats["chunks_loaded"] += job.counts.get("loaded", 0)
-            self.stats["chunks_load_failed"] += job.counts.get("failed", 0)
+            self.stats[CHUNKS_LOADED] += job.counts.get("loaded", 0)
+            self.stats[CHUNKS_LOAD_FAILED] += job.counts.get("failed", 0)
             for verdict in Verdict:
                 if count := job.counts.get(f"integrity_{verdict.value}", 0):
-                    self.stats[VERDICT_COUNTERS[verdict]] += count
+                    self.stats[CHUNKS_BY_VERDICT[verdict]] += count
         if not failed:
-            self.stats["chunks_loaded_from_others"] += self._stored_elsewhere(load.request)
-            return
+            self.stats[CHUNKS_LOADED_FROM_OTHERS] += self._stored_elsewhere(load.request)
+            return failed
         with self._lock:
             if len(self.cache.groups) > 1 and reported:
                 self._failed_requests.add(rid)  # vLLM cannot map block ids of several groups back
             else:
                 self._load_errors.update(failed)
+        return failed
 
     def _stored_elsewhere(self, load: LoadRequest) -> int:
         """The chunks of a whole load this worker did not put (of the last it remembers)."""
@@ -477,8 +512,7 @@ class WorkerSide:
             return set()
         self._load_pipeline.completed()
         finished = {rid for rid, load in self._loads.items() if load.done}
-        for rid in finished:
-            self._settle_load(self._loads.pop(rid), reported=True)
+        self._settle_loads([self._loads.pop(rid) for rid in finished], reported=True)
         return finished
 
     def take_failed_requests(self) -> set[str]:
@@ -517,7 +551,7 @@ class WorkerSide:
             if pipeline.dropped:
                 self.stats[per_stage(STAGE_DROPPED, name, "entry")] = pipeline.dropped
             for stage, snapshot in pipeline.metrics().items():
-                readings[per_stage(QUEUE_DEPTH, name, stage)] = snapshot.queue_depth
+                readings[per_stage(STAGE_QUEUE_DEPTH, name, stage)] = snapshot.queue_depth
                 if snapshot.dropped:
                     self.stats[per_stage(STAGE_DROPPED, name, stage)] = snapshot.dropped
         return readings

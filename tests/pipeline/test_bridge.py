@@ -147,3 +147,38 @@ def test_metrics_can_be_read_from_another_thread():
         stats = bridge.metrics()
     assert stats["s0"].items_in == 10
     assert stats["s1"].items_in == 10
+
+
+def test_an_item_enters_only_once_its_ready_call_returned():
+    sink, opened = Collect(), threading.Event()
+    with SyncPipeline(chain(AddOne(), sink)) as bridge:
+        job = bridge.submit(1, ready=lambda: opened.wait(5))
+        assert not job.wait(timeout=0.05) and sink.items == []
+        opened.set()
+        assert job.wait(timeout=5)
+    assert job.outcome is Outcome.OK and sink.items == [2]
+
+
+def test_consecutive_items_with_the_same_ready_call_wait_once():
+    calls = []
+
+    def ready() -> None:
+        calls.append(1)
+
+    with SyncPipeline(chain(AddOne(), Collect())) as bridge:
+        jobs = [bridge.submit(i, ready=ready) for i in range(5)]
+    assert {job.outcome for job in jobs} == {Outcome.OK}
+    assert calls == [1]
+
+
+def test_an_item_whose_ready_call_raises_fails_without_entering_the_pipeline():
+    sink = Collect()
+
+    def broken() -> None:
+        raise RuntimeError("copy failed")
+
+    with SyncPipeline(chain(AddOne(), sink)) as bridge:
+        failed = bridge.submit(1, ready=broken)
+        fine = bridge.submit(2)
+    assert failed.outcome is Outcome.FAILED and "copy failed" in (failed.first_error or "")
+    assert fine.outcome is Outcome.OK and sink.items == [3]

@@ -4,13 +4,17 @@ A KV layout is a permutation of the logical ``[L, B, H, N, C]`` axes in memory
 (vLLM's ``KVCacheLayout`` values); :func:`layout_views` builds the per-layer views
 of one with torch alone, so the CUDA tests need no vLLM. On CPU the views are
 checked against vLLM's own ``create_kv_cache_views``. Tests marked ``gpu`` run
-where CUDA exists (``make gpu-check``); here they are skipped.
+where CUDA exists (``make gpu-check``); here they are skipped. The worker's
+modules import vLLM, which the GPU check's bare ``python3`` lacks: the worker's
+test imports it where it runs, so the layout and staging tests run there anyway.
 """
 
 from __future__ import annotations
 
 import time
+from collections.abc import Mapping
 from types import SimpleNamespace
+from typing import TYPE_CHECKING
 
 import pytest
 import torch
@@ -19,11 +23,13 @@ from kvpipe.connector.store.memory import MemoryStore
 from kvpipe.connector.vllm.kv_layout import group_layout
 from kvpipe.connector.vllm.settings import settings_from
 from kvpipe.connector.vllm.staging_area import StagingArea
-from kvpipe.connector.vllm.worker import WorkerSide
 from kvpipe.stages import LoadRequest, SaveRequest
 
 from ..stages.kv_fixtures import chain_hashes
 from .caches import engine_cache
+
+if TYPE_CHECKING:
+    from kvpipe.connector.vllm.worker import WorkerSide
 
 #: vLLM 0.32's KVCacheLayout members: logical axis -> physical position
 ORDERS = {
@@ -40,10 +46,12 @@ BITS = torch.int16  # random bits make NaNs of bfloat16: compare the bits
 DEVICES = [pytest.param("cpu", id="cpu"), pytest.param("cuda", id="cuda", marks=pytest.mark.gpu)]
 
 
-def layout_views(name: str, device: str, seed: int = 0) -> dict[str, torch.Tensor]:
-    """One ``[B, H, N, C]`` bf16 view per layer of a cache laid out as ``name``, random bits in it."""
+def layout_views(
+    name: str, device: str, seed: int = 0, shape: Mapping[str, int] = SHAPE
+) -> dict[str, torch.Tensor]:
+    """One ``[B, H, N, C]`` bf16 view per layer of a ``shape`` cache laid out as ``name``, random bits in it."""
     order = ORDERS[name]
-    logical = [SHAPE[axis] for axis in "LBHNC"]
+    logical = [shape[axis] for axis in "LBHNC"]
     physical = [logical[axis] for axis in order]
     generator = torch.Generator().manual_seed(seed)
     raw = (
@@ -53,7 +61,7 @@ def layout_views(name: str, device: str, seed: int = 0) -> dict[str, torch.Tenso
     )
     inverse = sorted(range(5), key=lambda axis: order[axis])
     cache = raw.permute(inverse)  # logical [L, B, H, N, C] over the physical memory
-    return {f"layer.{layer}": cache[layer] for layer in range(SHAPE["L"])}
+    return {f"layer.{layer}": cache[layer] for layer in range(shape["L"])}
 
 
 @pytest.mark.parametrize("name", list(ORDERS))
@@ -70,6 +78,9 @@ def test_the_hand_made_views_are_the_views_vllm_makes(name: str) -> None:
 
 
 def worker(store: MemoryStore, name: str) -> WorkerSide:
+    pytest.importorskip("vllm")
+    from kvpipe.connector.vllm.worker import WorkerSide
+
     layers = tuple(f"layer.{layer}" for layer in range(SHAPE["L"]))
     cache = engine_cache(layers, block_size=BLOCK, num_blocks=SHAPE["B"], layout_name=name)
     return WorkerSide(cache, settings_from({"store": {"kind": "memory"}, "staging_blocks": 8}), store)
@@ -83,14 +94,26 @@ def test_staging_copies_a_block_out_and_back_on_the_caches_device(name: str, dev
     source, target = layout_views(name, device, seed=1), layout_views(name, device, seed=2)
     area = StagingArea({0: (group_layout(source, SHAPE["B"], name),)}, slots=2)
     assert area.arena.is_pinned() == (device != "cpu")
-    area.copy_in(0, slot=1, block=4)
-    area.settle()
+    area.copy_in([(0, 1, 4)]).wait()
     back = StagingArea({0: (group_layout(target, SHAPE["B"], name),)}, slots=2)
     back.arena.copy_(area.arena)
-    back.copy_out(0, slot=1, block=0)
-    back.settle()
+    back.copy_out([(0, 1, 0)])  # ordered before what the current stream runs next: the reads below
     for layer in source:
         assert torch.equal(target[layer][0].view(BITS).cpu(), source[layer][4].view(BITS).cpu())
+
+
+@pytest.mark.gpu
+def test_a_device_save_copy_waits_for_the_forward_on_the_device_not_on_the_engine_thread() -> None:
+    if not torch.cuda.is_available():
+        pytest.skip("no CUDA device")
+    source = layout_views("LBHNC", "cuda")
+    area = StagingArea({0: (group_layout(source, SHAPE["B"], "LBHNC"),)}, slots=2)
+    torch.cuda._sleep(1 << 30)  # a forward still running on the engine's stream (~0.5 s)
+    fence = area.copy_in([(0, 1, 4)])
+    assert not fence.done()  # copy_in returned; its copy is queued behind the forward
+    fence.wait()
+    expected = torch.cat([view[4].contiguous().view(torch.uint8).flatten().cpu() for view in source.values()])
+    assert torch.equal(area.arena.view(2, -1)[1], expected)
 
 
 @pytest.mark.parametrize("device", DEVICES)

@@ -10,6 +10,7 @@ from prometheus_client import REGISTRY, Counter, Gauge, Histogram
 
 from kvpipe.connector.bench.launch import close_llm, kvpipe_transfer
 from kvpipe.connector.vllm.messages import GAUGES, OPS, KVPipeStats
+from kvpipe.connector.vllm.metrics import CATALOGUE
 from kvpipe.connector.vllm.prom import KVPipePromMetrics
 
 from . import engine
@@ -29,6 +30,15 @@ def prom() -> KVPipePromMetrics:
 
 def value(name: str, **labels: str) -> float | None:
     return REGISTRY.get_sample_value(name, {**ENGINE, **labels})
+
+
+def test_every_catalogue_entry_is_a_series_of_its_kind_with_its_help() -> None:
+    prom()
+    families = {family.name: family for family in REGISTRY.collect() if family.name.startswith("kvpipe:")}
+    exposed = {name: (family.type, family.documentation) for name, family in families.items()}
+    # prometheus_client names a counter's family without the _total its samples carry
+    expected = {m.series.removesuffix("_total"): (m.kind.value, m.help) for m in CATALOGUE}
+    assert exposed == expected
 
 
 def test_counters_become_total_series_and_add_up_over_steps() -> None:

@@ -28,8 +28,7 @@ def staged(area: StagingArea, group: int, slot: int) -> torch.Tensor:
 def test_a_slot_holds_the_block_of_every_layer_concatenated_in_layer_order() -> None:
     layers = engine_layers()
     area = StagingArea({0: (group_layout(layers, NUM_BLOCKS),)}, slots=4)
-    area.copy_in(0, slot=2, block=5)
-    area.settle()
+    area.copy_in([(0, 2, 5)]).wait()
     expected = torch.cat([block_bytes(layers["layer.0"], 5), block_bytes(layers["layer.1"], 5)])
     assert torch.equal(staged(area, 0, 2), expected)
 
@@ -37,12 +36,10 @@ def test_a_slot_holds_the_block_of_every_layer_concatenated_in_layer_order() -> 
 def test_copy_out_puts_a_slot_back_into_an_engine_block() -> None:
     source, target = engine_layers(), engine_layers()
     area = StagingArea({0: (group_layout(target, NUM_BLOCKS),)}, slots=2)
-    area.copy_in(0, slot=1, block=3)
     staged(area, 0, 1).copy_(
         torch.cat([block_bytes(source["layer.0"], 4), block_bytes(source["layer.1"], 4)])
     )
-    area.copy_out(0, slot=1, block=0)
-    area.settle()
+    area.copy_out([(0, 1, 0)])
     for name in source:
         assert torch.equal(target[name][0].view(torch.int16), source[name][4].view(torch.int16))
 
@@ -54,8 +51,7 @@ def test_groups_share_slot_numbers_and_the_free_pool() -> None:
     assert area.free == 3
     taken = area.take(2)
     assert area.free == 1
-    area.copy_in(0, taken[0], block=1)
-    area.copy_in(1, taken[0], block=4)
+    area.copy_in([(0, taken[0], 1), (1, taken[0], 4)])
     assert torch.equal(staged(area, 0, taken[0]), block_bytes(layers["layer.0"], 1))
     assert staged(area, 1, taken[0]).numel() == 2 * staged(area, 0, taken[0]).numel()
     area.give_back(taken)

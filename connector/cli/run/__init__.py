@@ -1,7 +1,8 @@
 """``kvpipe run``, the main job: a synthetic workload through the save pipeline, checked.
 
 - :mod:`.config`: the run's YAML (model, workload, store, save settings), every section defaulted.
-- :mod:`.synthetic`, :mod:`.workload`: the synthetic KV cache and the chat-like requests.
+- :mod:`.synthetic`, :mod:`.workload`: the synthetic KV cache and the chat-like requests;
+  :mod:`.pattern`: the bytes a synthetic block holds, a pure function of its name.
 - :mod:`.engine`: the engine stand-in that runs requests in steps and submits their saves.
 - :mod:`.job`: the steps end to end; :mod:`.check`: the store read back after the run.
 - :mod:`.baselines`: the pipeline alone and raw puts on the run's own objects (``--baselines``).

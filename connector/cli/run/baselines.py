@@ -1,17 +1,19 @@
 """What a run's pipeline figures are read against: the pipeline alone, and raw puts, on the run's own objects.
 
-A run's wall time mixes the pipeline with the workload generator (the engine
-stand-in writing synthetic KV bytes into blocks, hashing prompts), which on these
-machines takes most of it; the pipeline's rate read off it is the generator's.
-After the run, two measurements on the same objects, neither leaving anything in
-the store:
+After the run, two measurements of storing the run's distinct objects, like with
+like: each under a key namespace of its own, so neither finds, overwrites or
+removes the other's objects, and each writes into memory no object of the run
+or of the other measurement holds (both copies stay until both are timed; then
+both go, and the store holds what the run left):
 
 - :func:`pipeline_alone`: the run's save requests again, all at once, through the
-  same save graph under a cache prefix of their own (so the existence filter
-  finds nothing of the run's), from the first submit to the last job's end;
-- :func:`raw_put`: the same objects put with plain ``batch_put_from_multi_buffers``
-  calls of :data:`BATCH` objects one after another, the calls only timed, each
-  batch removed again at once.
+  same save graph under the cache prefix :data:`ALONE_PREFIX`, from the first
+  submit to the last job's end (its existence filter skips what it stored itself);
+- :func:`raw_put`: the same objects put once each with plain
+  ``batch_put_from_multi_buffers`` calls of :data:`BATCH` objects one after
+  another, keys under :data:`RAW_PREFIX`, the whole loop timed.
+
+The store needs room for two more copies of the run's objects.
 """
 
 from __future__ import annotations
@@ -29,8 +31,9 @@ from kvpipe.stages.object_status import ObjectObserver
 
 #: objects per call: a batch of the size the save stages send
 BATCH = 64
-SUFFIX = "@kvpipe-raw-put"
-#: the cache prefix the pipeline-alone replay stores under (removed after it)
+#: what the raw puts' keys start with (``RAW_PREFIX@`` + the run's key)
+RAW_PREFIX = "kvpipe-raw-put"
+#: the cache prefix the pipeline-alone replay stores under
 ALONE_PREFIX = "kvpipe-pipeline-alone"
 
 
@@ -55,24 +58,57 @@ class Measured:
         }
 
 
+@dataclass(frozen=True)
+class Baselines:
+    alone: Measured
+    raw: Measured
+
+    @property
+    def ratio(self) -> float | None:
+        """The pipeline alone's rate over the raw puts', to 3 places (None if the raw puts stored nothing)."""
+        return round(self.alone.gbps / self.raw.gbps, 3) if self.raw.gbps else None
+
+
+def measure(
+    make_graph: Callable[[KVCache, ObjectObserver], Graph],
+    kv: KVCache,
+    store: Store,
+    requests: Sequence[SaveRequest],
+    objects: Sequence[StoreObject],
+    queue_capacity: int,
+) -> Baselines:
+    """Time the pipeline alone on ``requests``, then raw puts of ``objects`` (the distinct objects they
+    store); remove both copies once both are timed, also when a measurement raises."""
+    alone_kv = under_prefix(kv, ALONE_PREFIX)
+    try:
+        return Baselines(
+            pipeline_alone(make_graph, alone_kv, store, requests, queue_capacity), raw_put(store, objects)
+        )
+    finally:
+        store.remove_by_regex(deployment_key_pattern(alone_kv.shards[0].namespace), True)
+        store.remove_by_regex(f"^{re.escape(RAW_PREFIX)}@", True)
+
+
 def raw_put(store: Store, records: Sequence[StoreObject], batch: int = BATCH) -> Measured:
-    """Put ``records``' bytes again under keys of their own, ``batch`` a call, timed; then remove them."""
-    seconds, stored, failed = 0.0, 0, 0
+    """Put ``records``' bytes again under ``RAW_PREFIX@`` + their key, ``batch`` a call; they stay.
+
+    The whole loop is timed, the keys and buffer lists it builds too: a caller
+    without the pipeline builds them as well.
+    """
+    stored, failed = 0, 0
+    began = time.perf_counter()
     for start in range(0, len(records), batch):
         chunk = records[start : start + batch]
-        tag = f"{SUFFIX}-{start}"  # one master call removes the batch again
-        keys = [record.key + tag for record in chunk]
         spans = [record.transfer_spans() for record in chunk]
-        ptrs = [list(addresses) for addresses, _ in spans]
-        sizes = [list(lengths) for _, lengths in spans]
-        config = store.new_replicate_config()
-        began = time.perf_counter()
-        codes = store.batch_put_from_multi_buffers(keys, ptrs, sizes, config)
-        seconds += time.perf_counter() - began
+        codes = store.batch_put_from_multi_buffers(
+            [f"{RAW_PREFIX}@{record.key}" for record in chunk],
+            [list(addresses) for addresses, _ in spans],
+            [list(lengths) for _, lengths in spans],
+            store.new_replicate_config(),
+        )
         stored += sum(record.size for record, code in zip(chunk, codes, strict=True) if code == 0)
         failed += sum(1 for code in codes if code != 0)
-        store.remove_by_regex(f"{re.escape(tag)}$", True)
-    return Measured(seconds, stored, failed)
+    return Measured(time.perf_counter() - began, stored, failed)
 
 
 def under_prefix(kv: KVCache, cache_prefix: str) -> KVCache:
@@ -90,19 +126,22 @@ def pipeline_alone(
     requests: Sequence[SaveRequest],
     queue_capacity: int,
 ) -> Measured:
-    """The save requests through ``make_graph``'s pipeline with nothing else running; then its objects go."""
-    alone = under_prefix(kv, ALONE_PREFIX)
-    stored: list[int] = []
-    failed: list[StoreObject] = []
+    """The save requests through ``make_graph``'s pipeline on ``kv`` with nothing else running; its objects stay.
+
+    Its bytes are those of the distinct objects it put: two requests in flight at
+    once may both put one object, and the second put stores nothing new.
+    """
+    stored: dict[str, int] = {}
+    failed: set[str] = set()
 
     def observe(record: StoreObject, status: ObjectStatus) -> None:
         if status is ObjectStatus.PUT:
-            stored.append(record.size)
+            stored[record.key] = record.size
         elif status is ObjectStatus.FAILED:
-            failed.append(record)
+            failed.add(record.key)
 
     pipeline = SyncPipeline(
-        make_graph(alone, observe), queue_capacity=queue_capacity, when_full="wait", name="alone"
+        make_graph(kv, observe), queue_capacity=queue_capacity, when_full="wait", name="alone"
     )
     with pipeline:
         began = time.perf_counter()
@@ -111,5 +150,4 @@ def pipeline_alone(
         for _ in requests:
             pipeline.next_completed(timeout_s=None)
         seconds = time.perf_counter() - began
-    store.remove_by_regex(deployment_key_pattern(alone.shards[0].namespace), True)
-    return Measured(seconds, sum(stored), len(failed))
+    return Measured(seconds, sum(stored.values()), len(failed))

@@ -13,7 +13,8 @@ from pathlib import Path
 import pytest
 
 from kvpipe.connector.bench import BenchOptions, WorkloadResult, workload_runner
-from kvpipe.connector.bench.vllm_prefix import CONTENDERS, KVPIPE, NONE
+from kvpipe.connector.bench.hook_clock import HookReport
+from kvpipe.connector.bench.vllm_prefix import CONTENDERS, KVPIPE, NONE, STEP_HOOK, TIMED
 
 
 @pytest.fixture(scope="module")
@@ -46,3 +47,12 @@ def test_outputs_match_the_engine_without_a_connector(result: WorkloadResult) ->
 def test_targets_name_the_model_and_a_plot_is_written(result: WorkloadResult) -> None:
     assert result.targets and all(target.name.startswith("tiny: ") for target in result.targets)
     assert result.plots and all(Path(plot).stat().st_size > 0 for plot in result.plots)
+
+
+def test_kvpipe_engines_report_the_cpu_their_hooks_took_per_step(result: WorkloadResult) -> None:
+    hook_times = result.parameters["hook_times"]["tiny"]
+    for name in TIMED:
+        report = HookReport.from_dict(hook_times[name])
+        assert report.hooks[STEP_HOOK].calls > 0
+        assert 0 < report.cpu_s < report.thread_cpu_s
+        assert any(note.startswith(f"tiny {name}: engine thread in kvpipe hooks: ") for note in result.notes)

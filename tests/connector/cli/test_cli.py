@@ -2,6 +2,7 @@
 
 import io
 import json
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -35,6 +36,19 @@ def test_without_json_a_summary_table_is_printed(small_config, capsys):
     assert main(["run", str(small_config)]) == 0
     out = capsys.readouterr().out
     assert "verify" in out and "0 mismatches" in out and "filter" in out
+
+
+def test_the_summary_headlines_the_pipelines_rate_and_names_the_generators_share(small_config, capsys):
+    assert main(["run", str(small_config)]) == 0
+    out = capsys.readouterr().out
+    assert re.search(
+        r"^bytes put +[\d,]+: pipeline [\d.]+ GB/s \(bytes put / the [\d.]+ s run less the generator's [\d.]+ s of CPU\)$",
+        out,
+        re.MULTILINE,
+    )
+    assert re.search(
+        r"^generator +[\d.]+ s \(CPU\) of the [\d.]+ s run \(\d+%\) writing [\d,]+ bytes", out, re.MULTILINE
+    )
 
 
 def test_set_overrides_a_yaml_value(small_config, capsys):

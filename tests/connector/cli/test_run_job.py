@@ -1,13 +1,13 @@
 """``kvpipe run``'s job: a synthetic workload saved, read back and counted."""
 
-import re
-
 import pytest
 
-from kvpipe.connector.cli.run.baselines import ALONE_PREFIX, SUFFIX
+from kvpipe.connector.cli.run.baselines import ALONE_PREFIX, RAW_PREFIX
 from kvpipe.connector.cli.run.config import RunConfig
 from kvpipe.connector.cli.run.job import run
 from kvpipe.connector.store.memory import Faults, MemoryStore
+from kvpipe.stages import ObjectStatus
+from kvpipe.stages.keys import SEAL_SUFFIX
 
 SMALL = {
     "model": {"layers": 2, "kv_heads": 2, "head_size": 32, "num_blocks": 512},
@@ -73,13 +73,25 @@ def test_the_report_has_the_contract_fields():
 
 
 def test_the_report_times_the_pipeline_alone_and_raw_puts_of_the_same_objects():
-    report = run(_config(SMALL), baselines=True).report
+    result = run(_config(SMALL), baselines=True)
+    report = result.report
 
     assert 0 < report["synthetic_kv_s"] < report["elapsed_s"]
     assert report["pipeline_alone"]["bytes"] > 0 and report["pipeline_alone"]["gbps"] > 0
-    assert report["raw_put"]["bytes"] == report["bytes_put"] and report["raw_put"]["failed"] == 0
+    stored = sum(
+        record.size for record, status in result.objects.values() if status is not ObjectStatus.FAILED
+    )
+    assert report["raw_put"]["bytes"] == stored and report["raw_put"]["failed"] == 0
     ratio = report["pipeline_alone"]["gbps"] / report["raw_put"]["gbps"]
     assert report["pipeline_vs_raw_put"] == pytest.approx(ratio, rel=0.01, abs=0.001)
+
+
+def test_the_pipelines_rate_leaves_out_the_generators_time():
+    report = run(_config(SMALL)).report
+
+    assert report["synthetic_kv_bytes"] >= report["bytes_put"] > 0  # every block offered is written
+    pipeline_s = report["bytes_put"] / report["pipeline_gbps"] / 1e9
+    assert pipeline_s == pytest.approx(report["elapsed_s"] - report["synthetic_kv_s"], rel=0.01, abs=0.002)
 
 
 def test_without_baselines_the_report_says_only_the_synthetic_kv_time():
@@ -96,9 +108,36 @@ def test_without_baselines_the_report_says_only_the_synthetic_kv_time():
 def test_the_measurements_after_the_run_leave_the_store_as_the_run_left_it():
     store = MemoryStore()
     run(_config(SMALL), store=store, baselines=True)
-    assert store.remove_by_regex(re.escape(SUFFIX), True) == 0  # no raw copy left
+    assert store.remove_by_regex(f"^{RAW_PREFIX}@", True) == 0  # no raw copy left
     assert store.remove_by_regex(f"^{ALONE_PREFIX}@", True) == 0  # nor the pipeline-alone replay's
     assert run(_config(SMALL), store=store).report["objects"]["put"] == 0  # none of the run's went
+
+
+class _PutLog(MemoryStore):
+    """A memory store that logs, per put call, its keys, and how many objects it held before."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.puts: list[tuple[list[str], int]] = []
+
+    def batch_put_from_multi_buffers(self, keys, ptrs, sizes, config):
+        self.puts.append((list(keys), self.stats().objects))
+        return super().batch_put_from_multi_buffers(keys, ptrs, sizes, config)
+
+
+def test_the_baselines_each_store_the_runs_objects_under_keys_of_their_own_and_keep_them():
+    store = _PutLog()
+    result = run(_config(SMALL), store=store, baselines=True)
+
+    run_keys = {key for key, (_, status) in result.objects.items() if status is not ObjectStatus.FAILED}
+    alone = [(keys, held) for keys, held in store.puts if keys[0].startswith(f"{ALONE_PREFIX}@")]
+    raw = [(keys, held) for keys, held in store.puts if keys[0].startswith(f"{RAW_PREFIX}@")]
+    raw_keys = [key for keys, _ in raw for key in keys]
+    assert sorted(raw_keys) == sorted(f"{RAW_PREFIX}@{key}" for key in run_keys)  # each object once
+    alone_objects = {key for keys, _ in alone for key in keys if not key.endswith(SEAL_SUFFIX)}
+    assert alone_objects == {f"{ALONE_PREFIX}@{key}" for key in run_keys}
+    run_left = alone[0][1]  # objects held (seals too) when the pipeline alone began
+    assert raw[0][1] == 2 * run_left  # when the raw puts began: the run's, and the alone's copy of them
 
 
 def test_a_second_run_on_the_kept_store_finds_every_object_and_puts_none():

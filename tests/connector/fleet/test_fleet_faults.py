@@ -38,6 +38,8 @@ SAVED_WITHIN_S = 30.0
 CLIENT_TTL_S = 10  # Mooncake's default: the master drops a dead client's segment after it
 PARTITION_S = 8.0  # shorter than the client TTL: the master keeps the cut node's segment
 HITS_RESUME_WITHIN_S = 90.0
+#: Mooncake's own failover: the standby's lease wait (~5 s) and election, longer on a busy machine
+STANDBY_LEADS_WITHIN_S = 180.0
 ALL_HIT_WITHIN_S = 90.0
 #: no request waits on the store beyond a job's deadline (kvpipe's load_deadline_s, 5 s) and
 #: a stalled RPC's (Mooncake's is 30 s); compute here is ~0.1 s a request
@@ -81,6 +83,16 @@ class Running:
             if all(a.cached_tokens >= WHOLE for a in answers) or time.monotonic() >= deadline:
                 return answers
             time.sleep(2.0)
+
+    def store_events(self) -> str:
+        """What the replicas logged of the store's state (circuit, throttle): a failure's context."""
+        marks = ("circuit", "store slow", "store fast", "item failed")
+        tails = []
+        for replica in self.fleet.replicas:
+            log = replica.process.log_path
+            lines = log.read_text(errors="replace").splitlines() if log.exists() else []
+            tails += [f"{replica.name}: {line}" for line in lines if any(m in line for m in marks)][-20:]
+        return "\n".join(tails)
 
     def wait_for_hits(self, since: float, timeout_s: float) -> float:
         """Seconds from ``since`` until the traffic hits again: the first pair's second request
@@ -191,7 +203,7 @@ def test_a_killed_store_node_with_one_copy_costs_misses_never_a_wrong_answer(tmp
         report("store node killed, 1 copy", run, fault, probes, gap)
         check(run, probes)
         assert [a.text for a in early] == [a.text for a in run.probes.values()]
-        assert gap < HITS_RESUME_WITHIN_S  # new saves land on the node that is left
+        assert gap < HITS_RESUME_WITHIN_S, run.store_events()  # new saves land on the node that is left
 
 
 def test_the_leading_master_killed_serves_by_recompute_and_hits_resume(tmp_path: Path) -> None:
@@ -202,11 +214,15 @@ def test_the_leading_master_killed_serves_by_recompute_and_hits_resume(tmp_path:
         assert leader is not None
         fault = time.monotonic()
         leader.kill()
-        gap = run.wait_for_hits(fault, HITS_RESUME_WITHIN_S)
+        # how soon the standby leads is Mooncake's; what kvpipe owns is the time after it
+        cluster.wait_for_leader(STANDBY_LEADS_WITHIN_S)
+        leads = time.monotonic()
+        gap = run.wait_for_hits(leads, HITS_RESUME_WITHIN_S)
         probes = run.until_every_probe_hits()
         report("leading master killed", run, fault, probes, gap)
+        print(f"  the standby served {leads - fault:.1f} s after it")
         check(run, probes)
-        assert gap < HITS_RESUME_WITHIN_S
+        assert gap < HITS_RESUME_WITHIN_S, run.store_events()
         assert [a.cached_tokens for a in probes] == [WHOLE] * PROBES  # the standby kept every object
 
 
@@ -226,5 +242,5 @@ def test_a_store_node_partitioned_and_back_costs_no_request_and_no_wrong_answer(
         print(f"  probes hit {sum(1 for a in during if a.cached_tokens >= WHOLE)}/{PROBES} during it")
         check(run, probes)
         assert [a.text for a in during] == [a.text for a in run.probes.values()]
-        assert gap < HITS_RESUME_WITHIN_S
+        assert gap < HITS_RESUME_WITHIN_S, run.store_events()
         assert [a.cached_tokens for a in probes] == [WHOLE] * PROBES  # nothing lost

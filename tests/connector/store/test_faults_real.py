@@ -50,6 +50,7 @@ import pytest
 import structlog
 
 from kvpipe.connector.bench.peer import remote_segment
+from kvpipe.connector.bench.schedstat import ScheduledTime
 from kvpipe.connector.store.breaker import BreakerSettings, CircuitBreaker, GuardedStore
 from kvpipe.connector.store.mooncake import MooncakeSettings, MooncakeStore
 from kvpipe.connector.store.mooncake.master import LocalMaster, MasterEndpoints
@@ -109,22 +110,6 @@ def _rss_bytes() -> int:
 
 def _native_threads() -> int:
     return len(os.listdir("/proc/self/task"))
-
-
-class ScheduledTime:
-    """Seconds this thread was on a CPU or waiting in the run queue for one (its schedstat).
-
-    A submit's wall time minus that is the time it slept: waiting for a lock, the
-    GIL or I/O, which is what "blocks" means. The rest is the OS sharing 2 cores
-    among this process's threads, the master and the peer: no code of ours waits.
-    """
-
-    def __init__(self) -> None:
-        self._fd = os.open("/proc/thread-self/schedstat", os.O_RDONLY)  # of the calling thread
-
-    def seconds(self) -> float:
-        on_cpu, in_run_queue, _ = os.pread(self._fd, 128, 0).split()
-        return (int(on_cpu) + int(in_run_queue)) / 1e9
 
 
 class CountingCondition(threading.Condition):

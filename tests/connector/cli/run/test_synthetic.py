@@ -3,7 +3,9 @@
 import ctypes
 
 import pytest
+import torch
 
+from kvpipe.connector.cli.run import synthetic
 from kvpipe.connector.cli.run.engine import BlockPool
 from kvpipe.connector.cli.run.synthetic import SyntheticCache, SyntheticGroup
 from kvpipe.stages import GroupKind, GroupSpec
@@ -32,18 +34,54 @@ def _object_in_memory(cache: SyntheticCache, rank: int, group: int, block_id: in
     return b"".join(ctypes.string_at(b.address, b.size) for b in layout.buffers(block_id))
 
 
+def _bytes(tensor) -> bytes:
+    return ctypes.string_at(tensor.data_ptr(), tensor.nbytes)
+
+
 def test_a_filled_block_holds_the_object_bytes_in_layer_order():
     cache = _cache()
-    cache.fill_block(1, 0, 5, b"prefix")
-    expected = cache.object_bytes(1, 0, b"prefix")
-    assert _object_in_memory(cache, 1, 0, 5) == ctypes.string_at(expected.data_ptr(), expected.nbytes)
+    cache.fill_blocks(1, 0, [5], [b"prefix"])
+    assert _object_in_memory(cache, 1, 0, 5) == _bytes(cache.object_bytes(1, 0, b"prefix"))
 
 
-def test_equal_prefixes_give_equal_bytes_and_ranks_differ():
+def test_the_bytes_are_a_pure_function_of_hash_rank_and_group():
+    first, second = _cache(), _cache()
+    assert _bytes(first.object_bytes(0, 0, b"h")) == _bytes(second.object_bytes(0, 0, b"h"))
+    others = [first.object_bytes(*name) for name in [(1, 0, b"h"), (0, 0, b"g"), (0, 1, b"h")]]
+    assert len({_bytes(first.object_bytes(0, 0, b"h")), *map(_bytes, others)}) == 4
+
+
+def test_a_block_filled_in_a_batch_holds_what_it_holds_filled_alone():
+    alone, batched = _cache(), _cache()
+    alone.fill_blocks(0, 0, [5], [b"h"])
+    batched.fill_blocks(0, 0, [2, 5, 7], [b"a", b"h", b"b"])
+    assert _object_in_memory(batched, 0, 0, 5) == _object_in_memory(alone, 0, 0, 5)
+
+
+def test_a_batch_split_over_several_torch_calls_fills_every_block(monkeypatch):
+    monkeypatch.setattr(synthetic, "BATCH_WORDS", 256)  # two blocks of 128 words a call: 7 blocks take 4
     cache = _cache()
-    same = cache.object_bytes(0, 0, b"h"), cache.object_bytes(0, 0, b"h")
-    assert bytes(same[0].tolist()) == bytes(same[1].tolist())
-    assert bytes(cache.object_bytes(1, 0, b"h").tolist()) != bytes(same[0].tolist())
+    hashes = [bytes([i]) for i in range(1, 8)]
+    cache.fill_blocks(0, 0, list(range(1, 8)), hashes)
+    for block_id, object_hash in enumerate(hashes, 1):
+        assert _object_in_memory(cache, 0, 0, block_id) == _bytes(cache.object_bytes(0, 0, object_hash))
+
+
+def test_no_eight_byte_word_repeats_within_an_object():
+    words = _cache().object_bytes(0, 0, b"h").view(torch.int64).tolist()
+    assert len(set(words)) == len(words)
+
+
+def test_blocks_whose_bytes_are_not_whole_words_round_trip():
+    cache = _cache(groups=[MAMBA], tp_size=1, kv_heads=1, head_size=3, dtype="float16")
+    assert cache.kv.shards[0].layouts[0].object_size == 2 * 12  # layers * 12 bytes: 1.5 words a layer
+    cache.fill_blocks(0, 0, [3], [b"h"])
+    assert _object_in_memory(cache, 0, 0, 3) == _bytes(cache.object_bytes(0, 0, b"h"))
+
+
+def test_filling_one_block_twice_in_a_batch_is_refused():
+    with pytest.raises(ValueError, match="distinct block ids"):
+        _cache().fill_blocks(0, 0, [5, 5], [b"a", b"b"])
 
 
 def test_each_rank_has_its_own_tensors_and_namespace():

@@ -15,13 +15,14 @@ from kvpipe.connector.fleet.replica import POLICIES
 from kvpipe.connector.store.mooncake.master import MasterError
 from kvpipe.pipeline.config import one_line
 
-from .flags import FlagError, from_flags
+from ..flags import FlagError, from_flags
+from ..usage import UsageError
 
 #: how often the running fleet checks that its replicas still answer
 WATCH_EVERY_S = 5.0
 
 
-def add_parser(commands: Any, usage_error: type[Exception]) -> None:
+def add_parser(commands: Any) -> None:
     parser = commands.add_parser(
         "fleet", help="vllm serve replicas behind vLLM's router over one Mooncake store, until Ctrl-C"
     )
@@ -54,10 +55,10 @@ def add_parser(commands: Any, usage_error: type[Exception]) -> None:
     parser.add_argument("--model", type=Path, help="a model folder with config.json (default: a tiny Llama)")
     parser.add_argument("--log-dir", type=Path, help="the processes' logs (default: a new temporary folder)")
     parser.add_argument("--json", action="store_true", help="print the fleet as one JSON object")
-    parser.set_defaults(command=lambda args: fleet_command(args, usage_error))
+    parser.set_defaults(command=command)
 
 
-def fleet_command(args: argparse.Namespace, usage_error: type[Exception]) -> int:
+def command(args: argparse.Namespace) -> int:
     fields = {
         "replicas": args.replicas,
         "connector": args.connector,
@@ -74,9 +75,9 @@ def fleet_command(args: argparse.Namespace, usage_error: type[Exception]) -> int
     try:
         spec = from_flags(FleetSpec, fields, {"node_segment": "segment"})
     except FlagError as error:
-        raise usage_error(str(error)) from None
+        raise UsageError(str(error)) from None
     if spec.model is not None and not (spec.model / "config.json").is_file():
-        raise usage_error(f"--model: {str(spec.model)!r} holds no config.json")
+        raise UsageError(f"--model: {str(spec.model)!r} holds no config.json")
     print(f"kvpipe fleet: starting (logs in {spec.log_dir or 'a temporary folder'})", flush=True)
     try:
         with Fleet(spec) as fleet:
@@ -96,7 +97,7 @@ def fleet_command(args: argparse.Namespace, usage_error: type[Exception]) -> int
     except (ProcessError, MasterError, NetworkUnavailable) as error:
         if args.verbose:
             raise
-        raise usage_error(one_line(str(error))) from None
+        raise UsageError(one_line(str(error))) from None
     return 0
 
 

@@ -1,0 +1,185 @@
+"""Where the staging copies run: host memory, or an accelerator's side stream.
+
+The staging area (:mod:`.staging_area`) moves a step's blocks with a handful of
+batched calls; this module is the seam that says what each call does on the
+cache's device, so the area's code is the same everywhere and a test can stand
+in for a device (``tests/vllm/device_double.py``) to count launches and waits.
+
+Why a side stream on a device: the engine thread must never block on the GPU.
+Copies are queued on a stream of their own, ordered after the work the engine
+has queued (its forward, which wrote the blocks), and a :class:`Fence` recorded
+after them says when they are done: whoever reads the slots (the save
+pipeline, in a thread of its own) waits on the fence, never the engine thread.
+Where the engine's next forward must see a copy (a load into its blocks) or must
+not overwrite a block before it was read (a save), the engine's stream waits
+on the fence on the device (``wait_event``): the CPU goes on at once.
+
+Only device-agnostic torch is used (``torch.Stream``, ``torch.Event``,
+``torch.accelerator``), so importing this needs no CUDA build.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Protocol
+
+import torch
+
+
+class Fence(Protocol):
+    """The point in a device's queue after the copies launched so far."""
+
+    def done(self) -> bool:
+        """Whether the copies before it have finished (never blocks)."""
+        ...
+
+    def wait(self) -> None:
+        """Block until they have: only for threads other than the engine's."""
+        ...
+
+
+class Device(Protocol):
+    """The calls the staging area makes; each copy call is one launch, whatever it moves.
+
+    ``host``: the cache is host memory, so slots are filled straight from (and
+    copied straight into) its blocks and every copy is done when it returns.
+    Tensors are uint8; ``gather`` and ``scatter`` index dimension 1 of
+    ``[regions, rows, bytes]`` views.
+    """
+
+    host: bool
+
+    def index(self, ids: Sequence[int]) -> torch.Tensor:
+        """``ids`` as an int64 index on the device (its upload ordered before the copies that use it)."""
+        ...
+
+    def scratch(self, rows: int, width: int) -> torch.Tensor:
+        """A ``[rows, width]`` buffer on the device, safe to use for the copies that follow."""
+        ...
+
+    def after_engine(self) -> None:
+        """Order the copies launched from now on after the work the engine has queued."""
+        ...
+
+    def gather(self, out: torch.Tensor, source: torch.Tensor, index: torch.Tensor) -> None:
+        """``out[:, i] = source[:, index[i]]``."""
+        ...
+
+    def scatter(self, target: torch.Tensor, index: torch.Tensor, source: torch.Tensor) -> None:
+        """``target[:, index[i]] = source[:, i]``."""
+        ...
+
+    def transfer(self, target: torch.Tensor, source: torch.Tensor) -> None:
+        """``target[:] = source`` between host and device memory."""
+        ...
+
+    def record(self, *, engine_waits: bool) -> Fence:
+        """A fence after the copies launched so far; ``engine_waits``: the engine's next work waits for it."""
+        ...
+
+
+class _Done:
+    """The fence of copies that finished before their call returned."""
+
+    def done(self) -> bool:
+        return True
+
+    def wait(self) -> None:
+        return None
+
+
+DONE: Fence = _Done()
+
+
+class HostDevice:
+    """A cache in host memory: plain torch calls, done on return."""
+
+    host = True
+
+    def index(self, ids: Sequence[int]) -> torch.Tensor:
+        return torch.tensor(ids, dtype=torch.int64)
+
+    def scratch(self, rows: int, width: int) -> torch.Tensor:
+        return torch.empty((rows, width), dtype=torch.uint8)
+
+    def after_engine(self) -> None:
+        return None  # the forward that wrote the blocks has returned
+
+    def gather(self, out: torch.Tensor, source: torch.Tensor, index: torch.Tensor) -> None:
+        torch.index_select(source, 1, index, out=out)
+
+    def scatter(self, target: torch.Tensor, index: torch.Tensor, source: torch.Tensor) -> None:
+        target.index_copy_(1, index, source)
+
+    def transfer(self, target: torch.Tensor, source: torch.Tensor) -> None:
+        target.copy_(source)
+
+    def record(self, *, engine_waits: bool) -> Fence:
+        return DONE
+
+
+class _EventFence:
+    def __init__(self, event: torch.Event) -> None:
+        self.event = event
+
+    def done(self) -> bool:
+        return bool(self.event.query())
+
+    def wait(self) -> None:
+        self.event.synchronize()
+
+
+class AcceleratorDevice:
+    """A cache on an accelerator: every copy on one side stream, none of them waited for here.
+
+    Buffers made here (indexes, scratch) are allocated while the side stream is
+    current, so the caching allocator reuses their memory only in that stream's
+    order: dropping them after the launch is safe without ``record_stream``.
+    The index is uploaded from pinned memory: a pageable upload would make the
+    thread wait for the side stream, and so for the engine's forward.
+    """
+
+    host = False
+
+    def __init__(self, device: torch.device) -> None:
+        self.device = device
+        self._side = torch.Stream(device=device)
+
+    def _engine(self) -> torch.Stream:
+        return torch.accelerator.current_stream(self.device)
+
+    def index(self, ids: Sequence[int]) -> torch.Tensor:
+        pinned = torch.tensor(ids, dtype=torch.int64).pin_memory()
+        with self._side:
+            return pinned.to(self.device, non_blocking=True)
+
+    def scratch(self, rows: int, width: int) -> torch.Tensor:
+        with self._side:
+            return torch.empty((rows, width), dtype=torch.uint8, device=self.device)
+
+    def after_engine(self) -> None:
+        self._side.wait_stream(self._engine())
+
+    def gather(self, out: torch.Tensor, source: torch.Tensor, index: torch.Tensor) -> None:
+        with self._side:
+            torch.index_select(source, 1, index, out=out)
+
+    def scatter(self, target: torch.Tensor, index: torch.Tensor, source: torch.Tensor) -> None:
+        with self._side:
+            target.index_copy_(1, index, source)
+
+    def transfer(self, target: torch.Tensor, source: torch.Tensor) -> None:
+        with self._side:
+            target.copy_(source, non_blocking=True)
+
+    def record(self, *, engine_waits: bool) -> Fence:
+        event = torch.Event(device=self.device)
+        event.record(self._side)
+        if engine_waits:
+            self._engine().wait_event(event)
+        return _EventFence(event)
+
+
+def device_of(device: torch.device) -> Device:
+    """The :class:`Device` for a cache on ``device``."""
+    return HostDevice() if device.type == "cpu" else AcceleratorDevice(device)
