@@ -14,8 +14,8 @@ Load it with::
   ``max_buffers_per_call``, ``staging_tokens`` (32768 tokens of every stored group,
   whatever the block size) or ``staging_blocks`` (the slot count), ``save_deadline_s`` (10) and
   ``load_deadline_s`` (5): past its deadline a job starts no new store call.
-  ``save_nice`` (19, 0 to 19): how much nicer than the engine's threads the save
-  pipeline's run (Linux): saves take the CPU the engine's steps leave.
+  ``save_nice`` (10, 0 to 19): how much nicer than the engine's threads the save
+  pipeline's run (Linux): on a core both want, saves get ~10% of it.
 - ``config``: a kvpipe YAML file whose ``store`` and ``save`` sections give defaults;
   keys given inline override them.
 - ``load_async`` (true): loads run beside the engine's steps and are reported by

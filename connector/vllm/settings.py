@@ -45,9 +45,13 @@ class ConnectorSettings(BaseModel):
     # recompute, and a stuck save gives its staging slots back.
     save_deadline_s: float = Field(10.0, gt=0)
     load_deadline_s: float = Field(5.0, gt=0)
-    # How much nicer than the engine the save pipeline's threads run (Linux): a save
-    # takes the CPU the engine's steps leave, not a share of theirs. 0: the same.
-    save_nice: int = Field(MAX_NICE, ge=0, le=MAX_NICE, strict=True)
+    # How much nicer than the engine the save pipeline's threads run (Linux). 10 is a
+    # CPU share, not a yield: on a core both want, Linux weighs nice 10 against 0 as 110
+    # to 1024, so saves get ~10% of it and land while the engine stays busy. At 19 (a
+    # weight of 15) an engine that kept both cores busy left them nothing: the demo's
+    # second pass, right after the first, found none of its saves (0 of 1,792 tokens;
+    # all of them at 10 and at 5, pass 1 as fast within noise). 0: the engine's weight.
+    save_nice: int = Field(10, ge=0, le=MAX_NICE, strict=True)
     # As vLLM's MooncakeStoreConnector: loads run beside the engine's steps, and
     # decode-phase chunks (rarely shared) are not stored unless asked for.
     load_async: StrictFlag = True

@@ -23,7 +23,7 @@ def test_defaults_and_inline_values() -> None:
 def test_saves_yield_the_cpu_to_the_engine_and_idle_loads_run_sync_by_default() -> None:
     settings = settings_from(None)
 
-    assert settings.save_nice == 19
+    assert settings.save_nice == 10
     assert settings.load_async and settings.load_sync_when_idle
 
 
