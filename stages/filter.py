@@ -46,6 +46,7 @@ class FilterStage(BatchStage):
                 )
             except StoreCallError as error:
                 call_error = error
+        claimed: set[str] = set()  # absent keys an earlier entry of this batch puts
         for entry in batch:
             emit = entry.emit
             missing = []
@@ -53,9 +54,13 @@ class FilterStage(BatchStage):
             for record in entry.item:
                 if call_error is not None:
                     self._reporter.failed(emit, record, f"exist {record.key}: {call_error}")
-                elif (answer := answers[record.key]) == EXISTS:
+                elif (answer := answers[record.key]) == EXISTS or record.key in claimed:
+                    # Put once: two puts of one chunk race in the put stage's workers, and
+                    # under group semantics one's rollback of a torn chunk leaves the
+                    # other's half stored (a partial chunk no reader can use).
                     existing.append(record)
                 elif answer == ABSENT:
+                    claimed.add(record.key)
                     missing.append(record)
                 else:
                     self._reporter.failed(emit, record, f"exist {record.key}: {describe(answer)}")
