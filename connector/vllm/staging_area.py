@@ -41,7 +41,7 @@ from __future__ import annotations
 import heapq
 import itertools
 from collections import defaultdict
-from collections.abc import Mapping, Sequence
+from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass
 
 import torch
@@ -175,17 +175,14 @@ class StagingArea:
         device = self._device
         device.after_engine()
         moves: list[tuple[_GroupArea, list[tuple[int, int, int]], torch.Tensor]] = []
-        for group, pairs in _by_group(copies).items():
-            area = self._areas[group]
-            runs, blocks = _batch(pairs)
-            index = device.index(blocks)
+        for area, runs, index in self._batches(copies):
             if device.host:
                 for slot, first, last in runs:
                     landing = area.rows[slot : slot + last - first]
                     for run in area.runs:
                         device.gather(run.columns(landing), run.rows, index[first:last])
                 continue
-            scratch = device.scratch(len(blocks), area.rows.shape[1])
+            scratch = device.scratch(len(index), area.rows.shape[1])
             for run in area.runs:
                 device.gather(run.columns(scratch), run.rows, index)
             moves.append((area, runs, scratch))
@@ -196,6 +193,14 @@ class StagingArea:
                 device.transfer(area.rows[slot : slot + last - first], scratch[first:last])
         return self._fenced(copies)
 
+    def _batches(
+        self, copies: Sequence[Copy]
+    ) -> Iterator[tuple[_GroupArea, list[tuple[int, int, int]], torch.Tensor]]:
+        """Per group of ``copies``: its area, its runs of neighbouring slots and its blocks' index on the device."""
+        for group, pairs in _by_group(copies).items():
+            runs, blocks = _batch(pairs)
+            yield self._areas[group], runs, self._device.index(blocks)
+
     def copy_out(self, copies: Sequence[Copy]) -> None:
         """Start copying slots into engine blocks (a load), ordered before the engine's next forward.
 
@@ -203,17 +208,14 @@ class StagingArea:
         """
         device = self._device
         device.after_engine()
-        for group, pairs in _by_group(copies).items():
-            area = self._areas[group]
-            runs, blocks = _batch(pairs)
-            index = device.index(blocks)
+        for area, runs, index in self._batches(copies):
             if device.host:
                 for slot, first, last in runs:
                     landed = area.rows[slot : slot + last - first]
                     for run in area.runs:
                         device.scatter(run.rows, index[first:last], run.columns(landed))
                 continue
-            scratch = device.scratch(len(blocks), area.rows.shape[1])
+            scratch = device.scratch(len(index), area.rows.shape[1])
             for slot, first, last in runs:
                 device.transfer(scratch[first:last], area.rows[slot : slot + last - first])
             for run in area.runs:
