@@ -15,6 +15,7 @@ import time
 from collections.abc import Callable, Sequence
 from typing import Any, ClassVar
 
+import anyio
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 from kvpipe.pipeline.priority import cpu_wait_seconds
@@ -27,7 +28,7 @@ from .model import Records, StoreObject
 from .object_status import DEADLINE_PASSED, ObjectObserver, ObjectReporter
 from .retention import PinBudget
 from .seal import SealMemory, SealSlab
-from .store import MAX_SOFT_PIN_TTL_S, Code, SavingStore, describe
+from .store import EXISTS, MAX_SOFT_PIN_TTL_S, Code, SavingStore, describe
 from .throttle import DEFAULT_THROTTLE, SlowStoreThrottle, ThrottleParams
 
 #: The buffer budget of one store call (puts and gets alike): the transport refuses a
@@ -35,6 +36,15 @@ from .throttle import DEFAULT_THROTTLE, SlowStoreThrottle, ThrottleParams
 MAX_BUFFERS_PER_CALL = 2048
 
 ROLLED_BACK = "removed again: another object of its chunk was refused"
+TORN_BEFORE = "not put: another object of its chunk was removed again after a refusal"
+#: How long a rolled-back chunk is remembered: longer than a record spends between the
+#: filter's answer and its put (the queues between them hold milliseconds of work).
+TORN_MEMORY_S = 30.0
+
+
+def _unit(record: StoreObject) -> str:
+    """What two batches must not put at once: a record's chunk (under group semantics), or its key."""
+    return record.group_id or record.key
 
 
 class PutParams(BaseModel):
@@ -156,6 +166,10 @@ class PutStage(BatchStage):
         self._pins = (
             PinBudget(params.max_pinned_bytes, params.soft_pin_ttl_s) if params.max_pinned_bytes else None
         )
+        #: chunk (group id, else key) -> set when the batch putting it is done (see :meth:`_claim`)
+        self._in_flight: dict[str, anyio.Event] = {}
+        #: group id -> when this stage rolled its chunk back, and the keys it removed (see :meth:`_fail_torn`)
+        self._torn: dict[str, tuple[float, frozenset[str]]] = {}
 
     @property
     def _seal_buffers(self) -> int:
@@ -187,17 +201,73 @@ class PutStage(BatchStage):
                     holders[record.key] = [(emit, record)]
                 else:
                     sharing.append((emit, record))
-        # requests sharing a prefix share keys: each key is put once
-        first_of_each_key = [holding[0][1] for holding in holders.values()]
-        pinned, unpinned = await self._pinned(first_of_each_key, holders)
-        calls = [(call, True) for call in split_into_calls(pinned, self._max_buffers, self._seal_buffers)]
-        calls += [(call, False) for call in split_into_calls(unpinned, self._max_buffers, self._seal_buffers)]
-        for offered, pin in calls:
-            stored = await self._put_call(offered, pin, holders)
-            if pin and self._pins is not None:
-                for record in offered:  # a pin whose put did not store its object holds nothing
-                    if record.key not in stored:
-                        self._pins.release(record.key)
+        units = {_unit(holding[0][1]) for holding in holders.values()}
+        done = await self._claim(units)
+        try:
+            await self._fail_torn(holders)
+            # requests sharing a prefix share keys: each key is put once
+            first_of_each_key = [holding[0][1] for holding in holders.values()]
+            pinned, unpinned = await self._pinned(first_of_each_key, holders)
+            calls = [(call, True) for call in split_into_calls(pinned, self._max_buffers, self._seal_buffers)]
+            calls += [
+                (call, False) for call in split_into_calls(unpinned, self._max_buffers, self._seal_buffers)
+            ]
+            for offered, pin in calls:
+                stored = await self._put_call(offered, pin, holders)
+                if pin and self._pins is not None:
+                    for record in offered:  # a pin whose put did not store its object holds nothing
+                        if record.key not in stored:
+                            self._pins.release(record.key)
+        finally:
+            for unit in units:
+                del self._in_flight[unit]
+            done.set()
+
+    async def _claim(self, units: set[str]) -> anyio.Event:
+        """Wait until no other batch is putting any of ``units``, then mark them in flight; the batch's event.
+
+        The filter asks the store in batches, so a chunk can be answered absent to
+        the next batch while this stage's other worker is still putting it. Two puts
+        of one chunk must not overlap: under group semantics one's rollback of a torn
+        chunk would remove objects the other counts as stored. A batch that holds
+        units never waits (it claims all of its units at once, between two awaits),
+        so two batches cannot wait on each other.
+        """
+        while busy := next((self._in_flight[unit] for unit in units if unit in self._in_flight), None):
+            await busy.wait()
+        done = anyio.Event()
+        for unit in units:
+            self._in_flight[unit] = done
+        return done
+
+    async def _fail_torn(self, holders: Holders) -> None:
+        """Fail (and drop from ``holders``) the records of chunks whose objects this stage removed since.
+
+        The filter may have answered "stored" for some objects of a chunk just
+        before another batch rolled that chunk back (:meth:`_remove_torn_chunks`):
+        putting only the rest would leave the chunk partial. Such a chunk's removed
+        keys are asked again (one call, only for chunks torn in the last
+        :data:`TORN_MEMORY_S`); if any is still absent, the chunk is not put.
+        """
+        now = time.monotonic()
+        while self._torn and now - next(iter(self._torn.values()))[0] > TORN_MEMORY_S:
+            del self._torn[next(iter(self._torn))]
+        to_ask: dict[str, list[str]] = {}  # group id -> removed keys this batch does not put itself
+        for holding in holders.values():
+            group_id = holding[0][1].group_id
+            if group_id in self._torn and group_id not in to_ask:
+                to_ask[group_id] = [k for k in self._torn[group_id][1] if k not in holders]
+        keys = [key for missing in to_ask.values() for key in missing]
+        if not keys:
+            return
+        try:
+            present = dict(zip(keys, await call_per_key(self, self._store.batch_is_exist, keys), strict=True))
+            broken = {g for g, missing in to_ask.items() if any(present[k] != EXISTS for k in missing)}
+        except StoreCallError:
+            broken = set(to_ask)
+        for key in [key for key, holding in holders.items() if holding[0][1].group_id in broken]:
+            for emit, held in holders.pop(key):
+                self._reporter.failed(emit, held, f"put {held.key}: {TORN_BEFORE}")
 
     async def _put_call(self, call: Sequence[StoreObject], pin: bool, holders: Holders) -> set[str]:
         """Put one call's records (``pin``: soft-pinned) and report each; the keys it stored."""
@@ -447,7 +517,13 @@ class PutStage(BatchStage):
             results = await call_per_key(self, remove_each, torn, self._store, True)
         except StoreCallError:
             return set()  # they stay stored: reported as put, the chunk partial
-        return {key for key, result in zip(torn, results, strict=True) if result == Code.OK}
+        removed = {key for key, result in zip(torn, results, strict=True) if result == Code.OK}
+        when = time.monotonic()
+        for record in call:
+            if record.key in removed and record.group_id:
+                _, keys = self._torn.pop(record.group_id, (when, frozenset()))
+                self._torn[record.group_id] = (when, keys | {record.key})  # last: newest
+        return removed
 
     async def stop(self) -> None:
         if self._seals.allocated:

@@ -1,7 +1,9 @@
 """``put`` stores records in calls within the buffer budget and reports each record."""
 
+import threading
 import time
 
+import anyio
 import pytest
 from pydantic import ValidationError
 
@@ -17,7 +19,7 @@ from kvpipe.stages import (
 )
 
 from .kv_fixtures import make_kv, make_request
-from .stores import RecordingStore, ScriptedStore, fake_record
+from .stores import RecordingStore, ScriptedStore, by_first_sight, fake_record
 
 
 def _stage(store, **params):
@@ -276,3 +278,78 @@ async def test_without_group_ids_a_partly_refused_chunk_keeps_what_was_stored():
 
     assert inner.removed == []
     assert batch[0].emit.counts == {"put": 1, "failed": 1}
+
+
+async def test_a_key_another_batch_is_putting_is_put_only_after_that_put_and_its_rollback():
+    gid = "vllm-mooncake-store:m@aa"
+    chunk = (fake_record("shard0", group_id=gid), fake_record("shard1", group_id=gid))
+    first_put_may_return = threading.Event()
+    log: list[tuple[str, ...]] = []
+
+    class FirstPutRefusesOneShard(ScriptedStore):
+        def batch_put_from_multi_buffers(self, keys, ptrs, sizes, config):
+            log.append(("put", *keys))
+            if len(log) > 1:
+                return [0] * len(keys)
+            first_put_may_return.wait(30)
+            return [0 if key == "shard0" else -800 for key in keys]
+
+        def remove(self, key, *, force=False):
+            log.append(("remove", key))
+            return 0
+
+    stage = _stage(FirstPutRefusesOneShard())
+    stage.thread_limit = 2  # as the save graph's two put workers
+    first, second = batch_of([chunk]), batch_of([chunk])
+    with anyio.fail_after(30):
+        async with anyio.create_task_group() as tasks:
+            try:
+                tasks.start_soon(stage.process_batch, first)
+                while not log:
+                    await anyio.sleep(0.001)
+                tasks.start_soon(stage.process_batch, second)
+                await anyio.wait_all_tasks_blocked()
+                assert log == [("put", "shard0", "shard1")]  # the second batch waits
+            finally:
+                first_put_may_return.set()
+
+    assert log == [("put", "shard0", "shard1"), ("remove", "shard0"), ("put", "shard0", "shard1")]
+    assert first[0].emit.counts == {"failed": 2}
+    assert second[0].emit.counts == {"put": 2}
+
+
+async def test_the_rest_of_a_chunk_rolled_back_since_the_filter_asked_is_not_put():
+    gid = "vllm-mooncake-store:m@aa"
+    shard0, shard1 = fake_record("shard0", group_id=gid), fake_record("shard1", group_id=gid)
+    inner = ScriptedStore(put=by_first_sight([0, -200]))  # shard0 stored, shard1 refused: torn
+    store = RecordingStore(inner)
+    stage = _stage(store, backoff_initial_s=0, backoff_max_s=0)
+    await stage.process_batch(batch_of([(shard0, shard1)]))
+    assert inner.removed == ["shard0"]
+    store.put_calls.clear()
+
+    # filtered before that rollback: shard0 was answered stored, so only shard1 comes
+    late = batch_of([(shard1,)])
+    await stage.process_batch(late)
+
+    assert store.exist_calls == [["shard0"]]
+    assert store.put_calls == []
+    assert late[0].emit.counts == {"failed": 1}
+
+
+async def test_the_rest_of_a_rolled_back_chunk_is_put_once_its_removed_objects_are_back():
+    gid = "vllm-mooncake-store:m@aa"
+    shard0, shard1 = fake_record("shard0", group_id=gid), fake_record("shard1", group_id=gid)
+    refusals = iter([0, -200])
+    inner = ScriptedStore(exist=lambda key: 1, put=lambda key: next(refusals, 0))
+    store = RecordingStore(inner)
+    stage = _stage(store, backoff_initial_s=0, backoff_max_s=0)
+    await stage.process_batch(batch_of([(shard0, shard1)]))
+    store.put_calls.clear()
+
+    later = batch_of([(shard1,)])  # shard0 stored again (by another request) meanwhile
+    await stage.process_batch(later)
+
+    assert store.exist_calls == [["shard0"]]
+    assert store.put_keys == ["shard1"]
+    assert later[0].emit.counts == {"put": 1}
