@@ -6,10 +6,10 @@ by the :class:`SavingStore` and :class:`LoadingStore` protocols.
 
 from .backoff import Backoff
 from .chunks import Chunk, chunk_hash_at, chunks_to_save, full_chunks, tail_chunks
-from .collect import FullChunksStage, TailStage, chunk_records
-from .default_pipeline import DEFAULT_SAVE_PIPELINE, default_save_graph
+from .errors import ConfigError
 from .filter import FilterStage
-from .flags import ConfigError, StrictFlag, parse_flag
+from .flags import StrictFlag, parse_flag
+from .full_and_tail import FullChunksStage, TailStage, chunk_records
 from .gather import GatherParams, GatherStage
 from .group_ids import GroupIdsParams, GroupIdsStage
 from .integrity import Integrity, Seal, Verdict, fingerprint, is_seal_key, seal_key
@@ -44,41 +44,22 @@ from .model import (
 )
 from .object_status import ObjectObserver, ObjectReporter, ObjectStatus
 from .project import ProjectStage
-from .projection import ProjectionError, project_groups, storable_groups
 from .put import MAX_BUFFERS_PER_CALL, PutParams, PutStage, split_into_calls
 from .registry import KV_STAGES
+from .save_pipeline import DEFAULT_SAVE_PIPELINE, default_save_graph
 from .seal import SealMemory
 from .staging import StagingError, StagingPool, StagingSlot, copy_into_slots
+from .storable import ProjectionError, project_groups, storable_groups
 from .store import EXISTS, Code, LoadingStore, SavingStore, describe
 from .throttle import SlowStoreThrottle, ThrottleParams
 
 __all__ = [
-    "MAX_BUFFERS_PER_CALL",
-    "EXISTS",
     "DEFAULT_LOAD_PIPELINE",
-    "LoadObserver",
-    "LoadParams",
-    "LoadRequest",
-    "LoadStage",
-    "LoadTarget",
-    "LookupRequest",
-    "LoadingStore",
-    "default_load_graph",
-    "load_targets",
-    "longest_stored_prefix",
-    "lookup_keys",
-    "prefix_unit",
     "DEFAULT_SAVE_PIPELINE",
-    "default_save_graph",
+    "EXISTS",
     "GROUP_ID_SCOPE",
     "KV_STAGES",
-    "Integrity",
-    "Seal",
-    "SealMemory",
-    "Verdict",
-    "fingerprint",
-    "is_seal_key",
-    "seal_key",
+    "MAX_BUFFERS_PER_CALL",
     "Backoff",
     "BlockLayout",
     "Buffer",
@@ -93,12 +74,19 @@ __all__ = [
     "GroupIdsStage",
     "GroupKind",
     "GroupSpec",
+    "Integrity",
     "KVCache",
     "KeyNamespace",
+    "LoadObserver",
+    "LoadParams",
+    "LoadRequest",
+    "LoadStage",
+    "LoadTarget",
+    "LoadingStore",
+    "LookupRequest",
     "ObjectObserver",
-    "ObjectStatus",
-    "SavingStore",
     "ObjectReporter",
+    "ObjectStatus",
     "ProjectStage",
     "ProjectedRequest",
     "ProjectionError",
@@ -106,10 +94,13 @@ __all__ = [
     "PutStage",
     "Records",
     "Region",
-    "StagedCopy",
     "SaveRequest",
+    "SavingStore",
+    "Seal",
+    "SealMemory",
     "Shard",
     "SlowStoreThrottle",
+    "StagedCopy",
     "StagingError",
     "StagingPool",
     "StagingSlot",
@@ -118,18 +109,28 @@ __all__ = [
     "StrictFlag",
     "TailStage",
     "ThrottleParams",
-    "chunk_records",
-    "describe",
+    "Verdict",
     "chunk_hash_at",
+    "chunk_records",
     "chunks_to_save",
-    "full_chunks",
     "copy_into_slots",
+    "default_load_graph",
+    "default_save_graph",
+    "describe",
+    "fingerprint",
+    "full_chunks",
     "group_id",
+    "is_seal_key",
     "key_model_name",
-    "shared_pool_id",
+    "load_targets",
+    "longest_stored_prefix",
+    "lookup_keys",
     "object_key",
     "parse_flag",
+    "prefix_unit",
     "project_groups",
+    "seal_key",
+    "shared_pool_id",
     "spans",
     "split_into_calls",
     "storable_groups",

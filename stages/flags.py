@@ -12,9 +12,7 @@ from typing import Annotated
 
 from pydantic import BeforeValidator, ValidationInfo
 
-
-class ConfigError(ValueError):
-    """A configuration value is invalid; the message names the field and the value."""
+from .errors import ConfigError
 
 
 def parse_flag(value: object, field: str) -> bool:

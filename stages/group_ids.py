@@ -20,7 +20,7 @@ from kvpipe.pipeline.stage import Emit, Stage
 from .flags import StrictFlag
 from .keys import group_id
 from .model import KeyNamespace, KVCache, Records
-from .projection import storable_groups
+from .storable import storable_groups
 from .store import SavingStore
 
 log = structlog.get_logger(__name__)

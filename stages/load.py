@@ -38,9 +38,9 @@ from .integrity import REFUSED, SEAL_SIZE, Integrity, Verdict, fingerprint, judg
 from .keys import object_key
 from .model import KVCache, Shard, StoreGroup, StoreObject, spans
 from .object_status import DEADLINE_PASSED
-from .projection import storable_groups
 from .put import MAX_BUFFERS_PER_CALL, split_into_calls
 from .seal import SealMemory, SealSlab
+from .storable import storable_groups
 from .store import EXISTS, Code, LoadingStore, describe
 
 log = structlog.get_logger(__name__)

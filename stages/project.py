@@ -14,7 +14,7 @@ from kvpipe.pipeline.stage import Emit, Stage
 
 from .chunks import full_chunk_range, tail_chunks
 from .model import KVCache, ProjectedRequest, SaveRequest
-from .projection import storable_groups
+from .storable import storable_groups
 
 FULL_PORT = "full"
 TAIL_PORT = "tail"

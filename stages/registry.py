@@ -16,8 +16,8 @@ from typing import TypeVar
 from kvpipe.pipeline.errors import BuildError
 from kvpipe.pipeline.registry import NoParams, Resources, StageRegistry
 
-from .collect import FullChunksStage, TailStage
 from .filter import FilterStage
+from .full_and_tail import FullChunksStage, TailStage
 from .gather import GatherParams, GatherStage
 from .group_ids import GroupIdsParams, GroupIdsStage
 from .integrity import fingerprint

@@ -32,7 +32,7 @@ from vllm.distributed.kv_transfer.kv_connector.v1.metrics import (
 from kvpipe.connector.store.metered import OperationLog
 from kvpipe.connector.store.protocol import Store
 from kvpipe.stages import shared_pool_id
-from kvpipe.stages.flags import ConfigError
+from kvpipe.stages.errors import ConfigError
 
 from .engine_cache import EngineCache, lent_bytes, open_store, store_config
 from .events import ChunkAnnouncer

@@ -28,7 +28,7 @@ from kvpipe.stages import (
     key_model_name,
     storable_groups,
 )
-from kvpipe.stages.flags import ConfigError
+from kvpipe.stages.errors import ConfigError
 from kvpipe.stages.integrity import engine_facts
 
 from .settings import ConnectorSettings

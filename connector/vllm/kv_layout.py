@@ -39,7 +39,7 @@ from dataclasses import dataclass
 import torch
 
 from kvpipe.stages import BlockLayout, Region
-from kvpipe.stages.flags import ConfigError
+from kvpipe.stages.errors import ConfigError
 
 __all__ = [
     "EngineRegion",

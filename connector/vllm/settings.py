@@ -15,7 +15,7 @@ from kvpipe.pipeline import BuildError
 from kvpipe.pipeline.config import describe_validation_error, load_yaml, one_line
 from kvpipe.pipeline.priority import MAX_NICE
 from kvpipe.stages import MAX_BUFFERS_PER_CALL, Integrity, StrictFlag
-from kvpipe.stages.flags import ConfigError
+from kvpipe.stages.errors import ConfigError
 from kvpipe.stages.retention import PINNED_SHARE
 from kvpipe.stages.store import MAX_SOFT_PIN_TTL_S
 

@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from kvpipe.connector.bench import launch
-from kvpipe.stages.flags import ConfigError
+from kvpipe.stages.errors import ConfigError
 
 from . import engine
 

@@ -20,7 +20,7 @@ from kvpipe.connector.vllm.engine_cache import open_store, tp_replicas
 from kvpipe.connector.vllm.scheduler import SchedulerSide
 from kvpipe.connector.vllm.settings import settings_from
 from kvpipe.stages import GROUP_ID_SCOPE
-from kvpipe.stages.flags import ConfigError
+from kvpipe.stages.errors import ConfigError
 
 from ..stages.kv_fixtures import chain_hashes
 from .rank_half import BLOCK, CHUNKS, ranked_cache

@@ -16,7 +16,7 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationInfo, field_validat
 from kvpipe.connector.store.configs import MemoryStoreConfig, StoreConfig
 from kvpipe.pipeline import WhenFull
 from kvpipe.stages import MAX_BUFFERS_PER_CALL, GroupKind, GroupSpec, Integrity, StrictFlag, project_groups
-from kvpipe.stages.projection import MAMBA_ALIGN_MODE, savable_mode
+from kvpipe.stages.storable import MAMBA_ALIGN_MODE, savable_mode
 
 #: A positive whole number as written: ``true`` or ``"8"`` is an error, not 1 or 8.
 Count = Annotated[int, Field(gt=0, strict=True)]

@@ -25,7 +25,7 @@ from .model import (
     StoreGroup,
     StoreObject,
 )
-from .projection import storable_groups
+from .storable import storable_groups
 
 
 def chunk_records(
