@@ -252,6 +252,8 @@ class PutStage(BatchStage):
         now = time.monotonic()
         while self._torn and now - next(iter(self._torn.values()))[0] > TORN_MEMORY_S:
             del self._torn[next(iter(self._torn))]
+        if not self._torn:
+            return  # the usual case: no chunk rolled back lately
         to_ask: dict[str, list[str]] = {}  # group id -> removed keys this batch does not put itself
         for holding in holders.values():
             group_id = holding[0][1].group_id
