@@ -14,9 +14,10 @@ CONFIG ?= configs/default.yaml
 run: $(STAMP)
 	$(VENV)/bin/kvpipe run $(CONFIG) $(ARGS)
 
-# mypy first (strict on pipeline/ and stages/; pyproject's [tool.mypy] says what it
-# checks): a wrong type fails in seconds, before the minutes of tests. Then the
-# engine-free connector tests on the vLLM release GPU users install (compat, below).
+# mypy first (strict on every package: pipeline/, stages/ and connector/; pyproject's
+# [tool.mypy] says what it checks): a wrong type fails in seconds, before the minutes of
+# tests. Then the engine-free connector tests on the vLLM release GPU users install
+# (compat, below).
 test: $(STAMP)
 	$(PY) -m mypy
 	$(PY) -m pytest $(PYTEST_ARGS)

@@ -1,4 +1,4 @@
-"""The KV data model and the stages of the save path (see the README, "The save pipeline").
+"""The KV data model and the stages of the save path (see docs/architecture.md, "The save pipeline").
 
 Knows no vLLM and no Mooncake: the engine is described by :mod:`.model`, the store
 by the :class:`SavingStore` and :class:`LoadingStore` protocols.

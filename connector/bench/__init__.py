@@ -50,6 +50,7 @@ from __future__ import annotations
 
 import importlib
 from collections.abc import Callable
+from typing import cast
 
 from .result import BenchOptions, Target, WorkloadResult
 
@@ -73,4 +74,5 @@ WORKLOADS: dict[str, str] = {
 def workload_runner(name: str) -> Callable[[BenchOptions], WorkloadResult]:
     """The ``run`` function of workload ``name`` (imported on demand: some need vLLM)."""
     module = importlib.import_module(f"{__name__}.{WORKLOADS[name]}")
-    return module.run
+    # an imported-by-name module is untyped to mypy; every workload defines run(options)
+    return cast("Callable[[BenchOptions], WorkloadResult]", module.run)

@@ -144,7 +144,7 @@ def run(options: BenchOptions) -> WorkloadResult:
     # the engine core steps in this thread, so a step's time is the step's own.
     os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
     rounds = 1 if options.quick else 3
-    rows = []
+    rows: list[dict[str, Any]] = []  # a table's cells, as WorkloadResult holds them
     measured: dict[str, list[Round]] = {"sync": [], "async": []}
     with LocalMaster() as master:
         assert master.endpoints is not None

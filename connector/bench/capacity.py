@@ -18,7 +18,7 @@ Reported per point: hit rate (hit chunks over prompt chunks), puts refused
 from __future__ import annotations
 
 from collections.abc import Callable, Iterator
-from contextlib import contextmanager
+from contextlib import AbstractContextManager, contextmanager
 from dataclasses import dataclass
 from typing import Any
 
@@ -75,8 +75,14 @@ SCENARIOS = (
 #: the scenario the targets are set on
 TARGETED = "zipf 1.0, half one-off"
 
+
+@contextmanager
+def _no_context(replay_: Replay) -> Iterator[Replay]:
+    yield replay_
+
+
 #: a contender over a bench cache and a store whose capacity (bytes) is given
-Contender = Callable[[BenchCache, MooncakeStore, int], Any]
+Contender = Callable[[BenchCache, MooncakeStore, int], AbstractContextManager[Replay]]
 CONTENDERS: dict[str, Contender] = {
     "kvpipe": lambda cache, store, capacity: KvpipeReplay(
         cache, store, max_pinned_bytes=int(PINNED_SHARE * capacity)
@@ -165,8 +171,3 @@ def _client(endpoints: MasterEndpoints, capacity: int) -> Iterator[MooncakeStore
     )
     with MooncakeStore.open(settings) as store:
         yield store
-
-
-@contextmanager
-def _no_context(replay_: Replay) -> Iterator[Replay]:
-    yield replay_

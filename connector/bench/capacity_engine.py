@@ -120,7 +120,9 @@ def kv_bytes_per_token(config: Mapping[str, Any], dtype_bytes: int = 2) -> int:
     """K and V of every layer for one token (bf16, as :func:`~.launch.make_llm` runs models)."""
     heads = config["num_attention_heads"]
     head_dim = config.get("head_dim", config["hidden_size"] // heads)
-    return 2 * config["num_hidden_layers"] * config.get("num_key_value_heads", heads) * head_dim * dtype_bytes
+    layers = config["num_hidden_layers"]
+    # int(): the figures come from a model's config.json, untyped
+    return int(2 * layers * config.get("num_key_value_heads", heads) * head_dim * dtype_bytes)
 
 
 def store_view(trace: Trace) -> Trace:
@@ -129,7 +131,7 @@ def store_view(trace: Trace) -> Trace:
     The others find the prefix in vLLM's own cache (the first request computed or
     loaded it in the same batch), connector or not.
     """
-    kept = []
+    kept: list[TraceRequest] = []
     for start in range(0, len(trace.requests), BATCH):
         firsts: dict[str, TraceRequest] = {}
         for request in trace.requests[start : start + BATCH]:

@@ -29,7 +29,7 @@ import urllib.request
 from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, TypedDict
 
 from kvpipe.connector.cli.run import workload
 from kvpipe.connector.cli.run.check import EXIST_BATCH, ChunkCounts
@@ -95,6 +95,13 @@ class Point:
     tally: Tally
 
 
+class _Eviction(TypedDict):
+    """The master's eviction keywords, passed to :class:`LocalMaster` and recorded as parameters."""
+
+    eviction_high_watermark: float
+    eviction_ratio: float
+
+
 def run(options: BenchOptions) -> WorkloadResult:
     requests_count = QUICK_REQUESTS if options.quick else REQUESTS
     fractions = QUICK_FRACTIONS if options.quick else FRACTIONS
@@ -114,7 +121,7 @@ def run(options: BenchOptions) -> WorkloadResult:
 
     points: list[Point] = []
     unsettled = 0
-    eviction = {"eviction_high_watermark": HIGH_WATERMARK, "eviction_ratio": EVICTION_RATIO}
+    eviction: _Eviction = {"eviction_high_watermark": HIGH_WATERMARK, "eviction_ratio": EVICTION_RATIO}
     with LocalMaster(lease_ttl_ms=LEASE_TTL_MS, **eviction) as master:
         assert master.endpoints is not None
         for fraction in fractions:

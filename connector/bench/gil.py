@@ -16,7 +16,7 @@ from __future__ import annotations
 import threading
 import time
 from collections.abc import Callable
-from typing import Any
+from typing import Any, cast
 
 from kvpipe.connector.store.mooncake import MooncakeSettings, MooncakeStore
 from kvpipe.connector.store.mooncake.master import LocalMaster
@@ -83,15 +83,19 @@ def main() -> None:
     cache = BenchCache.build(layers=4, buffer_bytes=4096, num_blocks=1100)
     records = [r for request in cache.requests([1] * 1024, salt="gil") for r in cache.records_of(request)]
     keys = [r.key for r in records]
-    ptrs = [list(r.buffers.addresses()) for r in records]
+    ptrs = [[b.address for b in r.buffers] for r in records]
     sizes = [[b.size for b in r.buffers] for r in records]
     try:
         with open_local_store(512 * MiB) as store, cache.registered(store):
             client = store._client  # the native calls themselves, without the wrapper's Python
 
             def put(n: int) -> list[int]:
-                return client.batch_put_from_multi_buffers(
-                    keys[:n], ptrs[:n], sizes[:n], store.new_replicate_config()
+                # the native client is untyped: it returns a code per key
+                return cast(
+                    "list[int]",
+                    client.batch_put_from_multi_buffers(
+                        keys[:n], ptrs[:n], sizes[:n], store.new_replicate_config()
+                    ),
                 )
 
             measure("batch_is_exist(96 absent keys)", lambda: client.batch_is_exist(keys[:96]), spinner)

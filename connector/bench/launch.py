@@ -21,11 +21,14 @@ import time
 from collections.abc import Mapping, Sequence
 from dataclasses import asdict, dataclass
 from pathlib import Path
-from typing import Any, Protocol
+from typing import TYPE_CHECKING, Any, Protocol
 
 from kvpipe.connector.store.mooncake import MooncakeSettings, MooncakeStore
 from kvpipe.connector.store.mooncake.master import MasterEndpoints
 from kvpipe.stages.keys import is_seal_key
+
+if TYPE_CHECKING:
+    from vllm.config.model import ModelDType  # for the annotation only: vLLM is imported where it runs
 
 
 class StoreAddress(Protocol):
@@ -36,6 +39,7 @@ class StoreAddress(Protocol):
 
     @property
     def metadata_server(self) -> str: ...
+
 
 #: The tiny 2-layer Llama: 64 KiB per 128-token block per layer, compute negligible.
 #: (The CPU attention needs a head size in {32, 64, 80, ...}: hidden 128 / 4 heads = 32.)
@@ -183,11 +187,15 @@ def vllm_mooncake_env(config_path: Path) -> dict[str, str]:
 
 def segment_holder(endpoints: MasterEndpoints, global_segment_size: int | str = "512MB") -> MooncakeStore:
     """A client that mounts the memory engines with ``global_segment_size=0`` store into."""
+    # validated from a mapping: the field's validator parses a size string such as "512MB",
+    # which the typed constructor (an int field) would not take
     return MooncakeStore.open(
-        MooncakeSettings(
-            master=endpoints.master_address,
-            metadata_server=endpoints.metadata_server,
-            global_segment_size=global_segment_size,
+        MooncakeSettings.model_validate(
+            {
+                "master": endpoints.master_address,
+                "metadata_server": endpoints.metadata_server,
+                "global_segment_size": global_segment_size,
+            }
         )
     )
 
@@ -198,7 +206,7 @@ def stored_keys(endpoints: MasterEndpoints, *, seals: bool = False) -> list[str]
     Seals (one beside each object kvpipe puts) are left out unless ``seals``: what
     callers count is objects, whichever connector wrote them.
     """
-    from kvpipe.connector.cli.inspect import AdminClient
+    from kvpipe.connector.store.mooncake.admin import AdminClient
 
     keys = AdminClient(endpoints.host, endpoints.metrics_port).keys()
     return keys if seals else [key for key in keys if not is_seal_key(key)]
@@ -210,7 +218,7 @@ def make_llm(
     *,
     max_model_len: int = 1024,
     kv_cache_memory_bytes: int = 64 << 20,
-    dtype: str = "bfloat16",
+    dtype: ModelDType = "bfloat16",
     **engine_args: Any,
 ) -> Any:
     """An engine on ``model`` with dummy weights (fixed seed: greedy outputs repeat across engines).

@@ -37,7 +37,12 @@ def run(options: BenchOptions) -> WorkloadResult:
 
         def raw() -> float:
             clear(store)
-            return seconds(lambda: [put_records(store, batch) for batch in records])
+
+            def work() -> None:
+                for batch in records:
+                    put_records(store, batch)
+
+            return seconds(work)
 
         def pipeline() -> float:
             clear(store)

@@ -128,11 +128,12 @@ def contest_result(
     "vs <name>" column each: how many times faster than that contender.
     """
     unit, amount = rate
-    rows = [
+    rates = {name: amount / seconds for name, seconds in medians.items()}
+    rows: list[dict[str, Any]] = [
         {
             "contender": name,
             "seconds": seconds,
-            unit: amount / seconds,
+            unit: rates[name],
             **{f"vs {baseline}": medians[baseline] / seconds for baseline in baselines},
         }
         for name, seconds in medians.items()
@@ -141,9 +142,9 @@ def contest_result(
 
     plot = bar_plot(
         options.out_dir / f"{workload}.png",
-        f"{workload}: " + ", ".join(f"{row['contender']} {_cell(row[unit])}" for row in rows),
+        f"{workload}: " + ", ".join(f"{name} {_cell(value)}" for name, value in rates.items()),
         f"{unit} (median round)",
-        {row["contender"]: row[unit] for row in rows},
+        rates,
     )
     return WorkloadResult(
         workload=workload,

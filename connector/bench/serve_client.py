@@ -16,7 +16,8 @@ def main(argv: list[str]) -> int:
     from vllm.benchmarks.serve import main as run_benchmark
     from vllm.utils.argparse_utils import FlexibleArgumentParser
 
-    parser = FlexibleArgumentParser(prog="vllm bench serve")
+    # vLLM's parser takes *args, **kwargs without annotations
+    parser = FlexibleArgumentParser(prog="vllm bench serve")  # type: ignore[no-untyped-call]
     add_cli_args(parser)
     run_benchmark(parser.parse_args(argv))
     return 0

@@ -189,7 +189,10 @@ class Passes:
         """The median over rounds of the round's last pass 2 (after a reset) over its warm pass."""
         repeats = len(self.pass2) // len(self.warm)
         last = self.pass2[repeats - 1 :: repeats]
-        return statistics.median(r["seconds"] / w["seconds"] for r, w in zip(last, self.warm, strict=True))
+        # float(): a pass is a JSON record from the engine's process, untyped
+        return statistics.median(
+            float(r["seconds"] / w["seconds"]) for r, w in zip(last, self.warm, strict=True)
+        )
 
 
 def run(options: BenchOptions) -> WorkloadResult:
@@ -544,7 +547,7 @@ def _paired_ratio(mine: Passes, theirs: Passes, which: str = "pass2") -> float:
     slow moments of one with quiet ones of the other.
     """
     pairs = zip(getattr(mine, which), getattr(theirs, which), strict=True)
-    return statistics.median(m["seconds"] / t["seconds"] for m, t in pairs)
+    return statistics.median(float(m["seconds"] / t["seconds"]) for m, t in pairs)  # JSON records
 
 
 def _targets(

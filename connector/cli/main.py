@@ -22,7 +22,7 @@ import argparse
 import logging
 import signal
 import sys
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import NoReturn
 
 import structlog
@@ -38,7 +38,9 @@ def main(argv: Sequence[str] | None = None) -> int:
         args = _parser().parse_args(argv)
         _configure_logging(args.verbose)
         with sigterm_unwinds():  # kvpipe store installs its own handler: it stops serving
-            return args.command(args)
+            # set by the chosen subcommand's parser (set_defaults); a Namespace's attributes are untyped
+            command: Callable[[argparse.Namespace], int] = args.command
+            return command(args)
     except UsageError as error:
         print(f"kvpipe: error: {error}", file=sys.stderr)
         return USAGE_ERROR

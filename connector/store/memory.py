@@ -81,7 +81,8 @@ class Faults:
         for op, rates in self.error_rates.items():
             _check_op("error_rates", op)
             for code, p in rates.items():
-                if not isinstance(code, int) or code >= 0:
+                key: object = code  # a YAML file or caller outside mypy can pass any key
+                if not isinstance(key, int) or key >= 0:
                     raise ValueError(f"error_rates[{op!r}]: codes must be negative ints, got {code!r}")
                 if not 0.0 <= p <= 1.0:
                     raise ValueError(f"error_rates[{op!r}][{code}] must be in [0, 1], got {p!r}")
@@ -202,7 +203,8 @@ class MemoryStore:
         faults: Faults | None = None,
         clock: Callable[[], float] = time.monotonic,
     ) -> None:
-        if isinstance(capacity_bytes, bool) or not isinstance(capacity_bytes, int) or capacity_bytes <= 0:
+        size: object = capacity_bytes  # checked at run time too: callers outside mypy can pass anything
+        if isinstance(size, bool) or not isinstance(size, int) or size <= 0:
             raise ValueError(f"capacity_bytes must be a positive int, got {capacity_bytes!r}")
         if not 0.0 < high_watermark <= 1.0:
             raise ValueError(f"high_watermark must be in (0, 1], got {high_watermark!r}")

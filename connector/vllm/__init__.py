@@ -5,28 +5,11 @@ Load it with::
     KVTransferConfig(kv_connector="KVPipeConnector", kv_connector_module_path="kvpipe.connector.vllm",
                      kv_role="kv_both", kv_connector_extra_config={...})
 
-``kv_connector_extra_config`` (validated by :class:`ConnectorSettings`; unknown keys are errors):
-
-- ``store``: ``{kind: mooncake, master: "host:port", metadata_server: ..., ...}`` or
-  ``{kind: memory}`` (in-process only, for unit use). Without it the store comes from
-  vLLM's Mooncake JSON (``MOONCAKE_CONFIG_PATH``), so existing vLLM setups work as they are.
-- ``enable_group_semantics`` (true/false, strict), ``cache_prefix``, ``queue_capacity``,
-  ``max_buffers_per_call``, ``staging_tokens`` (32768 tokens of every stored group,
-  whatever the block size) or ``staging_blocks`` (the slot count), ``save_deadline_s`` (10) and
-  ``load_deadline_s`` (5): past its deadline a job starts no new store call.
-  ``save_nice`` (10, 0 to 19): how much nicer than the engine's threads the save
-  pipeline's run (Linux): on a core both want, saves get ~10% of it.
-- ``config``: a kvpipe YAML file whose ``store`` and ``save`` sections give defaults;
-  keys given inline override them.
-- ``load_async`` (true): loads run beside the engine's steps and are reported by
-  ``get_finished``; false loads before the forward (one KV-cache group only).
-  ``load_sync_when_idle`` (true): with async loads, a load no running request
-  would wait for (an idle engine) runs before the forward all the same, so its
-  request computes in that step (one KV-cache group; hybrid models load async).
-  ``save_decode_cache`` (false): also store chunks completed while decoding.
-- ``retention`` (true): a chunk asked for by ``retention_min_requests`` (2) requests
-  is stored soft-pinned for ``retention_pin_ttl_s`` (600), each worker pinning at most
-  ``retention_max_pinned`` bytes (default 0.9 of the memory it lends the store).
+``kv_connector_extra_config`` is validated by :class:`ConnectorSettings` (unknown keys are
+errors). Each key is documented once, by its field's description in :mod:`.settings`;
+docs/vllm-connector.md's settings table is rendered from them. Without ``store`` the
+store comes from vLLM's Mooncake JSON (``MOONCAKE_CONFIG_PATH``), so existing vLLM
+setups work as they are.
 
 The modules, one job each:
 

@@ -76,12 +76,14 @@ class KVPipeConnector(KVConnectorBase_V1, SupportsHMA):
         :raises ProjectionError: the model has no storable KV-cache group.
         :raises MasterError, MooncakeError: the store cannot be opened (one line each).
         """
-        super().__init__(vllm_config=vllm_config, role=role, kv_cache_config=kv_cache_config)
-        if kv_cache_config is None:
+        if kv_cache_config is None:  # checked first: the base class takes only a config
             raise ConfigError("KVPipeConnector needs vLLM's kv_cache_config (vLLM >= 0.32)")
+        super().__init__(vllm_config=vllm_config, role=role, kv_cache_config=kv_cache_config)
+        transfer = vllm_config.kv_transfer_config
+        assert transfer is not None  # the base class raised ValueError without one
         if not vllm_version().startswith(TESTED_VLLM):
             log.warning("kvpipe is not tested with this vLLM", vllm=vllm_version(), tested="0.32, 0.33")
-        self.settings = settings_from(vllm_config.kv_transfer_config.kv_connector_extra_config)
+        self.settings = settings_from(transfer.kv_connector_extra_config)
         self.is_scheduler = role == KVConnectorRole.SCHEDULER
         tp_rank, pp_rank, pcp_rank = (0, 0, 0) if self.is_scheduler else parallel_ranks()
         self.cache = EngineCache.of(vllm_config, kv_cache_config, self.settings, pp_rank, pcp_rank)
@@ -90,7 +92,7 @@ class KVPipeConnector(KVConnectorBase_V1, SupportsHMA):
                 f"kv_connector_extra_config.load_async: false cannot serve a model with {len(self.cache.groups)} "
                 "KV-cache groups: vLLM 0.32 takes a failed load of such a model only from an async load"
             )
-        if self.is_scheduler and vllm_config.kv_transfer_config.kv_load_failure_policy == "fail":
+        if self.is_scheduler and transfer.kv_load_failure_policy == "fail":
             log.warning(
                 "kv_load_failure_policy is 'fail': a load the store fails (master down, object "
                 "evicted) fails its request; set 'recompute' to recompute those blocks instead"
@@ -101,7 +103,7 @@ class KVPipeConnector(KVConnectorBase_V1, SupportsHMA):
         )
         events_config = vllm_config.kv_events_config
         self.kv_events = bool(events_config and events_config.enable_kv_cache_events)
-        saves = self.settings.saves_for(vllm_config.kv_transfer_config.kv_role)
+        saves = self.settings.saves_for(transfer.kv_role)
         self.scheduler: SchedulerSide | None = None
         self.worker: WorkerSide | None = None
         if self.is_scheduler:

@@ -123,6 +123,11 @@ class EngineCache:
         kv_heads = int(vllm_config.model_config.get_total_num_kv_heads())
         layout_name = str(getattr(kv_cache_config, "kv_cache_layout", None) or "unresolved")
         stored = sum(1 for g in groups if g.prefix_cacheable)
+        # None is only the field's default: the engine core resolves it before it makes a connector
+        if kv_cache_config.hash_block_size is None:
+            raise ConfigError(
+                "vLLM's kv_cache_config has no hash_block_size (not resolved by the engine core)"
+            )
         if pcp > 1 and stored > 1:
             raise ConfigError(
                 f"prefill_context_parallel_size={pcp} with {stored} stored KV-cache groups (a hybrid model): "

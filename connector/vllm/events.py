@@ -49,7 +49,7 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
 from vllm.distributed.kv_events import MEDIUM_CPU, BlockRemoved, BlockStored, KVCacheEvent
-from vllm.v1.core.kv_cache_utils import ExternalBlockHash, maybe_convert_block_hash
+from vllm.v1.core.kv_cache_utils import BlockHash, ExternalBlockHash, maybe_convert_block_hash
 
 from kvpipe.stages import LoadRequest, ObjectStatus, SaveRequest, StoreObject, chunk_hash_at, chunks_to_save
 from kvpipe.stages.chunks import Chunk
@@ -163,9 +163,10 @@ class ChunkAnnouncer:
             start = chunk.tokens_start
             parent = chunk_hash_at(save.block_hashes, start, hbs) if start else None
             tokens = list(request.all_token_ids[start : chunk.tokens_end])
+            # a chunk's hash is the vLLM block hash it ends with: BlockHash() says so to mypy
             event = BlockStored(
-                block_hashes=[maybe_convert_block_hash(chunk.chunk_hash)],
-                parent_block_hash=None if parent is None else maybe_convert_block_hash(parent),
+                block_hashes=[maybe_convert_block_hash(BlockHash(chunk.chunk_hash))],
+                parent_block_hash=None if parent is None else maybe_convert_block_hash(BlockHash(parent)),
                 token_ids=tokens,
                 block_size=len(tokens),
                 lora_id=lora.adapter_id if lora else None,
@@ -201,7 +202,7 @@ class ChunkAnnouncer:
         gone: dict[int | None, list[ExternalBlockHash]] = {}
         for chunk_hash in chunk_hashes:
             for group in self._announced.pop(chunk_hash, ()):
-                gone.setdefault(group, []).append(maybe_convert_block_hash(chunk_hash))
+                gone.setdefault(group, []).append(maybe_convert_block_hash(BlockHash(chunk_hash)))
         self._removed(gone)
 
     def load_failed(self, load: LoadRequest, failed_block_ids: set[int] | None) -> None:
@@ -215,7 +216,7 @@ class ChunkAnnouncer:
             if failed_block_ids is None or chunk.block_id in failed_block_ids:
                 self._announced.pop(chunk.chunk_hash, None)
                 gone.setdefault(chunk.group.engine_group, []).append(
-                    maybe_convert_block_hash(chunk.chunk_hash)
+                    maybe_convert_block_hash(BlockHash(chunk.chunk_hash))
                 )
         self._removed(gone)
 

@@ -1,9 +1,9 @@
 """The connector's metrics, one catalogue: each stats key, who reports it, its kind, unit and meaning.
 
 A metric used to be a string in four places (the scheduler's and the worker's
-``stats`` keys, :mod:`.prom`'s table, the README's table), and they drifted. Now
+``stats`` keys, :mod:`.prom`'s table, the docs' table), and they drifted. Now
 the sides count under the names defined here, :mod:`.prom` registers one series
-per :data:`CATALOGUE` entry, and the README's table is :func:`markdown_table` of
+per :data:`CATALOGUE` entry, and docs/vllm-connector.md's table is :func:`markdown_table` of
 it (tests hold all three to the catalogue).
 
 The names are plain ``str`` constants, not enum members: the worker counts every
@@ -407,7 +407,7 @@ def metric_of(key: str) -> tuple[Metric, tuple[str, ...]] | None:
 
 
 def markdown_table() -> str:
-    """The README's metrics table, a row per entry (``python -m kvpipe.connector.vllm.metrics`` prints it)."""
+    """docs/vllm-connector.md's metrics table, a row per entry (``python -m kvpipe.connector.vllm.metrics`` prints it)."""
     rows = [
         "| series | type | labels | unit | reported by | what it shows |",
         "|---|---|---|---|---|---|",

@@ -15,8 +15,9 @@ are ``vllm:...``, so none can clash) and carrying vLLM's labels (``model_name``,
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, TypedDict, cast
 
+from prometheus_client import Counter, Gauge, Histogram
 from vllm.config import VllmConfig
 from vllm.distributed.kv_transfer.kv_connector.v1.metrics import (
     KVConnectorPromMetrics,
@@ -70,6 +71,14 @@ def unregister_kvpipe_metrics() -> None:
             REGISTRY.unregister(collector)
 
 
+class _Series(TypedDict):
+    """What every kind of series is made with."""
+
+    name: str
+    documentation: str
+    labelnames: list[str]
+
+
 class KVPipePromMetrics(KVConnectorPromMetrics):
     """Registers kvpipe's series and records each step's :class:`~.messages.KVPipeStats` into them."""
 
@@ -81,10 +90,15 @@ class KVPipePromMetrics(KVConnectorPromMetrics):
         per_engine_labelvalues: dict[int, list[object]],
     ) -> None:
         super().__init__(vllm_config, metric_types, labelnames, per_engine_labelvalues)
+        # the class vLLM passes for each kind (prometheus_client's, or a wrapper), keyed by that
+        # kind: vLLM's annotation cannot say a value is of its key's kind, so each is cast to it
+        self._gauge = cast("type[Gauge]", metric_types[Gauge])
+        self._counter = cast("type[Counter]", metric_types[Counter])
+        self._histogram = cast("type[Histogram]", metric_types[Histogram])
         unregister_kvpipe_metrics()
         self._series = {metric.name: self._register(metric) for metric in CATALOGUE}
         #: counters a side reported that the catalogue does not know, by key
-        self._unknown: dict[str, Any] = {}
+        self._unknown: dict[str, Counter] = {}
         #: per engine, the latest gauge readings of each source (a role on a rank)
         self._readings: dict[int, dict[str, dict[str, float]]] = {}
         for engine in per_engine_labelvalues.values():  # at 0 from the start, not from the first event
@@ -94,12 +108,12 @@ class KVPipePromMetrics(KVConnectorPromMetrics):
 
     def _register(self, metric: Metric) -> Any:
         labelnames = [*self._labelnames, *(label.name for label in metric.labels)]
-        series = {"name": metric.series, "documentation": metric.help, "labelnames": labelnames}
+        series: _Series = {"name": metric.series, "documentation": metric.help, "labelnames": labelnames}
         if metric.kind is Kind.COUNTER:
-            return self._counter_cls(**series)
+            return self._counter(**series)
         if metric.kind is Kind.GAUGE:
-            return self._gauge_cls(**series, multiprocess_mode="mostrecent")
-        return self._histogram_cls(**series, buckets=list(OPERATION_BUCKETS))
+            return self._gauge(**series, multiprocess_mode="mostrecent")
+        return self._histogram(**series, buckets=list(OPERATION_BUCKETS))
 
     def observe(self, transfer_stats_data: dict[str, Any], engine_idx: int = 0) -> None:
         engine = self.per_engine_labelvalues[engine_idx]
@@ -133,7 +147,7 @@ class KVPipePromMetrics(KVConnectorPromMetrics):
             return
         counter = self._unknown.get(key)
         if counter is None:  # a counter the catalogue does not know yet: exported, not lost
-            counter = self._unknown[key] = self._counter_cls(
+            counter = self._unknown[key] = self._counter(
                 name=f"{PREFIX}{key}_total",
                 documentation=f"kvpipe counter {key}.",
                 labelnames=self._labelnames,

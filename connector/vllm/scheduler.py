@@ -91,13 +91,45 @@ LOOKUP_BATCH_KEYS = 4096
 FAILED_CHUNK_TTL_S = 10.0
 
 
-@dataclass
-class _Tracked:
-    """Scheduler-side state of one running request."""
+@dataclass(frozen=True)
+class _Load:
+    """A load planned at allocation, and whether it loads beside the steps (async) or before a forward."""
 
-    request: Request
+    request: LoadRequest
+    is_async: bool
+
+
+@dataclass
+class _SaveProgress:
+    """How far an allocated request's saves have gone."""
+
     saved_tokens: int | None = None  # None until it is first scheduled
     tail_saved: bool = False  # its prompt's partial tail was offered
+
+
+@dataclass
+class _Request:
+    """Everything the scheduler side holds for one request, from its arrival until it is forgotten.
+
+    vLLM finishes a request (``request_finished``) before the output that reports on
+    its last step, and an async load may outlive its request: so a request is
+    forgotten only once it is finished and none of its loads is still out
+    (:meth:`SchedulerSide._forget_if_done`, the one place that forgets one).
+    """
+
+    request: Request
+    waiting: bool = False  # arrived, not allocated yet: the step's first lookup asks for it too
+    finished: bool = False  # vLLM has finished it
+    # what its lookups found, for its allocation
+    local_hit: int = 0  # vLLM's own prefix-cache hit: vLLM does not pass it to update_state_after_alloc
+    load_async: bool = False  # whether the last lookup's hit loads async
+    deferred: bool = False  # told to wait for another request's load of its prefix
+    miss_once: bool = False  # its load failed: its next lookup misses
+    # its load: planned at allocation, then out with a step's metadata until reported
+    planned: _Load | None = None
+    async_load: LoadRequest | None = None  # out, until finished_recving reports it
+    sync_load: LoadRequest | None = None  # out with the last step, until the output on that step
+    progress: _SaveProgress | None = None  # its saves; None until it is allocated
 
 
 class SchedulerSide:
@@ -123,20 +155,14 @@ class SchedulerSide:
         self.store = store
         self.stats: Counter[str] = Counter()
         self._clock = clock
-        self._tracked: dict[str, _Tracked] = {}
-        self._pending_loads: dict[str, tuple[LoadRequest, bool]] = {}  # and whether it loads async
-        self._local_hits: dict[str, int] = {}
-        self._waiting: dict[str, Request] = {}  # not allocated yet, in arrival order
+        # per request id: in arrival order, a request moved last when a load of it is planned, so
+        # that loads go out in the order they were planned
+        self._requests: dict[str, _Request] = {}
+        # the engine's last step, asked at every hit: requests it computed and not finished since
+        self._running: set[str] = set()
         self._exists: dict[str, bool] = {}  # this scheduling step's lookup answers
-        # async loads: the hash blocks being loaded, and who loads them
-        self._loading: dict[bytes, str] = {}
-        self._loads: dict[str, LoadRequest] = {}  # emitted, not finished yet
-        self._sync_loads: dict[str, LoadRequest] = {}  # emitted in the last step's metadata
-        self._miss_once: set[str] = set()  # requests whose load failed: their next lookup misses
+        self._loading: dict[bytes, str] = {}  # async loads: the hash blocks being loaded, and who loads them
         self._failed_chunks: dict[str, float] = {}  # chunk hash (hex) -> until when it is a miss
-        self._deferred: set[str] = set()  # requests told to wait for another's load of their prefix
-        self._running: set[str] = set()  # computed in the last step and not finished since
-        self._load_async: dict[str, bool] = {}  # the last lookup's answer: does its hit load async
         self._sync_when_idle = settings.load_sync_when_idle and len(cache.groups) == 1
         self.announcer = announcer
         # requests per chunk: the chunks they keep asking for are saved soft-pinned
@@ -145,12 +171,34 @@ class SchedulerSide:
     @property
     def loads_in_flight(self) -> int:
         """Async loads emitted and not reported finished yet."""
-        return len(self._loads)
+        return sum(1 for state in self._requests.values() if state.async_load is not None)
+
+    def _state(self, request: Request) -> _Request:
+        """The state of ``request``, new if it has none."""
+        return self._requests.setdefault(request.request_id, _Request(request))
+
+    def _finish(self, rid: str) -> None:
+        """vLLM has finished ``rid``: it waits no more, and a sync load not out yet never goes.
+
+        (Its request is not scheduled again.) An async load still goes out with the
+        step and is waited for: its end releases the prefix it loads for others.
+        """
+        if (state := self._requests.get(rid)) is None:
+            return
+        state.finished, state.waiting = True, False
+        if state.planned is not None and not state.planned.is_async:
+            state.planned = None
+        self._forget_if_done(state)
+
+    def _forget_if_done(self, state: _Request) -> None:
+        """The one place a request is forgotten: once vLLM has finished it and none of its loads is out."""
+        if state.finished and state.planned is None and state.async_load is None and state.sync_load is None:
+            del self._requests[state.request.request_id]
 
     # -- lookups -------------------------------------------------------------------------
 
     def on_new_request(self, request: Request) -> None:
-        self._waiting[request.request_id] = request
+        self._state(request).waiting = True
         if self._reuse is not None:
             self._reuse.asked(request.block_hashes)
 
@@ -164,15 +212,17 @@ class SchedulerSide:
         loaded (vLLM may still trim or drop the hit): that is decided in
         :meth:`update_state_after_alloc`.
         """
-        rid = request.request_id
         if not self.settings.enable_lookup:
             return 0, False
-        self._local_hits[rid] = num_computed_tokens  # vLLM does not pass it to update_state_after_alloc
-        if rid in self._miss_once:
-            self._miss_once.discard(rid)
+        state = self._state(request)
+        state.local_hit = num_computed_tokens
+        if state.miss_once:
+            state.miss_once = False
             self.stats[LOOKUPS_MISSED_AFTER_FAILED_LOAD] += 1
             return 0, False
-        lookup = LookupRequest(rid, tuple(request.block_hashes), request.num_tokens, num_computed_tokens)
+        lookup = LookupRequest(
+            request.request_id, tuple(request.block_hashes), request.num_tokens, num_computed_tokens
+        )
         cache = self.cache
         keys = self._lookup_keys(lookup)
         if not keys:
@@ -194,12 +244,11 @@ class SchedulerSide:
         new = max(0, hit - num_computed_tokens)
         if new and self._loaded_by_another(lookup, hit):
             self.stats[LOOKUPS_DEFERRED] += 1
-            self._deferred.add(rid)
+            state.deferred = True
             return None, False
         self.stats[LOOKUP_HIT_TOKENS] += new
-        load_async = bool(new) and self._loads_async()
-        self._load_async[rid] = load_async
-        return new, load_async
+        state.load_async = bool(new) and self._loads_async()
+        return new, state.load_async
 
     @property
     def _sealed(self) -> bool:
@@ -251,7 +300,7 @@ class SchedulerSide:
         machine stretches to milliseconds. The answers hold for this step only.
         """
         wanted = dict.fromkeys(key for key in keys if key not in self._exists)
-        for waiting in self._waiting.values():
+        for waiting in (state.request for state in self._requests.values() if state.waiting):
             if len(wanted) >= LOOKUP_BATCH_KEYS:
                 break
             ahead = LookupRequest(waiting.request_id, tuple(waiting.block_hashes), waiting.num_tokens)
@@ -279,20 +328,21 @@ class SchedulerSide:
         self, request: Request, blocks: KVCacheBlocks, num_external_tokens: int
     ) -> None:
         rid = request.request_id
-        self._waiting.pop(rid, None)
-        self._tracked.setdefault(rid, _Tracked(request))
-        local = self._local_hits.pop(rid, 0)
-        if rid in self._deferred:
-            self._deferred.discard(rid)
-            if num_external_tokens == 0 and local > 0:
-                self.stats[LOADS_SPARED] += 1  # another request's load put its prefix in the local cache
-        load_async = self._load_async.pop(rid, False)
+        state = self._state(request)
+        state.waiting = False
+        state.progress = state.progress or _SaveProgress()
+        local, load_async, deferred = state.local_hit, state.load_async, state.deferred
+        state.local_hit, state.load_async, state.deferred = 0, False, False  # taken
+        if deferred and num_external_tokens == 0 and local > 0:
+            self.stats[LOADS_SPARED] += 1  # another request's load put its prefix in the local cache
         if num_external_tokens > 0:
             block_ids = tuple(tuple(ids) for ids in blocks.get_block_ids())
             load = LoadRequest(
                 rid, tuple(request.block_hashes), block_ids, local, local + num_external_tokens
             )
-            self._pending_loads[rid] = (load, load_async)
+            if state.planned is None:  # last: loads go out in the order they were planned
+                self._requests[rid] = self._requests.pop(rid)
+            state.planned = _Load(load, load_async)
             if load_async:
                 self._loading.update(
                     dict.fromkeys(self._hashes(load, load.start_tokens, load.end_tokens), rid)
@@ -305,32 +355,24 @@ class SchedulerSide:
         meta = KVPipeMetadata()
         self._exists.clear()  # the step is planned: the next one asks again
         for rid in so.finished_req_ids:
-            self._tracked.pop(rid, None)
-            self._local_hits.pop(rid, None)
-            self._waiting.pop(rid, None)
-            pending = self._pending_loads.get(rid)
-            if pending is not None and not pending[1]:
-                del self._pending_loads[rid]
-            # an async load in flight is kept: its end (finished_recving) releases its prefix
+            self._finish(rid)  # request_finished did it already, in vLLM
         for new in so.scheduled_new_reqs:
-            tracked = self._tracked.get(new.req_id)
-            if tracked is not None and tracked.saved_tokens is None:
-                tracked.saved_tokens = new.num_computed_tokens  # local + loaded: never saved again
+            progress = self._progress(new.req_id)
+            if progress is not None and progress.saved_tokens is None:
+                progress.saved_tokens = new.num_computed_tokens  # local + loaded: never saved again
         # An async load's request is not scheduled: its load goes out in this very step.
         # A sync load runs before the forward of the step that schedules its request.
-        due = [
-            rid
-            for rid, (_, load_async) in self._pending_loads.items()
-            if load_async or rid in so.num_scheduled_tokens
-        ]
-        for rid in due:
-            load, load_async = self._pending_loads.pop(rid)
-            meta.loads.append(load)
-            if load_async:
-                self._loads[rid] = load
+        for rid, state in self._requests.items():
+            planned = state.planned
+            if planned is None or not (planned.is_async or rid in so.num_scheduled_tokens):
+                continue
+            state.planned = None
+            meta.loads.append(planned.request)
+            if planned.is_async:
+                state.async_load = planned.request
             else:
                 meta.sync_loads.add(rid)
-                self._sync_loads[rid] = load
+                state.sync_load = planned.request
             self.stats[LOADS_PLANNED] += 1
         self._running = set(so.num_scheduled_tokens) - set(so.finished_req_ids)
         self._plan_saves(so, meta)
@@ -341,18 +383,20 @@ class SchedulerSide:
         if block_state is None or not self._saves:
             return
         for rid, scheduled in so.num_scheduled_tokens.items():
-            tracked = self._tracked.get(rid)
-            if tracked is None:
+            progress = self._progress(rid)
+            if progress is None:
                 continue
-            request = tracked.request
-            saved = tracked.saved_tokens if tracked.saved_tokens is not None else request.num_computed_tokens
+            request = self._requests[rid].request
+            saved = (
+                progress.saved_tokens if progress.saved_tokens is not None else request.num_computed_tokens
+            )
             state = request.num_computed_tokens + scheduled  # where the engine's state will stand
             done = state if self.settings.save_decode_cache else min(state, request.num_prompt_tokens)
             hashes = tuple(request.block_hashes)
             ends = [(done, False)]
             tail = self._tail_boundary(request)
-            if tail is not None and not tracked.tail_saved and done >= tail:
-                tracked.tail_saved = True  # offered once, on the first save that covers it
+            if tail is not None and not progress.tail_saved and done >= tail:
+                progress.tail_saved = True  # offered once, on the first save that covers it
                 ends = [(tail, True)] + (
                     [(done, False)] if self._reach(done, hashes) > self._reach(tail, hashes) else []
                 )
@@ -361,7 +405,10 @@ class SchedulerSide:
                 reach = self._reach(end, hashes)
                 if reach <= saved and not finished:
                     continue
-                block_ids = block_ids or tuple(tuple(ids) for ids in block_state.get_block_ids(rid))
+                if block_ids is None:
+                    table = block_state.get_block_ids(rid)
+                    assert table is not None, "vLLM offers the block table of every request it schedules"
+                    block_ids = tuple(tuple(ids) for ids in table)
                 reused = self._reused(hashes, saved, end)
                 save = SaveRequest(
                     rid, hashes, block_ids, end, saved, finished, state_tokens=state, reused_chunks=reused
@@ -372,7 +419,12 @@ class SchedulerSide:
                     self.stats[EVENTS_DROPPED] = self.announcer.given_up  # monotonic: reported as growth
                 saved = max(saved, reach)
                 self.stats[SAVES_PLANNED] += 1
-            tracked.saved_tokens = saved
+            progress.saved_tokens = saved
+
+    def _progress(self, rid: str) -> _SaveProgress | None:
+        """How far the saves of an allocated request have gone; None for a request not allocated."""
+        state = self._requests.get(rid)
+        return None if state is None else state.progress
 
     def _reused(self, hashes: Sequence[bytes], saved: int, end: int) -> dict[bytes, int]:
         """The chunks between ``saved`` and ``end`` that requests keep asking for, with their counts."""
@@ -409,24 +461,29 @@ class SchedulerSide:
         if self.announcer is not None and isinstance(connector_output.kv_cache_events, KVPipeKVEvents):
             self.announcer.reported(connector_output.kv_cache_events.reports)
         for rid in connector_output.finished_recving or ():
-            load = self._loads.pop(rid, None)
-            if load is None:
+            state = self._requests.get(rid)
+            if state is None or (load := state.async_load) is None:
                 continue
+            state.async_load = None
             for hash_ in self._hashes(load, load.start_tokens, load.end_tokens):
                 if self._loading.get(hash_) == rid:
                     del self._loading[hash_]
             if rid in failed_requests or any(failed_blocks.intersection(ids) for ids in load.block_ids):
                 self._load_failed(load, None if rid in failed_requests else failed_blocks)
-                self._miss_once.add(rid)
+                state.miss_once = True
+            self._forget_if_done(state)
         # a sync load ran before the forward this output reports on
-        sync_loads, self._sync_loads = self._sync_loads, {}
-        for rid, load in sync_loads.items():
+        for state in list(self._requests.values()):
+            load, state.sync_load = state.sync_load, None
+            if load is None:
+                continue
             if any(failed_blocks.intersection(ids) for ids in load.block_ids):
                 self._load_failed(load, failed_blocks)
                 # vLLM recomputes from the first failed block: what it computes is saved again
-                tracked = self._tracked.get(rid)
-                if tracked is not None and tracked.saved_tokens is not None:
-                    tracked.saved_tokens = min(tracked.saved_tokens, load.start_tokens)
+                progress = state.progress
+                if progress is not None and progress.saved_tokens is not None:
+                    progress.saved_tokens = min(progress.saved_tokens, load.start_tokens)
+            self._forget_if_done(state)
 
     def _load_failed(self, load: LoadRequest, failed_blocks: set[int] | None) -> None:
         """Count a failed load, announce its chunks gone, and take them for misses a while."""
@@ -438,12 +495,8 @@ class SchedulerSide:
         self._failed_chunks.update(dict.fromkeys((hash_.hex() for hash_ in hashes), until))
 
     def request_finished(self, request: Request) -> tuple[bool, dict[str, Any] | None]:
-        rid = request.request_id
-        self._waiting.pop(rid, None)  # e.g. aborted before it was scheduled
-        self._miss_once.discard(rid)
-        self._deferred.discard(rid)
-        self._running.discard(rid)
-        self._load_async.pop(rid, None)
+        self._running.discard(request.request_id)
+        self._finish(request.request_id)
         return False, None  # the worker copies what it saves: vLLM may free the blocks now
 
     # -- operations ----------------------------------------------------------------------

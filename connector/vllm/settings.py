@@ -2,8 +2,10 @@
 
 from __future__ import annotations
 
+import json
 import math
 from collections.abc import Mapping, Sequence
+from enum import Enum
 from pathlib import Path
 from typing import Any
 
@@ -26,64 +28,178 @@ DEFAULT_STAGING_TOKENS = 32768
 
 
 class ConnectorSettings(BaseModel):
-    """``kv_connector_extra_config``, validated; errors name the field and the value."""
+    """``kv_connector_extra_config``, validated; errors name the field and the value.
+
+    Each field's ``description`` is its one documentation: docs/vllm-connector.md's
+    settings table is :func:`markdown_table` of them (a test holds the page to it).
+    """
 
     model_config = ConfigDict(extra="forbid")
 
-    store: StoreConfig | None = None
-    enable_group_semantics: StrictFlag = False
-    cache_prefix: str = ""
-    queue_capacity: int = Field(1024, gt=0)
-    max_buffers_per_call: int = Field(MAX_BUFFERS_PER_CALL, gt=0)
-    # The staging area holds this many tokens of every stored group, whatever the block
-    # size (a count of blocks would hold 8x fewer tokens at 16-token blocks than at 128,
-    # and a step's saves that do not fit are dropped). staging_blocks, when given, is
-    # the slot count itself.
-    staging_tokens: int = Field(DEFAULT_STAGING_TOKENS, gt=0)
-    staging_blocks: int | None = Field(None, gt=0)
-    # Past these, a job starts no new store call (see Job): a late load is a miss to
-    # recompute, and a stuck save gives its staging slots back.
-    save_deadline_s: float = Field(10.0, gt=0)
-    load_deadline_s: float = Field(5.0, gt=0)
-    # How much nicer than the engine the save pipeline's threads run (Linux). 10 is a
-    # CPU share, not a yield: on a core both want, Linux weighs nice 10 against 0 as 110
-    # to 1024, so saves get ~10% of it and land while the engine stays busy. At 19 (a
-    # weight of 15) an engine that kept both cores busy left them nothing: the demo's
-    # second pass, right after the first, found none of its saves (0 of 1,792 tokens;
-    # all of them at 10 and at 5, pass 1 as fast within noise). 0: the engine's weight.
-    save_nice: int = Field(10, ge=0, le=MAX_NICE, strict=True)
-    # As vLLM's MooncakeStoreConnector: loads run beside the engine's steps, and
-    # decode-phase chunks (rarely shared) are not stored unless asked for.
-    load_async: StrictFlag = True
-    # ... unless no running request would wait for the load (see the scheduler's docstring)
-    load_sync_when_idle: StrictFlag = True
-    save_decode_cache: StrictFlag = False
-    # As vLLM's MooncakeStoreConnector: false: the engine never looks the store up (saves
-    # still go out unless it is a kv_consumer); a kv_consumer that neither looks up nor
-    # saves decode chunks is capacity-only (see saves_for).
-    enable_lookup: StrictFlag = True
-    # Seals: every put stores its object's checksum and configuration fingerprint beside
-    # it, every load checks them (kvpipe.stages.integrity). off: neither (sizes only);
-    # required: a chunk without seals (vLLM's connector wrote it) is a miss.
-    integrity: Integrity = Integrity.VERIFY
-    # Retention (kvpipe.stages.retention): a chunk asked for by retention_min_requests
-    # requests is stored soft-pinned for retention_pin_ttl_s, so one-off prompts evict
-    # around it; each worker pins at most retention_max_pinned bytes at once (None:
-    # PINNED_SHARE of the memory its engine lends the store; 0: pin nothing).
-    retention: StrictFlag = True
-    retention_min_requests: int = Field(2, ge=1, strict=True)
-    retention_pin_ttl_s: float = Field(600.0, gt=0, le=MAX_SOFT_PIN_TTL_S)
-    retention_max_pinned: ByteCount | None = None
-    # Heterogeneous TP, as vLLM's MooncakeStoreConnector has it (.store_format): objects
-    # sharded for a store TP size that engines of several TP sizes share: store_tp_size,
-    # or with enable_store_tp_lcm the lcm of prefill_tp_sizes (the prefill fleet's sizes).
-    store_tp_size: PositiveInt | None = Field(None, strict=True)
-    enable_store_tp_lcm: StrictFlag = False
-    prefill_tp_sizes: list[PositiveInt] | None = Field(None, min_length=1)
-    # vLLM's connector shares no store shards when this is true (its own test: the text
-    # "true", any case): the same keys need the same choice
-    enable_cross_layers_blocks: bool = False
-    config: str | None = None
+    store: StoreConfig | None = Field(
+        None,
+        description=(
+            'The store: `{kind: mooncake, master: "host:port", metadata_server: ..., ...}` '
+            "(the keys of a `kvpipe run` config's `store:` section) or `{kind: memory}` "
+            "(in-process, for tests). Left out, the store comes from vLLM's Mooncake JSON "
+            "(`MOONCAKE_CONFIG_PATH`), so an existing vLLM deployment works as it is."
+        ),
+    )
+    enable_group_semantics: StrictFlag = Field(
+        False,
+        description=(
+            "Put every object of a chunk under one Mooncake group id, so the store keeps and "
+            'evicts the chunk whole. true or false only ("flase" is an error).'
+        ),
+    )
+    cache_prefix: str = Field(
+        "",
+        description="A namespace in every key and group id: deployments with different prefixes share no objects.",
+    )
+    queue_capacity: int = Field(
+        1024,
+        gt=0,
+        description=(
+            "Requests each pipeline's entry holds: a save past it is dropped (the engine never "
+            "waits), a load waits."
+        ),
+    )
+    max_buffers_per_call: int = Field(
+        MAX_BUFFERS_PER_CALL,
+        gt=0,
+        description=(
+            "Buffers one put call sends at most; a batch over it is split (more buffers to one peer "
+            "make Mooncake fail with -800)."
+        ),
+    )
+    staging_tokens: int = Field(
+        DEFAULT_STAGING_TOKENS,
+        gt=0,
+        description=(
+            "Tokens of every stored group the worker's staging area holds, whatever the block size "
+            "(a count of blocks would hold 8x fewer tokens at 16-token blocks than at 128). "
+            "A step's saves that do not fit are dropped and counted."
+        ),
+    )
+    staging_blocks: int | None = Field(
+        None, gt=0, description="The staging slot count itself; given, it overrides `staging_tokens`."
+    )
+    save_deadline_s: float = Field(
+        10.0,
+        gt=0,
+        description="Past it, a save job starts no new store call, so a stuck save gives its staging slots back.",
+    )
+    load_deadline_s: float = Field(
+        5.0,
+        gt=0,
+        description="Past it, a load job starts no new store call: a late load is a miss, recomputed.",
+    )
+    save_nice: int = Field(
+        10,
+        ge=0,
+        le=MAX_NICE,
+        strict=True,
+        description=(
+            f"How much nicer than the engine's threads the save pipeline's run (Linux; 0 to {MAX_NICE}). "
+            "10 is a CPU share, not a yield: on a core both want, Linux weighs nice 10 against 0 as 110 "
+            "to 1024, so saves get ~10% of it and land while the engine stays busy. At 19 (a weight of "
+            "15) an engine that kept both cores busy left them nothing: the demo's second pass, right "
+            "after the first, found none of its saves (0 of 1,792 tokens; all of them at 10 and at 5, "
+            "pass 1 as fast within noise). 0: the engine's weight."
+        ),
+    )
+    load_async: StrictFlag = Field(
+        True,
+        description=(
+            "true: loads run beside the engine's steps and `get_finished` reports them, as in vLLM's "
+            "connector; false: before the forward (models of one KV-cache group only)."
+        ),
+    )
+    load_sync_when_idle: StrictFlag = Field(
+        True,
+        description=(
+            "With async loads, a load that no running request would wait for (an idle engine) runs "
+            "before the forward all the same, so its request computes in that step. Hybrid models "
+            "load async always."
+        ),
+    )
+    save_decode_cache: StrictFlag = Field(
+        False,
+        description=(
+            "Also store chunks completed while decoding (rarely shared: off, as in vLLM's connector). "
+            "A `kv_consumer` stores nothing unless this is true."
+        ),
+    )
+    enable_lookup: StrictFlag = Field(
+        True,
+        description=(
+            "As vLLM's connector: false: the engine never looks the store up (saves still go out "
+            "unless it is a `kv_consumer`); a `kv_consumer` that neither looks up nor saves decode "
+            "chunks is capacity-only: it lends the store its segment and transfers nothing."
+        ),
+    )
+    integrity: Integrity = Field(
+        Integrity.VERIFY,
+        description=(
+            "Seals (docs/integrity.md). `verify`: every put stores its object's checksum and "
+            "configuration fingerprint beside it, and every load checks them; `required`: also, a "
+            "chunk without seals (vLLM's connector wrote it) is a miss; `off`: sizes only, as vLLM's connector."
+        ),
+    )
+    retention: StrictFlag = Field(
+        True,
+        description=(
+            "Retention (docs/retention.md): a chunk asked for by `retention_min_requests` requests is "
+            "stored soft-pinned for `retention_pin_ttl_s`, so one-off prompts evict around it."
+        ),
+    )
+    retention_min_requests: int = Field(
+        2,
+        ge=1,
+        strict=True,
+        description="Requests that must ask for a chunk before it is stored soft-pinned.",
+    )
+    retention_pin_ttl_s: float = Field(
+        600.0,
+        gt=0,
+        le=MAX_SOFT_PIN_TTL_S,
+        description=f"Seconds a soft pin lasts (at most {MAX_SOFT_PIN_TTL_S:,}).",
+    )
+    retention_max_pinned: ByteCount | None = Field(
+        None,
+        description=(
+            'Bytes one worker holds soft-pinned at once (`"8GB"` or a count; 0: pin nothing). '
+            f"null: {PINNED_SHARE} of the memory its engine lends the store, so give it where "
+            "engines lend none (store nodes)."
+        ),
+    )
+    store_tp_size: PositiveInt | None = Field(
+        None,
+        strict=True,
+        description=(
+            "Heterogeneous TP, as vLLM's connector has it (docs/parallel-layouts.md): objects sharded "
+            "for this store TP size, which engines of several TP sizes share."
+        ),
+    )
+    enable_store_tp_lcm: StrictFlag = Field(
+        False, description="Shard for the lcm of `prefill_tp_sizes` instead of `store_tp_size`."
+    )
+    prefill_tp_sizes: list[PositiveInt] | None = Field(
+        None, min_length=1, description="The prefill fleet's TP sizes, for `enable_store_tp_lcm`."
+    )
+    enable_cross_layers_blocks: bool = Field(
+        False,
+        description=(
+            "As vLLM's connector reads it: true (vLLM's test: the text \"true\", any case) shares no "
+            "store shards, and the same keys need the same choice."
+        ),
+    )
+    config: str | None = Field(
+        None,
+        description=(
+            "A kvpipe YAML file whose `store` and `save` sections give defaults; keys given inline override them."
+        ),
+    )
 
     @model_validator(mode="after")
     def _lcm_needs_sizes(self) -> ConnectorSettings:
@@ -124,6 +240,18 @@ class ConnectorSettings(BaseModel):
         if self.staging_blocks is not None:
             return self.staging_blocks
         return sum(-(-self.staging_tokens // size) for size in block_sizes)
+
+
+def markdown_table() -> str:
+    """docs/vllm-connector.md's settings table: a row per field, from its default and description.
+
+    ``python -m kvpipe.connector.vllm.settings`` prints it; a test holds the page to it.
+    """
+    rows = ["| key | default | what it sets |", "|---|---|---|"]
+    for name, field in ConnectorSettings.model_fields.items():
+        default = field.default.value if isinstance(field.default, Enum) else field.default
+        rows.append(f"| `{name}` | `{json.dumps(default)}` | {field.description} |")
+    return "\n".join(rows) + "\n"
 
 
 #: keys of vLLM's MooncakeStoreConnector for machinery kvpipe does not have: accepted, so a
@@ -174,3 +302,7 @@ def settings_from(extra: Mapping[str, Any] | None) -> ConnectorSettings:
         raise ConfigError(
             one_line(describe_validation_error(exc, "kv_connector_extra_config", without_store_tag))
         ) from None
+
+
+if __name__ == "__main__":
+    print(markdown_table(), end="")

@@ -66,7 +66,8 @@ class _Run:
         """The run's part of ``slots`` ([n, slot bytes]) as ``[regions, n, bytes]``, a view."""
         regions, _, width = self.rows.shape
         part = slots[:, self.offset : self.offset + regions * width]
-        return part.unflatten(1, (regions, width)).transpose(0, 1)
+        # torch.unflatten, not Tensor.unflatten: the same op, but the method is unannotated in torch
+        return torch.unflatten(part, 1, (regions, width)).transpose(0, 1)
 
 
 @dataclass(frozen=True)

@@ -30,7 +30,7 @@ import time
 from collections import Counter, OrderedDict, deque
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field, replace
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, NamedTuple
 
 import structlog
 import torch
@@ -78,8 +78,9 @@ from .metrics import (
     STAGING_SLOTS_IN_USE,
     per_stage,
 )
+from .registrations import BufferRegistrations
 from .settings import ConnectorSettings
-from .staging_area import Copy, StagingArea
+from .staging_area import StagingArea
 
 if TYPE_CHECKING:
     from kvpipe.stages import Chunk
@@ -114,17 +115,93 @@ def parallel_ranks() -> tuple[int, int, int]:
 PUT_HERE_REMEMBERED = 65536
 
 
+class _Placement(NamedTuple):
+    """Where one chunk of a save or a load lies in the engine: the block its last token falls in."""
+
+    group: int  # engine KV-cache group
+    table_index: int  # the chunk's index in the group's block table
+    block: int  # engine block id (a tail's block is partly filled)
+
+
+class _SlotCopy(NamedTuple):
+    """One block to move between the engine and a staging slot (a :data:`.staging_area.Copy`)."""
+
+    group: int  # engine KV-cache group
+    slot: int
+    block: int  # engine block id
+
+
 @dataclass
 class _Load:
     """A load in flight: its job (None: it could not start), and the slots it lands in first (device caches)."""
 
     request: LoadRequest  # over engine block ids
     job: Job | None
-    bounce: list[Copy] = field(default_factory=list)  # (engine group, slot, engine block)
+    bounce: list[_SlotCopy] = field(default_factory=list)
 
     @property
     def done(self) -> bool:
         return self.job is None or self.job.done
+
+
+class _StagedSave(NamedTuple):
+    """A save whose chunks have slots: the copies that fill them, the request over them, its chunks."""
+
+    copies: list[_SlotCopy]
+    request: SaveRequest  # over staging slots
+    chunks: list[Chunk]
+
+
+@dataclass(frozen=True)
+class _StartOptions:
+    """How :meth:`WorkerSide.register_kv_caches` sets the worker up (see :class:`WorkerSide`)."""
+
+    transfers: bool
+    load_via_staging: bool | None
+    max_pinned_bytes: int
+    staging_device: Device | None
+
+
+class _LoadFailures:
+    """What failed in the loads, from the load stage's report to vLLM's questions; thread-safe.
+
+    The load stage tells a request's failed blocks on the load pipeline's thread;
+    the worker settles them into what vLLM asks for: failed block ids (one KV-cache
+    group) or failed requests (several: vLLM cannot map block ids back then).
+    """
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._told: dict[str, frozenset[int]] = {}  # by the load stage, per request
+        self._blocks: set[int] = set()  # engine block ids, for get_block_ids_with_load_errors
+        self._requests: set[str] = set()
+
+    def told(self, request_id: str, failed_block_ids: frozenset[int]) -> None:
+        with self._lock:
+            self._told[request_id] = failed_block_ids
+
+    def take_told(self, request_id: str) -> frozenset[int] | None:
+        """What the load stage told of the request's load; None: it never reached the stage."""
+        with self._lock:
+            return self._told.pop(request_id, None)
+
+    def record(self, request_id: str, blocks: set[int], as_request: bool) -> None:
+        """A settled load's failed ``blocks``: for vLLM, its failed request (``as_request``) or block ids."""
+        with self._lock:
+            if as_request:
+                self._requests.add(request_id)
+            else:
+                self._blocks.update(blocks)
+
+    def take_requests(self) -> set[str]:
+        with self._lock:
+            failed, self._requests = self._requests, set()
+        return failed
+
+    def take_blocks(self) -> set[int]:
+        with self._lock:
+            errors, self._blocks = self._blocks, set()
+        return errors
 
 
 class WorkerSide:
@@ -160,26 +237,19 @@ class WorkerSide:
         self.stats: Counter[str] = Counter()
         self.observed: deque[tuple[StoreObject, ObjectStatus]] = deque(maxlen=65536)
         self._put_here: OrderedDict[bytes, None] = OrderedDict()  # chunk hashes, newest last
-        self._load_via_staging = load_via_staging
-        self._max_pinned_bytes = max_pinned_bytes
-        self._transfers = transfers
-        self._staging_device = staging_device
-        self._lock = threading.Lock()
+        self._options = _StartOptions(transfers, load_via_staging, max_pinned_bytes, staging_device)
+        self._memory = BufferRegistrations(store)
         self.layouts: dict[int, tuple[GroupLayout, ...]] = {}  # per engine group, per store shard of the rank
+        # set up by register_kv_caches
         self._staging: StagingArea | None = None
-        self._job_slots: dict[int, list[int]] = {}
+        self._load_via_staging = False
         self._save_pipeline: SyncPipeline | None = None
         self._load_pipeline: SyncPipeline | None = None
+        self._job_slots: dict[int, list[int]] = {}  # save jobs in flight: their staging slots
         self._loads: dict[str, _Load] = {}  # async loads in flight
         self._sync_loads: list[_Load] = []  # this step's, submitted, waited for in start_load_kv
         self._submitted: KVPipeMetadata | None = None  # the step whose loads went out
-        self._load_failures: dict[str, frozenset[int]] = {}  # told by the load stage, per request
-        self._load_errors: set[int] = set()  # engine block ids, for get_block_ids_with_load_errors
-        self._failed_requests: set[str] = set()
-        self._registered: list[int] = []  # the staging arena, and the engine's storages on CPU
-        self._engine_storages: dict[int, int] = {}  # registered with the store: address -> bytes
-        self._released = False  # vLLM's sleep mode has the KV caches (unregister_kv_caches)
-        self._byte_facts: tuple[tuple[str, str], ...] = ()  # the cache's and its layers' (at start)
+        self._load_failures = _LoadFailures()
         self.reporter = ChunkReporter((cache.writer(tp_rank), cache.pp_rank)) if kv_events else None
 
     @property
@@ -194,7 +264,8 @@ class WorkerSide:
         Raises :class:`~.kv_layout.LayoutError` (naming the layer and the layout)
         for a cache whose blocks cannot be stored as equal-stride rows.
         """
-        if not self._transfers:
+        options = self._options
+        if not options.transfers:
             log.info("capacity-only: the store gets this engine's segment, no KV cache is transferred")
             return
         cache = self.cache
@@ -211,33 +282,30 @@ class WorkerSide:
         else:
             shards = (group_layout(layers, cache.num_blocks, cache.layout_name),)
         facts = layer_facts(layers, cache.shards_per_rank)
-        self._byte_facts = (*cache.byte_facts, *engine_facts({"layers": facts}))
+        byte_facts = (*cache.byte_facts, *engine_facts({"layers": facts}))
         self.layouts = {group.engine_group: shards for group in cache.store_groups}
         slots = self.settings.staging_slots([group.spec.block_size for group in cache.store_groups])
-        self._staging = StagingArea(self.layouts, slots, self._staging_device)
-        if self._load_via_staging is None:
-            self._load_via_staging = self._staging.device.type != "cpu"
+        staging = self._staging = StagingArea(self.layouts, slots, options.staging_device)
+        on_cpu = staging.device.type == "cpu"
+        self._load_via_staging = not on_cpu if options.load_via_staging is None else options.load_via_staging
         # On CPU the store reads and writes the engine's blocks; a device cache only ever
         # meets the store through the (host) staging arena.
-        self._engine_storages = (
-            {} if self._staging.device.type != "cpu" else storages_of(list(layers.values()))
-        )
-        arena = self._staging.arena
-        self._register({**self._engine_storages, arena.data_ptr(): arena.numel()})
+        self._memory.register(storages_of(list(layers.values())) if on_cpu else {}, engine=True)
+        self._memory.register({staging.arena.data_ptr(): staging.arena.numel()})
         engine = [
             {g: layouts[shard].block_layout for g, layouts in self.layouts.items()}
             for shard in range(len(shards))
         ]
-        load_kv = self._rank_cache(self._staging.layouts() if self._load_via_staging else engine)
+        load_kv = self._rank_cache(staging.layouts() if self._load_via_staging else engine, byte_facts)
         self._save_pipeline = SyncPipeline(
             default_save_graph(
-                self._rank_cache(self._staging.layouts()),
+                self._rank_cache(staging.layouts(), byte_facts),
                 self.store,
                 enable_group_semantics=self.settings.enable_group_semantics,
                 max_buffers_per_call=self.settings.max_buffers_per_call,
                 observer=self._observe,
                 integrity=self.settings.integrity,
-                max_pinned_bytes=self._max_pinned_bytes,
+                max_pinned_bytes=options.max_pinned_bytes,
                 soft_pin_ttl_s=self.settings.retention_pin_ttl_s,
             ),
             queue_capacity=self.settings.queue_capacity,
@@ -250,7 +318,7 @@ class WorkerSide:
             default_load_graph(
                 load_kv,
                 self.store,
-                load_observer=self._load_observed,
+                load_observer=self._load_failures.told,
                 max_buffers_per_call=self.settings.max_buffers_per_call,
                 integrity=self.settings.integrity,
             ),
@@ -259,23 +327,6 @@ class WorkerSide:
             name="kvpipe-load",
             job_deadline_s=self.settings.load_deadline_s,
         ).start()
-
-    def _register(self, storages: Mapping[int, int]) -> None:
-        for address, nbytes in storages.items():
-            code = self.store.register_buffer(address, nbytes)
-            if code != 0:
-                log.warning("register_buffer failed", address=hex(address), nbytes=nbytes, code=code)
-            else:
-                self._registered.append(address)
-
-    def _unregister(self, addresses: Sequence[int]) -> None:
-        for address in addresses:
-            if address in self._registered:
-                self._registered.remove(address)
-                try:
-                    self.store.unregister_buffer(address)
-                except Exception:  # noqa: BLE001, S110 - a closing client may refuse; nothing is lost
-                    pass
 
     # -- sleep mode (vLLM 0.33) -----------------------------------------------------------
 
@@ -287,25 +338,27 @@ class WorkerSide:
         into memory being freed, and the engine's storages are unregistered from the
         store. Saves read only the staging arena, which is host memory sleep keeps.
         """
-        if self._released:
+        if self._memory.released:
             return
-        self._released = True
         for load in [*self._loads.values(), *self._sync_loads]:
             if load.job is not None and not load.job.wait(LOAD_TIMEOUT_S):
                 log.warning("a load outlived its wait before sleep", request_id=load.request.request_id)
-        self._unregister(list(self._engine_storages))
+        self._memory.release_engine()
 
     def restore_kv_caches(self) -> None:
         """Take the KV caches back after vLLM's wake-up (the same addresses); idempotent."""
-        if not self._released:
-            return
-        self._released = False
-        self._register(self._engine_storages)
+        if self._memory.released:
+            self._memory.restore_engine()
 
-    def _rank_cache(self, layouts: Sequence[Mapping[int, BlockLayout]]) -> KVCache:
-        """This rank's cache over ``layouts`` (per store shard: the engine's blocks or the staging slots)."""
+    def _rank_cache(
+        self, layouts: Sequence[Mapping[int, BlockLayout]], byte_facts: tuple[tuple[str, str], ...]
+    ) -> KVCache:
+        """This rank's cache over ``layouts`` (per store shard: the engine's blocks or the staging slots).
+
+        ``byte_facts``: the cache's and its layers', which the objects' seals cover.
+        """
         kv = self.cache.rank_cache(self.tp_rank, layouts)
-        return replace(kv, byte_facts=self._byte_facts)
+        return replace(kv, byte_facts=byte_facts)
 
     # -- saves ---------------------------------------------------------------------------
 
@@ -331,26 +384,25 @@ class WorkerSide:
             return
         # One batch for the step's every block; on a device it is still under way, and
         # the save pipeline (never this thread) waits for it before a put reads a slot.
-        fence = self._staging.copy_in([copy for copies, _, _ in staged for copy in copies])
+        fence = self._staging.copy_in([copy for staged_save in staged for copy in staged_save.copies])
         ready = None if fence.done() else fence.wait
-        for copies, request, chunks in staged:
+        for staged_save in staged:
+            request = staged_save.request
             job = self._save_pipeline.submit(request, ready=ready)
             self.stats[SAVES_SUBMITTED] += 1
-            self._job_slots[job.id] = [slot for _, slot, _ in copies]
+            self._job_slots[job.id] = [copy.slot for copy in staged_save.copies]
             if self.reporter is not None:
-                self.reporter.planned(job.id, request.request_id, chunks)
+                self.reporter.planned(job.id, request.request_id, staged_save.chunks)
         self._reap()
 
-    def _stage(self, save: SaveRequest) -> tuple[list[Copy], SaveRequest, list[Chunk]] | None:
+    def _stage(self, save: SaveRequest) -> _StagedSave | None:
         """Free slots for the save's chunks: the copies that fill them, the request over them, its chunks.
 
         None: nothing to save, or no room.
         """
         assert self._staging is not None
         chunks = chunks_to_save(save, self.cache.store_groups, self.cache.hash_block_size)
-        # (engine group, chunk index, engine block): the block its last token falls in
-        # (a tail's block is partly filled)
-        plan = [(c.group.engine_group, c.block_index, c.block_id) for c in chunks]
+        plan = [_Placement(c.group.engine_group, c.block_index, c.block_id) for c in chunks]
         if not plan:
             return None
         if len(plan) > self._staging.free:
@@ -358,39 +410,39 @@ class WorkerSide:
             if self.reporter is not None:
                 self.reporter.dropped(chunks)
             return None
-        slots, ids = self._into_slots(plan, save.block_ids)
-        copies = [(group, slot, block) for (group, _, block), slot in zip(plan, slots, strict=True)]
-        return copies, replace(save, block_ids=ids), chunks
+        copies, ids = self._into_slots(plan, save.block_ids)
+        return _StagedSave(copies, replace(save, block_ids=ids), chunks)
 
     def _into_slots(
-        self, plan: Sequence[tuple[int, int, int]], block_ids: tuple[tuple[int, ...], ...]
-    ) -> tuple[list[int], tuple[tuple[int, ...], ...]]:
-        """Free slots for ``plan``'s (engine group, chunk index, engine block), and ``block_ids`` naming them."""
+        self, plan: Sequence[_Placement], block_ids: tuple[tuple[int, ...], ...]
+    ) -> tuple[list[_SlotCopy], tuple[tuple[int, ...], ...]]:
+        """Free slots for ``plan``'s chunks: their copies to or from the engine, and ``block_ids`` naming them."""
         assert self._staging is not None
         slots = self._staging.take(len(plan))
-        placed = [(group, index, slot) for (group, index, _), slot in zip(plan, slots, strict=True)]
-        return slots, _remapped(block_ids, placed)
+        copies = [_SlotCopy(chunk.group, slot, chunk.block) for chunk, slot in zip(plan, slots, strict=True)]
+        return copies, _remapped(block_ids, plan, slots)
 
     def _reap(self) -> None:
         """Free the staging slots of completed save jobs and count their outcomes."""
-        if self._save_pipeline is None or self._staging is None:
-            return
-        for job in self._save_pipeline.completed():
-            self._staging.give_back(self._job_slots.pop(job.id, ()))
-            self.stats[SEALS_FAILED] += job.counts.get("unsealed", 0)
-            self.stats[SAVE_JOBS_BY_OUTCOME[job.outcome]] += 1  # a completed job has its outcome
-            if job.outcome is Outcome.OK and job.elapsed_s is not None:
-                # from the step that computed it to stored: when another replica can hit it
-                self.stats[SAVES_LANDED] += 1
-                self.stats[SAVE_LANDING_MS] += round(job.elapsed_s * 1000)
-            if self.reporter is not None:
-                self.reporter.ended(job.id)
+        if self._save_pipeline is not None:
+            for job in self._save_pipeline.completed():
+                self._reaped(job)
+
+    def _reaped(self, job: Job) -> None:
+        """A completed save job: free its staging slots, count its outcome."""
+        assert self._staging is not None  # a save job's pipeline starts after the staging area
+        self._staging.give_back(self._job_slots.pop(job.id, ()))
+        self.stats[SEALS_FAILED] += job.counts.get("unsealed", 0)
+        assert job.outcome is not None  # a completed job has its outcome
+        self.stats[SAVE_JOBS_BY_OUTCOME[job.outcome]] += 1
+        if job.outcome is Outcome.OK and job.elapsed_s is not None:
+            # from the step that computed it to stored: when another replica can hit it
+            self.stats[SAVES_LANDED] += 1
+            self.stats[SAVE_LANDING_MS] += round(job.elapsed_s * 1000)
+        if self.reporter is not None:
+            self.reporter.ended(job.id)
 
     # -- loads ---------------------------------------------------------------------------
-
-    def _load_observed(self, request_id: str, failed_block_ids: frozenset[int]) -> None:
-        with self._lock:  # on the load pipeline's thread, before the job completes
-            self._load_failures[request_id] = failed_block_ids
 
     def submit_loads(self, meta: KVPipeMetadata) -> None:
         """Start this step's loads now, once per step (vLLM binds the step's metadata before its forward).
@@ -434,17 +486,16 @@ class WorkerSide:
         if len(plan) > self._staging.free:
             self.stats[LOADS_FAILED_NO_STAGING] += 1
             return _Load(load, None)
-        slots, ids = self._into_slots(plan, load.block_ids)
-        job = self._load_pipeline.submit(replace(load, block_ids=ids))
-        return _Load(load, job, [(g, slot, block) for (g, _, block), slot in zip(plan, slots, strict=True)])
+        copies, ids = self._into_slots(plan, load.block_ids)
+        return _Load(load, self._load_pipeline.submit(replace(load, block_ids=ids)), copies)
 
-    def _load_plan(self, load: LoadRequest) -> list[tuple[int, int, int]]:
-        """(engine group, chunk index, engine block) of every chunk the load fills (none if it is invalid)."""
+    def _load_plan(self, load: LoadRequest) -> list[_Placement]:
+        """Where every chunk the load fills lies in the engine (none if the load is invalid)."""
         try:
             chunks = load_chunks(self.cache.store_groups, self.cache.hash_block_size, load)
         except ValueError:
             return []  # the load stage refuses it with the reason; its blocks fail
-        return [(chunk.group.engine_group, chunk.block_index, chunk.block_id) for chunk in chunks]
+        return [_Placement(chunk.group.engine_group, chunk.block_index, chunk.block_id) for chunk in chunks]
 
     def _settle_loads(self, loads: Sequence[_Load], reported: bool) -> None:
         """Loads whose jobs have ended (or timed out): settle each, then copy their bounced blocks home.
@@ -452,13 +503,13 @@ class WorkerSide:
         One batch for them all, ordered before the engine's next forward without
         waiting for it here; their slots are reused once it is done.
         """
-        home: list[Copy] = []
+        home: list[_SlotCopy] = []
         slots: list[int] = []
         for load in loads:
             failed = self._settle_load(load, reported)
             if load.bounce and load.job is not None and load.job.done:
-                home.extend(copy for copy in load.bounce if copy[2] not in failed)
-                slots.extend(slot for _, slot, _ in load.bounce)
+                home.extend(copy for copy in load.bounce if copy.block not in failed)
+                slots.extend(copy.slot for copy in load.bounce)
             # else the job may still write its slots: they stay taken (a leak bounded by timeouts)
         if slots:
             assert self._staging is not None
@@ -472,14 +523,13 @@ class WorkerSide:
         ``reported``: an async load, whose end ``get_finished`` reports (a sync one's is not).
         """
         job, rid = load.job, load.request.request_id
-        with self._lock:
-            told = self._load_failures.pop(rid, None)
+        told = self._load_failures.take_told(rid)
         if job is None or not job.done or told is None:
             # never started, timed out, or refused before the stage: every block of its range
             # (not the blocks below it: those are the engine's own, maybe shared with others)
             failed = set(touched_block_ids(self.cache.store_groups, load.request))
         else:
-            by_slot = {slot: block for _, slot, block in load.bounce}
+            by_slot = {copy.slot: copy.block for copy in load.bounce}
             failed = {by_slot.get(block, block) for block in told}
         if job is not None:
             self.stats[CHUNKS_LOADED] += job.counts.get("loaded", 0)
@@ -490,11 +540,8 @@ class WorkerSide:
         if not failed:
             self.stats[CHUNKS_LOADED_FROM_OTHERS] += self._stored_elsewhere(load.request)
             return failed
-        with self._lock:
-            if len(self.cache.groups) > 1 and reported:
-                self._failed_requests.add(rid)  # vLLM cannot map block ids of several groups back
-            else:
-                self._load_errors.update(failed)
+        # vLLM cannot map block ids of several groups back
+        self._load_failures.record(rid, failed, as_request=len(self.cache.groups) > 1 and reported)
         return failed
 
     def _stored_elsewhere(self, load: LoadRequest) -> int:
@@ -516,14 +563,10 @@ class WorkerSide:
         return finished
 
     def take_failed_requests(self) -> set[str]:
-        with self._lock:
-            failed, self._failed_requests = self._failed_requests, set()
-        return failed
+        return self._load_failures.take_requests()
 
     def get_block_ids_with_load_errors(self) -> set[int]:
-        with self._lock:
-            errors, self._load_errors = self._load_errors, set()
-        return errors
+        return self._load_failures.take_blocks()
 
     # -- telemetry -----------------------------------------------------------------------
 
@@ -559,12 +602,17 @@ class WorkerSide:
     # -- the end -------------------------------------------------------------------------
 
     def drain(self, timeout_s: float = 10.0) -> bool:
-        """Wait until every submitted save has completed (for tests and shutdown)."""
+        """Wait until every submitted save has completed (for tests and shutdown).
+
+        It waits on the save pipeline's completions, each reaped as it comes.
+        """
         deadline = time.monotonic() + timeout_s
-        while self._job_slots and time.monotonic() < deadline:
-            self._reap()
-            time.sleep(0.01)
         self._reap()
+        while self._job_slots and self._save_pipeline is not None:
+            job = self._save_pipeline.next_completed(max(0.0, deadline - time.monotonic()))
+            if job is None:
+                break
+            self._reaped(job)
         return not self._job_slots
 
     def shutdown(self, owns_store: bool) -> None:
@@ -572,27 +620,28 @@ class WorkerSide:
             if pipeline is not None:
                 try:
                     pipeline.stop(STOP_DEADLINE_S)
-                except Exception as exc:  # noqa: BLE001
+                except Exception as exc:  # noqa: BLE001 - shutdown goes on: the other pipeline, the store
                     log.warning("pipeline stop failed", error=str(exc))
         self._reap()
         self._save_pipeline = self._load_pipeline = None
-        self._unregister(list(self._registered))
+        self._memory.unregister()
         if owns_store:
             self.store.close()
 
 
 def _remapped(
-    block_ids: tuple[tuple[int, ...], ...], placed: Sequence[tuple[int, int, int]]
+    block_ids: tuple[tuple[int, ...], ...], plan: Sequence[_Placement], slots: Sequence[int]
 ) -> tuple[tuple[int, ...], ...]:
-    """``block_ids`` with chunk ``index`` of engine group ``g`` at ``slot``, for each (g, index, slot).
+    """``block_ids`` with each chunk of ``plan`` at its slot instead of its engine block.
 
     The stages read chunk ``i`` of a group from ``block_ids[g][i]``; a request
     over staging slots keeps the engine's shape with slot numbers where the
     chunks it carries are (other entries are never read).
     """
     ids = [list(group_ids) for group_ids in block_ids]
-    for group, index, slot in placed:
-        if len(ids[group]) <= index:
-            ids[group].extend([slot] * (index + 1 - len(ids[group])))
-        ids[group][index] = slot
+    for chunk, slot in zip(plan, slots, strict=True):
+        table, index = ids[chunk.group], chunk.table_index
+        if len(table) <= index:
+            table.extend([slot] * (index + 1 - len(table)))
+        table[index] = slot
     return tuple(tuple(group_ids) for group_ids in ids)

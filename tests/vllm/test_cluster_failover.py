@@ -14,6 +14,7 @@ import time
 import pytest
 
 from kvpipe.connector.bench.launch import close_llm, kvpipe_transfer
+from kvpipe.connector.store.mooncake import harness
 from kvpipe.connector.store.mooncake.cluster import LocalCluster
 from kvpipe.connector.store.mooncake.master import P2P_HANDSHAKE
 
@@ -52,9 +53,9 @@ def test_vllm_generates_through_a_leader_failover_and_then_hits_what_it_stored(
         }
         assert first["tokens"] == reference[STORED_SEED] and keys
         deadline = time.monotonic() + 10  # the leader's group commit: a few ms
-        while not keys <= cluster.durable_puts() and time.monotonic() < deadline:
+        while not keys <= harness.durable_puts(cluster) and time.monotonic() < deadline:
             time.sleep(0.05)
-        assert keys <= cluster.durable_puts()
+        assert keys <= harness.durable_puts(cluster)
 
         killed = time.monotonic()
         old.kill()

@@ -41,7 +41,7 @@ import pytest
 
 from kvpipe.connector.bench import launch
 from kvpipe.connector.store.breaker import BreakerSettings, BreakerState
-from kvpipe.connector.store.mooncake import MooncakeStore
+from kvpipe.connector.store.mooncake import MooncakeStore, harness
 from kvpipe.connector.store.mooncake.master import LocalMaster
 
 from . import engine
@@ -70,7 +70,7 @@ def outage_master() -> Iterator[LocalMaster]:
         try:
             yield running
         finally:
-            running.resume()  # a failed test never leaves a stopped process (stop() would too)
+            harness.resume(running)  # a failed test never leaves a stopped process (stop() would too)
 
 
 @pytest.fixture(scope="module")
@@ -224,7 +224,7 @@ def outage(llm: Any, outage_master: LocalMaster, reference: dict[int, list[list[
     opened = {side: b.opened for side, b in breakers.items()}
     refused = {side: b.refused for side, b in breakers.items()}
     counting = Counting(during, scheduler, worker)
-    outage_master.pause()
+    harness.pause(outage_master)
     try:
         for i in range(OUTAGE_PASSES):
             run_pass(llm, (STORED_SEEDS[i % 2], NEW_SEEDS[i % len(NEW_SEEDS)]), during, reference)
@@ -235,7 +235,7 @@ def outage(llm: Any, outage_master: LocalMaster, reference: dict[int, list[list[
         opened = {side: b.opened - opened[side] for side, b in breakers.items()}
         refused = {side: b.refused - refused[side] for side, b in breakers.items()}
     finally:
-        outage_master.resume()
+        harness.resume(outage_master)
     back = time.monotonic()
 
     # 3. master back: wait out the breakers' cool-down and let one probe call close each, then

@@ -1,4 +1,4 @@
-"""The metrics catalogue is the one list: the sides count only under its names, the README's table is it."""
+"""The metrics catalogue is the one list: the sides count only under its names, the docs' table is it."""
 
 from __future__ import annotations
 
@@ -32,7 +32,7 @@ from .test_worker_side import worker as make_worker
 pytest.importorskip("vllm")
 from vllm.v1.kv_cache_layout import KVCacheLayout  # noqa: E402
 
-README = Path(__file__).parents[2] / "README.md"
+PAGE = Path(__file__).parents[2] / "docs" / "vllm-connector.md"  # "Operating it": the metrics table
 
 
 def unknown_to(side: Side, keys: Iterable[str]) -> set[str]:
@@ -87,8 +87,8 @@ def test_the_sides_spell_no_stats_key_out_as_a_string(module: ModuleType) -> Non
     assert spelled == []
 
 
-def test_the_readme_metrics_table_is_the_catalogue() -> None:
-    lines = README.read_text().splitlines(keepends=True)
+def test_the_docs_metrics_table_is_the_catalogue() -> None:
+    lines = PAGE.read_text().splitlines(keepends=True)
     start = lines.index(markdown_table().splitlines(keepends=True)[0])
     end = next(i for i in range(start, len(lines)) if not lines[i].startswith("|"))
     assert "".join(lines[start:end]) == markdown_table(), "python -m kvpipe.connector.vllm.metrics prints it"

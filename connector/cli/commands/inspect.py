@@ -86,13 +86,13 @@ def add_parser(commands: Any) -> None:
 def command(args: argparse.Namespace) -> int:
     from ..inspect import (
         InspectError,
+        ReportRequest,
         Scrub,
-        admin_of_master,
         build_report,
         check_master,
-        expected_objects,
-        find_admin,
+        locate_admin,
         render_table,
+        replay_run,
         scrub_client,
         write_png,
     )
@@ -147,46 +147,24 @@ def command(args: argparse.Namespace) -> int:
     try:
         if address is not None:
             check_master(address, args.timeout)
-        if not metrics and address is None:
-            raise InspectError(
-                "metrics", "is required: the master's admin HTTP (its --metrics_port), or --master/--config"
-            )
-        derived = not metrics
-        try:
-            admin = find_admin(metrics or [admin_of_master(address, args.timeout)], args.timeout)  # type: ignore[arg-type]
-        except InspectError as error:
-            if not derived:
-                raise
-            raise InspectError(
-                "metrics",
-                f"not given, and {error} (Mooncake's default --metrics_port): pass --metrics HOST:PORT",
-            ) from None
-        expected = None
-        if run_config is not None:
-            try:
-                expected = expected_objects(run_config)
-            except ValueError as error:
-                raise InspectError("run", f"{args.run}: {one_line(str(error))}") from None
+        admin = locate_admin(metrics, address, args.timeout)
+        expected_run = None if run_config is None else replay_run(run_config, args.run)
         with ExitStack() as stack:
             scrub = None
             if verified_store is not None:
                 store = stack.enter_context(scrub_client(verified_store))
                 scrub = Scrub(store, args.sample, args.repair, _scrub_progress)
-            report = build_report(
-                admin,
+            request = ReportRequest(
                 model,
                 cache_prefix or "",
                 store_groups=args.groups,
                 tp_ranks=args.tp_ranks,
-                expected=expected,
-                run_config=None if args.run is None else str(args.run),
-                run_requests_group_ids=None
-                if run_config is None
-                else bool(run_config.save.enable_group_semantics),
+                run=expected_run,
                 master=None if address is None else address.text,
                 probe_timeout_s=min(args.timeout, 0.5),
                 scrub=scrub,
             )
+            report = build_report(admin, request)
     except InspectError as error:
         if args.verbose:
             raise

@@ -156,4 +156,6 @@ def apply_override(document: dict[str, Any], assignment: str) -> None:
     try:
         target[keys[-1]] = yaml.safe_load(raw)
     except yaml.YAMLError as exc:
-        raise ValueError(f"--set {assignment!r}: the value is not valid YAML ({exc.problem})") from None
+        # only marked errors (scanner, parser) carry .problem; a ReaderError (a control character) does not
+        problem = exc.problem if isinstance(exc, yaml.MarkedYAMLError) else exc
+        raise ValueError(f"--set {assignment!r}: the value is not valid YAML ({problem})") from None

@@ -4,7 +4,7 @@ The steps: build the synthetic KV cache and workload from the config, open the
 store and register the cache's memory with it, run the engine stand-in with the
 save pipeline on the sync bridge (as a connector would), drain, then check the
 store (chunks whole? bytes intact?) and assemble the report whose field names
-are a contract (see README).
+are a contract (see docs/configuration.md, "The report").
 """
 
 from __future__ import annotations

@@ -7,22 +7,16 @@ adds only what the raw client lacks and production needs:
   (segfault), so the wrapper answers -900 itself after :meth:`MooncakeStore.close`,
   and close waits for calls in flight on other threads before closing.
 - **Fast, one-line connection errors.** With no master listening, ``setup()``
-  retries for ~90 s. :meth:`MooncakeStore.open` first checks that the master
-  (and an HTTP metadata server) accept connections, within ``connect_timeout_s``;
-  for an HA cluster (``etcd://``, ``redis://``: :mod:`.master_address`), that a
-  leader serves.
+  retries for ~90 s. :meth:`MooncakeStore.open` first checks that a master serves
+  (:mod:`.reachability`), within ``connect_timeout_s``.
 - **A deadline on every master RPC.** A stopped master makes each call wait
-  30 s before -901; ``rpc_timeout_ms`` (2 s by default) bounds that wait. The
-  client reads it from ``MC_RPC_TIMEOUT_MS`` at set-up, so it is the process's:
-  an explicit ``MC_RPC_TIMEOUT_MS`` in the environment wins.
+  30 s before -901; ``rpc_timeout_ms`` (2 s by default) bounds that wait
+  (``MC_RPC_TIMEOUT_MS``, read at set-up: :mod:`.environment`; the user's wins).
 - **A deadline on every transfer.** A store node cut off by the network (packets
   dropped, no connection refused) makes a get or a put to its segment wait 30 s
   before -800 (measured in network namespaces with the node's link down);
-  ``transfer_timeout_s`` (3 s) bounds it. The transport reads
-  ``MC_TCP_PROGRESS_TIMEOUT_SEC`` (no progress that long: the connection is
-  dropped) when it transfers, not at set-up, so opening a store sets it for the
-  rest of the process (the last store opened wins; processes started later inherit
-  it) unless the environment had one: then it is the user's and stays.
+  ``transfer_timeout_s`` (3 s) bounds it (``MC_TCP_PROGRESS_TIMEOUT_SEC``, read at
+  each transfer, so left set for the rest of the process: :mod:`.environment`).
 - **No 4.5 s calls while the master is gone.** A killed master makes the first
   call fail at once (-900), but every later one spends ~4.5 s in the client's
   reconnection attempts, whatever ``MC_RPC_TIMEOUT_MS`` says. So after a call
@@ -30,13 +24,16 @@ adds only what the raw client lacks and production needs:
   (in HA: the leader etcd records) accepts a connection (within ``rpc_timeout_ms``)
   and answers -900 itself when it does not; once it does, calls go to the client
   again, which reconnects (or follows the new leader).
-- **A master for the asking.** ``master: spawn`` starts a ``mooncake_master`` on
-  free loopback ports (:class:`~.master.LocalMaster`) and the store stops it on close;
-  with ``cluster:`` beside it, a whole local cluster (:class:`~.cluster.LocalCluster`:
-  etcd, HA masters, store nodes), stopped on close too.
+- **A master for the asking.** ``master: spawn`` starts a master or a whole local
+  cluster (:mod:`.master_resolution`), and the store stops it on close.
+- **One client per settings, one etcd cluster per process.** :meth:`MooncakeStore.open_shared`
+  and the etcd check share the process's state (:mod:`.registry`).
+- **Objects on lost nodes are not counted.** :meth:`MooncakeStore.batch_is_exist` drops
+  objects with a replica on a store node that does not answer (:mod:`.segment_liveness`).
 - **A disk tier.** ``disk:`` (:class:`~.settings.DiskTier`) mounts a local-disk
   segment behind the memory one: the client is set up with Mooncake's SSD offload
-  and the variables it reads that from, and a spawned master offloads.
+  and the variables it reads that from (:mod:`.environment`), and a spawned master
+  offloads.
 - **vLLM's config file.** :meth:`MooncakeSettings.from_vllm_file` reads the JSON
   that vLLM's ``MooncakeStoreConnector`` users already have (``MOONCAKE_CONFIG_PATH``),
   with sizes parsed exactly as vLLM parses them.
@@ -49,38 +46,28 @@ one error that says what to install.
 from __future__ import annotations
 
 import logging
-import os
 import threading
-import time
 import weakref
-from collections.abc import Callable, Iterator, Mapping, Sequence
-from contextlib import contextmanager
+from collections.abc import Callable, Sequence
+from contextlib import ExitStack
 from typing import Any, Self
 
 from kvpipe.stages.store import EXISTS, Code, describe
 
 from ..protocol import replicate_config_supports_group_ids
-from .cluster import LocalCluster
-from .master import (
-    P2P_HANDSHAKE,
-    LocalMaster,
-    MasterEndpoints,
-    MasterError,
-    wait_until_listening,
-)
+from .environment import native_environment, rpc_timeout_ms
+from .master import LocalMaster, MasterEndpoints
 from .master_address import MasterAddress
+from .master_resolution import ResolvedMaster, resolve_master
+from .reachability import check_reachable
+from .registry import REGISTRY
 from .segment_liveness import SegmentLiveness
-from .settings import DiskTier, MooncakeSettings, http_endpoint, mib_text
+from .settings import DiskTier, MooncakeSettings, mib_text
 
 __all__ = ["MooncakeError", "MooncakeStore"]
 
 log = logging.getLogger(__name__)
 
-RPC_TIMEOUT_ENV = "MC_RPC_TIMEOUT_MS"
-TRANSFER_TIMEOUT_ENV = "MC_TCP_PROGRESS_TIMEOUT_SEC"
-#: the deadlines the client reads from the environment at set-up; set by whoever started
-#: the process, one is theirs, and settings leave it alone
-_FROM_USER = {name for name in (RPC_TIMEOUT_ENV, TRANSFER_TIMEOUT_ENV) if name in os.environ}
 #: setup()'s answer when this client mounts a disk and the master does not offload
 UNABLE_OFFLOAD = -1300
 INSTALL_HINT = "pip install 'kvpipe[mooncake]' (mooncake-transfer-engine-non-cuda==0.3.13.post1)"
@@ -91,8 +78,12 @@ class MooncakeError(RuntimeError):
 
 
 def _import_mooncake() -> tuple[type, type]:
-    """``(MooncakeDistributedStore, ReplicateConfig)``, or one error saying what to install."""
+    """``(MooncakeDistributedStore, ReplicateConfig)``, or one error saying what to install.
+
+    :raises MooncakeError: the wheel, or a system library it needs, is missing.
+    """
     try:
+        # untyped (a compiled module): pyproject's mypy overrides take what it gives as Any
         from mooncake.store import MooncakeDistributedStore, ReplicateConfig
     except ImportError as exc:
         if "libibverbs" in str(exc):
@@ -141,29 +132,29 @@ class MooncakeStore:
         config_cls: type,
         *,
         settings: MooncakeSettings,
-        master_address: str,
-        metadata_server: str,
-        master: LocalMaster | LocalCluster | None = None,
+        master: ResolvedMaster,
         drain_timeout_s: float = 60.0,
     ) -> None:
+        """``client``: a native client set up on ``master``, which this store now owns (and
+        stops on close, if spawned); ``config_cls``: the binding's ``ReplicateConfig``."""
         self._client = client
         self._config_cls = config_cls
         self._supports_group_ids = replicate_config_supports_group_ids(config_cls, config_cls())
         self._pin_enable = _soft_pin_enable(config_cls)
         self.settings = settings
-        self.master_address = master_address
-        self.metadata_server = metadata_server
+        self.master_address = master.master_address
+        self.metadata_server = master.metadata_server
         self._master = master
         self._drain_timeout_s = drain_timeout_s
         self._state = threading.Condition()
         self._in_flight = 0
         self._closed = False
         self._users = 1  # open_shared hands the same store out again; close ends it for the last user
-        self._shared_as: MooncakeSettings | None = None  # its key in open_shared's registry
+        self._shared_as: MooncakeSettings | None = None  # its key among the registry's shared stores
         # set when a call found the master gone (every key -900): see _master_back
         self._master_lost = False
-        self._address = MasterAddress.parse(master_address)
-        self.rpc_timeout_s = _rpc_timeout_ms(settings) / 1000  # the deadline the client really has
+        self._address = MasterAddress.parse(master.master_address)
+        self.rpc_timeout_s = rpc_timeout_ms(settings) / 1000  # the deadline the client really has
         self._liveness = SegmentLiveness(probe_timeout_s=min(0.2, self.rpc_timeout_s))
         # the client in a list the finalizer empties: ending the native object is part of a release
         self._release = weakref.finalize(self, _release, [client], master)
@@ -178,80 +169,16 @@ class MooncakeStore:
         """
         settings = settings or MooncakeSettings()
         client_cls, config_cls = _import_mooncake()
-        master: LocalMaster | LocalCluster | None = None
-        if settings.master == "spawn" and settings.cluster is not None:
-            spec = settings.cluster
-            master = LocalCluster(
-                spec.masters,
-                store_nodes=spec.store_nodes,
-                node_segment=str(spec.node_segment),
-                node_disk=None if spec.node_disk is None else str(spec.node_disk),
-                enable_offload=settings.disk is not None,
-            )
-            master.__enter__()  # its SIGTERM handler too: the store's owner stops it all on SIGTERM
-            master_address = master.master_address
-            metadata_server = settings.metadata_server or P2P_HANDSHAKE
-        elif settings.master == "spawn":
-            master = LocalMaster(
-                lease_ttl_ms=settings.lease_ttl_ms,
-                eviction_high_watermark=settings.eviction_high_watermark,
-                eviction_ratio=settings.eviction_ratio,
-                client_ttl_s=settings.client_ttl_s,
-                enable_offload=settings.disk is not None,
-            ).start()
-            assert master.endpoints is not None
-            master_address = master.endpoints.master_address
-            metadata_server = settings.metadata_server or master.endpoints.metadata_server
-        else:
-            master_address = settings.master
-            assert settings.metadata_server is not None  # validated
-            metadata_server = settings.metadata_server
-        try:
-            _check_reachable(master_address, metadata_server, settings.connect_timeout_s)
-            etcd = _one_etcd_per_process(master_address)
-            client = client_cls()
-            extra: dict[str, Any] = {}
-            if settings.tenant_id != "default":
-                extra["tenant_id"] = settings.tenant_id
-            if settings.disk is not None:
-                extra.update(enable_ssd_offload=True, ssd_offload_path=_disk_folder(settings.disk))
-            disk_environment = settings.disk.mooncake_environment() if settings.disk is not None else {}
-            with _deadlines_for_setup(settings), _set_for_setup(disk_environment):
-                code = client.setup(
-                    settings.local_hostname,
-                    metadata_server,
-                    settings.global_segment_size,
-                    settings.local_buffer_size,
-                    settings.protocol,
-                    settings.device_name,
-                    master_address,
-                    **extra,
-                )
-            if code != 0:
-                # A failed set-up may leave the segment mounted (-1300 does): the destructor
-                # unmounts it here, while the master serves, not when the error is collected.
-                client.close()
-                del client
-                hint = _SETUP_HINTS.get(code, "see the client's log above")
-                raise MooncakeError(
-                    f"Mooncake setup() failed with {describe(code)} for master {master_address}, "
-                    f"metadata {metadata_server}, protocol {settings.protocol!r}, "
-                    f"segment {mib_text(settings.global_segment_size)}: {hint}"
-                )
-            if etcd is not None:
-                _JOINED_ETCD.append(etcd)
-        except BaseException:
-            if master is not None:
-                _stop_spawned(master)
-            raise
-        return cls(
-            client,
-            config_cls,
-            settings=settings,
-            master_address=master_address,
-            metadata_server=metadata_server,
-            master=master,
-        )
+        with ExitStack() as on_error:
+            master = resolve_master(settings)
+            on_error.callback(master.stop)
+            address = MasterAddress.parse(master.master_address)
+            check_reachable(address, master.metadata_server, settings.connect_timeout_s)
+            REGISTRY.refuse_second_etcd(address)
+            client = _set_up(client_cls, settings, master)
+            REGISTRY.joined(address)
+            on_error.pop_all()  # set up: the store owns the master now
+        return cls(client, config_cls, settings=settings, master=master)
 
     @classmethod
     def open_shared(cls, settings: MooncakeSettings) -> MooncakeStore:
@@ -268,8 +195,8 @@ class MooncakeStore:
         if settings.master == "spawn":
             return cls.open(settings)
         key = MooncakeSettings.model_validate(settings.model_dump(include=set(MooncakeSettings.model_fields)))
-        with _SHARED_LOCK:
-            store = _SHARED.get(key)
+        with REGISTRY.shared_stores() as shared:
+            store = shared.get(key)
             if store is not None:
                 with store._state:
                     if not store._closed:
@@ -277,7 +204,7 @@ class MooncakeStore:
                         return store
             store = cls.open(settings)
             store._shared_as = key
-            _SHARED[key] = store
+            shared[key] = store
             return store
 
     def __enter__(self) -> Self:
@@ -287,7 +214,7 @@ class MooncakeStore:
         self.close()
 
     def __repr__(self) -> str:
-        spawned = " (spawned)" if self._master is not None else ""
+        spawned = " (spawned)" if self._master.spawned is not None else ""
         state = "closed" if self._closed else "open"
         return (
             f"MooncakeStore(master={self.master_address}{spawned}, metadata={self.metadata_server}, "
@@ -304,12 +231,8 @@ class MooncakeStore:
     @property
     def spawned_master(self) -> LocalMaster | None:
         """The one master this store spawned (``master: spawn`` without ``cluster``)."""
-        return self._master if isinstance(self._master, LocalMaster) else None
-
-    @property
-    def spawned_cluster(self) -> LocalCluster | None:
-        """The local cluster this store spawned (``master: spawn`` with ``cluster``)."""
-        return self._master if isinstance(self._master, LocalCluster) else None
+        spawned = self._master.spawned
+        return spawned if isinstance(spawned, LocalMaster) else None
 
     @property
     def closed(self) -> bool:
@@ -377,19 +300,7 @@ class MooncakeStore:
             self._leave()
         from mooncake.store import ReplicaStatus
 
-        complete = ReplicaStatus.COMPLETE
-        alive: dict[str, bool] = {}  # per endpoint, for this call: most keys share their nodes
-
-        def on_live_nodes(key: str) -> bool:
-            for endpoint in _endpoints(replicas.get(key, ()), complete):
-                answer = alive.get(endpoint)
-                if answer is None:
-                    answer = alive[endpoint] = self._liveness.alive(endpoint)
-                if not answer:
-                    return False
-            return True
-
-        return {key for key in keys if not on_live_nodes(key)}
+        return self._liveness.lost_keys(keys, replicas, ReplicaStatus.COMPLETE)
 
     def batch_put_from_multi_buffers(
         self,
@@ -451,8 +362,8 @@ class MooncakeStore:
                 self._users -= 1
                 return
             self._closed = True
-            if self._shared_as is not None and _SHARED.get(self._shared_as) is self:
-                del _SHARED[self._shared_as]
+            if self._shared_as is not None:
+                REGISTRY.forget(self._shared_as, self)
             drained = self._state.wait_for(lambda: self._in_flight == 0, timeout=self._drain_timeout_s)
         if drained:
             self._client = None  # the finalizer's is then the last reference: _release ends the client
@@ -464,8 +375,7 @@ class MooncakeStore:
             self._drain_timeout_s,
         )
         self._release.detach()
-        if self._master is not None:
-            _stop_spawned(self._master)
+        self._master.stop()
 
     # -- internals --------------------------------------------------------------------------
 
@@ -516,28 +426,41 @@ class MooncakeStore:
                 self._state.notify_all()
 
 
-@contextmanager
-def _deadlines_for_setup(settings: MooncakeSettings) -> Iterator[None]:
-    """``MC_RPC_TIMEOUT_MS`` as ``setup()`` must read it, then as it was; ``MC_TCP_PROGRESS_TIMEOUT_SEC`` for good.
+def _set_up(client_cls: type, settings: MooncakeSettings, master: ResolvedMaster) -> Any:
+    """A new native client, set up on ``master`` as ``settings`` say.
 
-    The RPC deadline left set would outlive this store: processes started later (an
-    engine's workers) inherit the environment and would take it for the user's.
-    The transfer deadline is read at each transfer, so it must stay.
+    :raises MooncakeError: ``setup()`` fails (naming its code and the likely cause; the
+        client is ended first); the disk tier's folder cannot be created.
     """
-    if TRANSFER_TIMEOUT_ENV not in _FROM_USER:
-        os.environ[TRANSFER_TIMEOUT_ENV] = str(settings.transfer_timeout_s)
-    if RPC_TIMEOUT_ENV in _FROM_USER:
-        yield
-        return
-    previous = os.environ.get(RPC_TIMEOUT_ENV)
-    os.environ[RPC_TIMEOUT_ENV] = str(settings.rpc_timeout_ms)
-    try:
-        yield
-    finally:
-        if previous is None:
-            os.environ.pop(RPC_TIMEOUT_ENV, None)
-        else:
-            os.environ[RPC_TIMEOUT_ENV] = previous
+    client = client_cls()  # held here alone: a failed set-up ends it below
+    extra: dict[str, Any] = {}
+    if settings.tenant_id != "default":
+        extra["tenant_id"] = settings.tenant_id
+    if settings.disk is not None:
+        extra.update(enable_ssd_offload=True, ssd_offload_path=_disk_folder(settings.disk))
+    with native_environment(settings):
+        code = client.setup(
+            settings.local_hostname,
+            master.metadata_server,
+            settings.global_segment_size,
+            settings.local_buffer_size,
+            settings.protocol,
+            settings.device_name,
+            master.master_address,
+            **extra,
+        )
+    if code != 0:
+        # A failed set-up may leave the segment mounted (-1300 does): the destructor
+        # unmounts it here, while the master serves, not when the error is collected.
+        client.close()
+        del client
+        hint = _SETUP_HINTS.get(code, "see the client's log above")
+        raise MooncakeError(
+            f"Mooncake setup() failed with {describe(code)} for master {master.master_address}, "
+            f"metadata {master.metadata_server}, protocol {settings.protocol!r}, "
+            f"segment {mib_text(settings.global_segment_size)}: {hint}"
+        )
+    return client
 
 
 def _disk_folder(disk: DiskTier) -> str:
@@ -552,114 +475,8 @@ def _disk_folder(disk: DiskTier) -> str:
     return str(disk.path)
 
 
-@contextmanager
-def _set_for_setup(values: Mapping[str, str]) -> Iterator[None]:
-    """``values`` in the environment while ``setup()`` reads them, then the environment as it was.
-
-    Mooncake's client reads its disk tier's configuration from the environment, once,
-    in ``setup()``, and from no other source; so it is set in this process, around the
-    call. Left set, it would pass to every process started later (an engine's workers)
-    and override what their users set; a value the user exported is set aside during
-    the call only (the disk settings decide the tier).
-    """
-    previous = {name: os.environ.get(name) for name in values}
-    os.environ.update(values)
-    try:
-        yield
-    finally:
-        for name, value in previous.items():
-            if value is None:
-                os.environ.pop(name, None)
-            else:
-                os.environ[name] = value
-
-
-def _rpc_timeout_ms(settings: MooncakeSettings) -> int:
-    """The RPC deadline the client was set up with: the user's ``MC_RPC_TIMEOUT_MS`` or ours."""
-    if RPC_TIMEOUT_ENV in _FROM_USER:
-        try:
-            return max(1, int(os.environ[RPC_TIMEOUT_ENV]))
-        except (KeyError, ValueError):
-            pass
-    return settings.rpc_timeout_ms
-
-
-#: the clients open_shared hands out, by their settings (a closed one is replaced)
-_SHARED: dict[MooncakeSettings, MooncakeStore] = {}
-_SHARED_LOCK = threading.Lock()
-
-#: the etcd endpoints this process's Mooncake clients joined: the library keeps one etcd
-#: client per process and refuses another ("Etcd client already connected to ...")
-_JOINED_ETCD: list[tuple[tuple[str, int], ...]] = []
-
-
-def _one_etcd_per_process(master_address: str) -> tuple[tuple[str, int], ...] | None:
-    """The etcd endpoints of ``master_address`` (None if it is no etcd cluster); MasterError for a second etcd."""
-    address = MasterAddress.parse(master_address)
-    if address.kind != "etcd":
-        return None
-    if _JOINED_ETCD and _JOINED_ETCD[0] != address.endpoints:
-        joined = ";".join(f"{host}:{port}" for host, port in _JOINED_ETCD[0])
-        raise MasterError(
-            f"this process joined the mooncake cluster at etcd://{joined} already: Mooncake's client keeps one "
-            f"etcd connection per process, so etcd://{';'.join(f'{h}:{p}' for h, p in address.endpoints)} "
-            "needs a process of its own"
-        )
-    return address.endpoints
-
-
-def _check_reachable(master_address: str, metadata_server: str, timeout_s: float) -> None:
-    """MasterError within ``timeout_s`` unless a master serves (and an HTTP metadata server listens).
-
-    In HA, a leader must be recorded and listening: a cluster whose masters are
-    all standing by (or gone) would make ``setup()`` retry for ~90 s.
-    """
-    address = MasterAddress.parse(master_address)
-    if address.kind == "direct":
-        wait_until_listening(*address.endpoints[0], timeout_s=timeout_s, what="mooncake master")
-    else:
-        deadline = time.monotonic() + timeout_s
-        while not address.serving(timeout_s=min(0.5, timeout_s)):
-            if time.monotonic() >= deadline:
-                what = (
-                    "no etcd endpoint listens"
-                    if not address.coordinators_listening(0.5)
-                    else "no master leads"
-                )
-                raise MasterError(
-                    f"mooncake cluster at {master_address} is not reachable: {what} (waited {timeout_s:g} s)"
-                )
-            time.sleep(0.05)
-    if (http := http_endpoint(metadata_server)) is not None:
-        wait_until_listening(*http, timeout_s=timeout_s, what="mooncake metadata server")
-
-
-def _endpoints(replicas: Sequence[Any], complete: Any) -> Iterator[str]:
-    """The transfer endpoints of an object's replicas in state ``complete``; ``""`` for one not in memory.
-
-    (``""`` is no ``host:port``, so it counts as alive: a disk replica is not probed.)
-    The state is compared as the enum it is: its ``str`` costs ~3.6 µs, most of a
-    lookup's verification (800 stored keys: its Python 5.0 -> ~2 ms).
-    """
-    for replica in replicas:
-        if replica.status != complete:
-            continue
-        yield (
-            replica.get_memory_descriptor().buffer_descriptor.transport_endpoint
-            if replica.is_memory_replica()
-            else ""
-        )
-
-
-def _stop_spawned(spawned: LocalMaster | LocalCluster) -> None:
-    if isinstance(spawned, LocalCluster):
-        spawned.__exit__(None, None, None)  # restores the SIGTERM handler it installed
-    else:
-        spawned.stop()
-
-
-def _release(native: list[Any], master: LocalMaster | LocalCluster | None) -> None:
-    """Close and end the client, then stop the master (or cluster) it was mounted on (the unmount needs it).
+def _release(native: list[Any], master: ResolvedMaster) -> None:
+    """Close and end the client, then stop the master (or cluster) it was mounted on, if spawned (the unmount needs it).
 
     ``native`` holds the last reference to the client. With a disk tier, its ``close()``
     returns before it has unmounted: the native object's destructor does that, once its
@@ -671,5 +488,4 @@ def _release(native: list[Any], master: LocalMaster | LocalCluster | None) -> No
         client.close()
         del client  # the destructor runs here, while the master still serves
     finally:
-        if master is not None:
-            _stop_spawned(master)
+        master.stop()

@@ -4,9 +4,10 @@ Mooncake's HA masters (``--enable_ha``) elect a leader in etcd and keep their
 operation log there (``--enable_oplog``), so a standby that takes over still has
 every object. :class:`LocalCluster` starts Debian's ``etcd`` (``etcd-server``) and
 ``masters`` such masters on loopback, waits until one leads (a ~5 s warm-up), and
-stops every process it started on exit, on an error while starting, and when the
-process that owns it gets SIGTERM. Clients join it as ``etcd://127.0.0.1:PORT``
-with ``P2PHANDSHAKE`` metadata.
+stops every process it started on exit and on an error while starting. It installs
+no signal handler: an owner that must stop it on SIGTERM unwinds on SIGTERM
+(:func:`~.master.sigterm_unwinds`, as the command line does). Clients join it as
+``etcd://127.0.0.1:PORT`` with ``P2PHANDSHAKE`` metadata.
 
 Store nodes (:class:`StoreNodeProcess`, each a ``kvpipe store`` process) hold the
 objects: :meth:`LocalCluster.add_store_node` starts one (``store_nodes`` at start),
@@ -30,7 +31,6 @@ import threading
 import time
 from collections import deque
 from collections.abc import Sequence
-from contextlib import AbstractContextManager
 from pathlib import Path
 from typing import Self
 
@@ -42,14 +42,11 @@ from .master import (
     LocalMaster,
     MasterError,
     free_ports,
-    sigterm_unwinds,
     stop_process,
     wait_until_listening,
 )
-from .master_address import MasterAddress, etcd_range
+from .master_address import MasterAddress
 from .settings import DiskTier, PositiveSize
-
-_OPLOG_PUT, _OPLOG_REMOVE = 1, 3
 
 
 def find_etcd() -> Path:
@@ -174,22 +171,12 @@ class LocalCluster:
         self._data_dir: Path | None = None
         self.etcd_port: int | None = None
         self.masters: list[LocalMaster] = []
-        self._sigterm: AbstractContextManager[None] | None = None
 
     def __enter__(self) -> Self:
-        self._sigterm = sigterm_unwinds()  # SIGTERM of the owner unwinds through __exit__
-        self._sigterm.__enter__()
-        try:
-            return self.start()
-        except BaseException:
-            self.__exit__()
-            raise
+        return self.start()
 
     def __exit__(self, *exc: object) -> None:
         self.stop()
-        if self._sigterm is not None:
-            sigterm, self._sigterm = self._sigterm, None
-            sigterm.__exit__(None, None, None)
 
     @property
     def master_address(self) -> str:
@@ -203,6 +190,18 @@ class LocalCluster:
         return self.masters[0].endpoints.metadata_server if self.masters and self.masters[0].endpoints else ""
 
     def start(self) -> Self:
+        """Start etcd, the masters and the store nodes; return once a master leads.
+
+        :raises MasterError: etcd or a master cannot start, no master leads within the start
+            timeout, or a store node does not get ready; whatever started is stopped first.
+        """
+        try:
+            return self._start()
+        except BaseException:
+            self.stop()
+            raise
+
+    def _start(self) -> Self:
         client_port, peer_port = free_ports(2)
         self.etcd_port = client_port
         self._data_dir = Path(tempfile.mkdtemp(prefix="kvpipe-etcd-"))
@@ -283,32 +282,6 @@ class LocalCluster:
                     f"no mooncake master leads the cluster at {self.master_address} after {timeout_s:g} s"
                 )
             time.sleep(0.1)
-
-    def durable_puts(self, cluster_id: str = "mooncake_cluster") -> set[str]:
-        """Keys whose put the leader's operation log holds durably in etcd: what a standby restores.
-
-        The leader acknowledges a put before its log record reaches etcd (a group
-        commit, a few ms later; longer on a busy machine): a put acknowledged in that
-        window before the leader dies is lost with it. This reads the log
-        (``/oplog/<cluster>/batches/``, records ``[schema, batch, first, last, ops,
-        checksum]``, op 1 a put, 3 a remove) up to its ``durable_prefix``, to tell
-        such puts from losses that would be kvpipe's. (Mooncake's own format,
-        schema 1: a test and measurement aid, not an interface.)
-        """
-        assert self.etcd_port is not None
-        prefix = f"/oplog/{cluster_id}/".encode()
-        found = dict(etcd_range(LOOPBACK, self.etcd_port, prefix, timeout_s=5.0) or [])
-        durable = json.loads(found.get(prefix + b"durable_prefix", b'{"batch_id": 0}'))["batch_id"]
-        keys: set[str] = set()
-        for key, value in sorted(found.items()):
-            if not key.startswith(prefix + b"batches/") or int(key.rsplit(b"/", 1)[1]) > durable:
-                continue
-            for op, _tenant, name, *_ in json.loads(value)[4]:
-                if op == _OPLOG_PUT:
-                    keys.add(name)
-                elif op == _OPLOG_REMOVE:
-                    keys.discard(name)
-        return keys
 
     @property
     def pids(self) -> list[int]:

@@ -301,44 +301,12 @@ class LocalMaster:
             return ""
         return " | ".join(self._log_path.read_text(errors="replace").strip().splitlines()[-lines:])
 
-    def pause(self) -> None:
-        """SIGSTOP: the master stalls (RPCs time out) but keeps its state. Returns once stopped.
-
-        The signal is delivered asynchronously: a call made right after ``kill()``
-        returns could still be answered, so this waits for the kernel to say so.
-        """
-        self._signal(signal.SIGSTOP)
-        self._wait_until(stopped=True)
-
-    def resume(self) -> None:
-        self._signal(signal.SIGCONT)
-        self._wait_until(stopped=False)
-
-    def _wait_until(self, *, stopped: bool, timeout_s: float = 5.0) -> None:
-        assert self._process is not None
-        stat = Path(f"/proc/{self._process.pid}/stat")
-        deadline = time.monotonic() + timeout_s
-        while time.monotonic() < deadline:
-            # the state is the field after the parenthesised command name: T = stopped
-            state = stat.read_text().rpartition(")")[2].split()[0]
-            if (state == "T") == stopped:
-                return
-            time.sleep(0.002)
-        raise MasterError(
-            f"mooncake_master did not {'stop' if stopped else 'continue'} within {timeout_s:g} s"
-        )
-
     def kill(self) -> None:
         """SIGKILL, as a crash would; its keys are gone with it."""
         if self._process is not None:
             self._process.kill()
             self._process.wait()
             self._process = None
-
-    def _signal(self, sig: signal.Signals) -> None:
-        if self._process is None:
-            raise MasterError("this master is not running")
-        self._process.send_signal(sig)
 
     def stop(self) -> None:
         process, self._process = self._process, None

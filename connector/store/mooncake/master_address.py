@@ -68,10 +68,10 @@ class MasterAddress:
                 raise ValueError(f"names no etcd endpoint: must be {ADDRESS_FORMS}")
             return cls(text, "etcd", tuple(split_host_port(part) for part in parts))
         if scheme == "redis":
-            parts = urlsplit(text)
-            if not parts.hostname or not parts.port:
+            url = urlsplit(text)
+            if not url.hostname or not url.port:
                 raise ValueError(f"must be {ADDRESS_FORMS} with a host and a port")
-            return cls(text, "redis", ((parts.hostname, parts.port),))
+            return cls(text, "redis", ((url.hostname, url.port),))
         raise ValueError(f"has scheme {scheme!r}: must be {ADDRESS_FORMS}")
 
     @property

@@ -26,10 +26,11 @@ import pytest
 import yaml
 
 from kvpipe.connector.bench.launch import segment_holder
-from kvpipe.connector.cli import inspect
-from kvpipe.connector.cli.inspect import AdminClient, InspectError, build_report, check_master, find_admin
+from kvpipe.connector.cli.inspect import InspectError, ReportRequest, build_report, check_master
+from kvpipe.connector.cli.inspect import verify as scrubber
 from kvpipe.connector.cli.main import main
 from kvpipe.connector.store.mooncake import MooncakeSettings, MooncakeStore
+from kvpipe.connector.store.mooncake.admin import AdminClient, AdminError, find_admin
 from kvpipe.connector.store.mooncake.cluster import LocalCluster
 from kvpipe.connector.store.mooncake.master import LocalMaster, MasterEndpoints, free_port, is_listening
 from kvpipe.connector.store.mooncake.master_address import MasterAddress
@@ -141,7 +142,7 @@ def _inspect(capsys: pytest.CaptureFixture[str], *args: str) -> tuple[int, str, 
 
 
 def test_the_report_counts_the_models_objects_bytes_and_chunks_exactly(live: Live) -> None:
-    report = build_report(live.client, "org/alpha")
+    report = build_report(live.client, ReportRequest("org/alpha"))
 
     assert (report.model, report.cache_prefix) == ("alpha", "")
     assert report.objects == report.replicas == len(ALPHA) == 15
@@ -159,7 +160,7 @@ def test_the_report_counts_the_models_objects_bytes_and_chunks_exactly(live: Liv
 
 
 def test_keys_of_other_models_prefixes_and_tools_are_counted_apart(live: Live) -> None:
-    report = build_report(live.client, "alpha")
+    report = build_report(live.client, ReportRequest("alpha"))
 
     assert report.other_keys == len(TENANT) + len(BETA) + len(FOREIGN)
     assert report.unparsed_keys == len(FOREIGN)
@@ -167,7 +168,7 @@ def test_keys_of_other_models_prefixes_and_tools_are_counted_apart(live: Live) -
 
 
 def test_another_cache_prefix_is_another_cache(live: Live) -> None:
-    report = build_report(live.client, "alpha", "tenant")
+    report = build_report(live.client, ReportRequest("alpha", "tenant"))
 
     assert report.objects == 2 and report.bytes == 2 * 2048
     assert vars(report.chunks) == {"total": 2, "complete": 2, "partial": 0, "absent": 0}
@@ -175,7 +176,7 @@ def test_another_cache_prefix_is_another_cache(live: Live) -> None:
 
 
 def test_more_expected_store_groups_make_every_chunk_partial(live: Live) -> None:
-    report = build_report(live.client, "alpha", store_groups=3)
+    report = build_report(live.client, ReportRequest("alpha", store_groups=3))
 
     assert report.shard_source == "flags" and report.store_groups_expected == [0, 1, 2]
     assert vars(report.chunks) == {"total": 4, "complete": 0, "partial": 4, "absent": 0}
@@ -183,7 +184,7 @@ def test_more_expected_store_groups_make_every_chunk_partial(live: Live) -> None
 
 
 def test_fewer_expected_ranks_leave_the_others_objects_unexpected(live: Live) -> None:
-    report = build_report(live.client, "alpha", tp_ranks=1)
+    report = build_report(live.client, ReportRequest("alpha", tp_ranks=1))
 
     assert report.ranks_expected == [(0, 0, 0, 0)]
     assert vars(report.chunks) == {"total": 4, "complete": 4, "partial": 0, "absent": 0}
@@ -192,7 +193,7 @@ def test_fewer_expected_ranks_leave_the_others_objects_unexpected(live: Live) ->
 
 
 def test_each_store_node_has_the_models_replicas_and_the_masters_use(live: Live) -> None:
-    [node] = build_report(live.client, "alpha").nodes
+    [node] = build_report(live.client, ReportRequest("alpha")).nodes
 
     assert node.segment == live.segment
     assert (node.replicas, node.bytes) == (15, sum(ALPHA.values()))
@@ -203,7 +204,7 @@ def test_each_store_node_has_the_models_replicas_and_the_masters_use(live: Live)
 
 
 def test_group_ids_are_reported_as_supported_and_per_object_as_not_observable(live: Live) -> None:
-    group_ids = build_report(live.client, "alpha").as_json()["group_ids"]
+    group_ids = build_report(live.client, ReportRequest("alpha")).as_json()["group_ids"]
 
     assert group_ids["client_supports"] is True
     assert group_ids["per_object"] is None
@@ -219,7 +220,7 @@ def test_inspecting_refreshes_no_lease() -> None:
         with segment_holder(master.endpoints, "16MB"), _writer(master.endpoints) as writer:
             _put(writer, _zeros(keys))
             admin = AdminClient(master.endpoints.host, master.endpoints.metrics_port)
-            assert build_report(admin, "leased").objects == 3
+            assert build_report(admin, ReportRequest("leased")).objects == 3
             assert writer.batch_is_exist([second]) == [1]  # a client's read takes a 60 s lease
 
             assert writer.remove(first) == 0  # inspected only: no lease
@@ -229,7 +230,7 @@ def test_inspecting_refreshes_no_lease() -> None:
 
 def test_an_unknown_model_names_the_models_the_store_holds(live: Live) -> None:
     with pytest.raises(InspectError) as raised:
-        build_report(live.client, "gamma")
+        build_report(live.client, ReportRequest("gamma"))
 
     assert raised.value.field == "model"
     assert "'alpha'" in str(raised.value) and "'beta'" in str(raised.value)
@@ -244,7 +245,7 @@ def test_a_standby_masters_admin_is_passed_over_for_the_leaders(cluster: LocalCl
     check_master(MasterAddress.parse(cluster.master_address), timeout_s=2)
     chosen = find_admin([*standbys, *admins])
     assert leader.endpoints is not None and chosen.port == leader.endpoints.metrics_port
-    with pytest.raises(InspectError, match="stands by"):
+    with pytest.raises(AdminError, match="stands by"):
         find_admin(standbys)
 
 
@@ -275,7 +276,10 @@ def test_json_is_the_reports_fields(live: Live, capsys: pytest.CaptureFixture[st
 
     assert code == 0, err
     report = json.loads(out)
-    assert report == build_report(live.client, "alpha", master=live.endpoints.master_address).as_json()
+    assert (
+        report
+        == build_report(live.client, ReportRequest("alpha", master=live.endpoints.master_address)).as_json()
+    )
     assert report["chunks"] == {"total": 4, "complete": 3, "partial": 1, "absent": None}
     assert report["bytes_by_chunk"]["partial"] == 2 * 4096 + 1024
     assert [node["segment"] for node in report["nodes"]] == [live.segment]
@@ -616,7 +620,7 @@ def test_a_seal_counts_as_a_seal_and_with_its_objects_model(sealed: Sealed) -> N
     delta = {object_key(KeyNamespace("delta"), 0, b"\x0d" * 8): b"d" * 512}
     _put(sealed.writer, _sealed(delta))
 
-    report = build_report(sealed.client, "gamma")
+    report = build_report(sealed.client, ReportRequest("gamma"))
 
     assert (report.seals, report.seal_bytes) == (len(GAMMA), len(GAMMA) * SEAL_SIZE)
     assert (report.objects, report.bytes) == (len(GAMMA), sum(map(len, GAMMA.values())))
@@ -690,8 +694,8 @@ def test_sample_reads_that_many_objects(sealed: Sealed, capsys: pytest.CaptureFi
 def test_a_long_scrub_reads_in_bounded_calls_and_reports_progress(
     sealed: Sealed, capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    monkeypatch.setattr(inspect, "SCRUB_CALL_BYTES", 2 * 4096)  # two objects a call
-    monkeypatch.setattr(inspect, "PROGRESS_EVERY", 2)
+    monkeypatch.setattr(scrubber, "SCRUB_CALL_BYTES", 2 * 4096)  # two objects a call
+    monkeypatch.setattr(scrubber, "PROGRESS_EVERY", 2)
 
     report, err = _scrubbed(capsys, sealed)
 
@@ -735,7 +739,12 @@ def test_verify_reads_through_the_store_a_config_names(
 
 
 def test_sample_without_verify_is_one_line_and_exit_code_2(capsys: pytest.CaptureFixture[str]) -> None:
-    code, out, err = _inspect(capsys, "--metrics", f"127.0.0.1:{free_port()}", "--model", "gamma", "--sample", "2")
+    code, out, err = _inspect(
+        capsys, "--metrics", f"127.0.0.1:{free_port()}", "--model", "gamma", "--sample", "2"
+    )
 
     assert (code, out) == (2, "")
-    assert err == "kvpipe: error: --sample: only with --verify (inspect reads objects only to verify them), got 2\n"
+    assert (
+        err
+        == "kvpipe: error: --sample: only with --verify (inspect reads objects only to verify them), got 2\n"
+    )

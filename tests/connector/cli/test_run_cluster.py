@@ -11,7 +11,7 @@ from pathlib import Path
 import psutil
 import pytest
 
-from kvpipe.connector.store.mooncake import MooncakeSettings, MooncakeStore
+from kvpipe.connector.store.mooncake import MooncakeSettings, MooncakeStore, harness
 from kvpipe.connector.store.mooncake.cluster import LocalCluster
 from kvpipe.connector.store.mooncake.master import P2P_HANDSHAKE
 
@@ -51,7 +51,7 @@ def test_a_run_after_a_leader_failover_finds_every_object_and_puts_none(
         objects = [json.loads(line) for line in (tmp_path / "objects.jsonl").read_text().splitlines()]
         keys = [found["key"] for found in objects if found["status"] == "put"]
         assert first["objects"]["put"] > 0 and keys
-        assert set(keys) <= cluster.durable_puts()  # a run's close takes seconds: long durable
+        assert set(keys) <= harness.durable_puts(cluster)  # a run's close takes seconds: long durable
         old.kill()
         cluster.wait_for_leader(timeout_s=60)
         _wait_until_all_exist(cluster, keys)  # the new leader has the log and the node's segment

@@ -52,7 +52,7 @@ import structlog
 from kvpipe.connector.bench.peer import remote_segment
 from kvpipe.connector.bench.schedstat import ScheduledTime
 from kvpipe.connector.store.breaker import BreakerSettings, CircuitBreaker, GuardedStore
-from kvpipe.connector.store.mooncake import MooncakeSettings, MooncakeStore
+from kvpipe.connector.store.mooncake import MooncakeSettings, MooncakeStore, harness
 from kvpipe.connector.store.mooncake.master import LocalMaster, MasterEndpoints
 from kvpipe.connector.store.protocol import ForwardingStore, Store
 from kvpipe.pipeline import SyncPipeline
@@ -526,9 +526,9 @@ def test_a_master_stopped_for_ten_rpc_deadlines_stalls_no_submit_and_no_job(mast
     with running_pipeline(master) as run:
         time.sleep(0.5)
         run.mark("fault")
-        master.pause()
+        harness.pause(master)
         time.sleep(10 * _rpc_timeout_s())
-        master.resume()
+        harness.resume(master)
         run.mark("back")
         recovery(run, run.marks["back"])
         time.sleep(0.5)

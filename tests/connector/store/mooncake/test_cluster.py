@@ -111,9 +111,9 @@ def test_a_process_joins_one_etcd_cluster_only(
     cluster: LocalCluster, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     """Mooncake's client keeps one etcd connection per process: a second one is a one-line error."""
-    from kvpipe.connector.store.mooncake import client as mooncake
+    from kvpipe.connector.store.mooncake.registry import REGISTRY
 
-    monkeypatch.setattr(mooncake, "_JOINED_ETCD", [(("127.0.0.1", 1),)])
+    monkeypatch.setattr(REGISTRY, "joined_etcd", (("127.0.0.1", 1),))
     with pytest.raises(MasterError) as caught:
         _client(cluster)
     message = str(caught.value)
@@ -137,11 +137,13 @@ def test_a_cluster_that_cannot_start_leaves_no_process_behind() -> None:
 
 @pytestmark_real
 def test_sigterm_to_the_owner_stops_every_process_of_its_cluster_store_nodes_too(tmp_path: Path) -> None:
+    """The owner unwinds on SIGTERM (as the command line does): the cluster's exit stops it all."""
     script = textwrap.dedent(
         """
         import sys, time
         from kvpipe.connector.store.mooncake.cluster import LocalCluster
-        with LocalCluster(masters=2, store_nodes=1) as cluster:
+        from kvpipe.connector.store.mooncake.master import sigterm_unwinds
+        with sigterm_unwinds(), LocalCluster(masters=2, store_nodes=1) as cluster:
             print(" ".join(map(str, cluster.pids)), flush=True)
             time.sleep(600)
         """

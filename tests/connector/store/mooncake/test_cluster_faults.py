@@ -20,7 +20,7 @@ import pytest
 
 from kvpipe.connector.store.breaker import BreakerSettings
 from kvpipe.connector.store.configs import guarded
-from kvpipe.connector.store.mooncake import MooncakeSettings, MooncakeStore
+from kvpipe.connector.store.mooncake import MooncakeSettings, MooncakeStore, harness
 from kvpipe.connector.store.mooncake.cluster import LocalCluster, StoreNodeProcess
 from kvpipe.connector.store.protocol import Store
 from kvpipe.stages.store import Code
@@ -186,7 +186,7 @@ def test_a_leader_failover_in_a_save_stream_fails_saves_fast_and_loses_no_durabl
         before = [key for call in stream.calls if call.stored and call.started < killed for key in call.keys]
         during = [call for call in stream.calls if killed <= call.started and not call.stored]
         resumed = next(call.started for call in stream.calls if call.started > killed and call.stored)
-        durable = cluster.durable_puts()
+        durable = harness.durable_puts(cluster)
         survivors = [key for key in before if key in durable]
 
         # New saves and lookups failed fast during the gap: no call outlived the client's RPC

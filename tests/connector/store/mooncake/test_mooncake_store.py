@@ -29,10 +29,14 @@ from kvpipe.connector.store.mooncake import (
     MooncakeError,
     MooncakeSettings,
     MooncakeStore,
+    harness,
     parse_size,
 )
 from kvpipe.connector.store.mooncake import master as master_module
+from kvpipe.connector.store.mooncake.environment import TRANSFER_TIMEOUT_ENV
 from kvpipe.connector.store.mooncake.master import LocalMaster, MasterError, free_port, is_listening
+from kvpipe.connector.store.mooncake.master_resolution import ResolvedMaster
+from kvpipe.connector.store.mooncake.registry import REGISTRY
 from kvpipe.stages.store import Code
 
 MiB = 1 << 20
@@ -419,23 +423,19 @@ def test_stores_join_an_existing_master_from_vllms_file_and_leave_it_running(tmp
 def test_an_open_store_leaves_its_transfer_deadline_where_the_transport_reads_it_at_each_transfer(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
-    from kvpipe.connector.store.mooncake import client
-
-    monkeypatch.setattr(client, "_FROM_USER", set())  # whatever the test process was started with
-    monkeypatch.delenv(client.TRANSFER_TIMEOUT_ENV, raising=False)
+    monkeypatch.setattr(REGISTRY, "user_environment", dict)  # whatever the test process was started with
+    monkeypatch.delenv(TRANSFER_TIMEOUT_ENV, raising=False)
     settings = MooncakeSettings(global_segment_size="16MB", local_buffer_size=0, transfer_timeout_s=4)
     with MooncakeStore.open(settings):
-        assert os.environ[client.TRANSFER_TIMEOUT_ENV] == "4"
+        assert os.environ[TRANSFER_TIMEOUT_ENV] == "4"
 
 
 def test_a_transfer_deadline_the_user_set_is_kept(monkeypatch: pytest.MonkeyPatch) -> None:
-    from kvpipe.connector.store.mooncake import client
-
-    monkeypatch.setattr(client, "_FROM_USER", {client.TRANSFER_TIMEOUT_ENV})
-    monkeypatch.setenv(client.TRANSFER_TIMEOUT_ENV, "7")
+    monkeypatch.setattr(REGISTRY, "user_environment", lambda: {TRANSFER_TIMEOUT_ENV: "7"})
+    monkeypatch.setenv(TRANSFER_TIMEOUT_ENV, "7")
     settings = MooncakeSettings(global_segment_size="16MB", local_buffer_size=0, transfer_timeout_s=4)
     with MooncakeStore.open(settings):
-        assert os.environ[client.TRANSFER_TIMEOUT_ENV] == "7"
+        assert os.environ[TRANSFER_TIMEOUT_ENV] == "7"
 
 
 # -- a spawned master, and closing ---------------------------------------------------------
@@ -540,8 +540,7 @@ def test_close_waits_for_calls_in_flight_before_closing_the_client() -> None:
         client,
         _Config,
         settings=MooncakeSettings(),
-        master_address="127.0.0.1:1",
-        metadata_server="P2PHANDSHAKE",
+        master=ResolvedMaster("127.0.0.1:1", "P2PHANDSHAKE"),
     )
     answers: list[list[int]] = []
     caller = threading.Thread(target=lambda: answers.append(store.batch_is_exist(["k"])))
@@ -565,13 +564,13 @@ def test_a_stopped_master_costs_a_call_rpc_timeout_ms_not_30_s_and_keys_survive(
     settings = MooncakeSettings(global_segment_size="16MB", local_buffer_size=0, rpc_timeout_ms=500)
     with MooncakeStore.open(settings) as store:
         assert store.spawned_master is not None
-        store.spawned_master.pause()
+        harness.pause(store.spawned_master)
         try:
             started = time.monotonic()
             assert store.batch_is_exist(["a", "b"]) == [Code.RPC_TIMEOUT] * 2
             assert time.monotonic() - started < 3.0
         finally:
-            store.spawned_master.resume()
+            harness.resume(store.spawned_master)
         assert store.batch_is_exist(["a"]) == [0]  # the master is back: answers again at once
 
 

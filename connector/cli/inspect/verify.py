@@ -1,0 +1,219 @@
+"""The scrubber: read the model's objects with their seals through a Mooncake client, judge them, repair.
+
+Why: the admin HTTP says what is stored, not whether it is what its writer
+wrote. A client that mounts no segment reads each object with its seal in one
+``batch_get_into_multi_buffers`` call and judges the bytes against the seal
+(:func:`~kvpipe.stages.integrity.judge`); :mod:`.figures` says what each verdict means.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import itertools
+import random
+from collections import Counter
+from collections.abc import Callable, Iterator, Mapping, Sequence
+from contextlib import contextmanager
+from dataclasses import dataclass
+from typing import NamedTuple
+
+from kvpipe.connector.store.configs import MooncakeStoreConfig, connect
+from kvpipe.connector.store.mooncake import MasterError, MooncakeError
+from kvpipe.connector.store.mooncake.admin import Replica
+from kvpipe.connector.store.protocol import Store
+from kvpipe.pipeline.config import one_line
+from kvpipe.stages import MAX_BUFFERS_PER_CALL
+from kvpipe.stages.integrity import SEAL_SIZE, Integrity, Seal, Verdict, judge
+from kvpipe.stages.keys import seal_key
+from kvpipe.stages.store import Code, describe
+
+from .errors import InspectError
+from .figures import SCRUB_VERDICTS, NodeFigures, Verification
+
+__all__ = ["PROGRESS_EVERY", "SCRUB_CALL_BYTES", "Scrub", "scrub_client", "verify_objects"]
+
+#: bytes of objects one verifying read brings at most (one registered buffer of this size, reused)
+SCRUB_CALL_BYTES = 64 << 20
+#: a verification reports its progress every this many objects read
+PROGRESS_EVERY = 5000
+_VERDICT_NAMES = {Verdict.VERIFIED: "ok", Verdict.CORRUPT: "corrupt", Verdict.UNVERIFIED: "unverified"}
+
+
+@contextmanager
+def scrub_client(config: MooncakeStoreConfig) -> Iterator[Store]:
+    """A client of the store ``config`` names that mounts no segment (kvpipe's :func:`connect`), closed on exit.
+
+    :raises InspectError: (``verify``) it cannot be opened.
+    """
+    try:
+        store = connect(config, mount_segment=False)
+    except (MasterError, MooncakeError) as error:
+        raise InspectError(
+            "verify", f"no Mooncake client opens on the master at {config.master}: {one_line(str(error))}"
+        ) from None
+    try:
+        yield store
+    finally:
+        store.close()
+
+
+@dataclass(frozen=True)
+class Scrub:
+    """What verifying asks: read objects through ``store`` (a :func:`scrub_client`) and judge them.
+
+    ``sample``: that many of the model's objects, drawn at random (None: every
+    one). ``repair``: remove the chunks found corrupt. ``on_progress(read, total)``
+    is called every :data:`PROGRESS_EVERY` objects read.
+    """
+
+    store: Store
+    sample: int | None = None
+    repair: bool = False
+    on_progress: Callable[[int, int], None] | None = None
+
+
+class _Read(NamedTuple):
+    """One object's verdict, with why it is unreadable or the fingerprint its seal names."""
+
+    verdict: str
+    reason: str | None = None
+    fingerprint: str | None = None
+
+
+def verify_objects(
+    scrub: Scrub,
+    present: Mapping[str, Sequence[Replica]],
+    chunk_of: Mapping[str, bytes],
+    nodes: Sequence[NodeFigures],
+) -> Verification:
+    """Read and judge the objects ``scrub`` asks for, count each verdict on the nodes of its replicas; repair.
+
+    ``present``: the model's stored objects and their replicas; ``chunk_of``: the
+    chunk of each of the model's objects and seals. Each node's ``verify`` is set.
+
+    :raises InspectError: (``verify``) the read memory cannot be registered with the store.
+    """
+    keys = sorted(present)
+    if scrub.sample is not None and scrub.sample < len(keys):
+        keys = sorted(random.sample(keys, scrub.sample))
+    verification = Verification(scrub.sample)
+    tally = {node.endpoint: Counter[str]() for node in nodes}
+    for key, read in _read_all(scrub, keys, {key: present[key][0].size for key in keys}, verification):
+        verification.verdicts[read.verdict] += 1
+        if read.reason is not None:
+            verification.unreadable_reasons[read.reason] += 1
+        if read.fingerprint is not None:
+            verification.fingerprints[read.fingerprint] += 1
+        if read.verdict == "corrupt":
+            verification.corrupt_keys.append(key)
+        for endpoint in {copy.endpoint for copy in present[key]}:
+            tally[endpoint][read.verdict] += 1
+    for node in nodes:
+        node.verify = {name: tally[node.endpoint][name] for name in SCRUB_VERDICTS}
+    corrupt = {chunk_of[key] for key in verification.corrupt_keys}
+    verification.corrupt_chunks = len(corrupt)
+    if scrub.repair:
+        _repair(scrub.store, sorted(key for key, chunk in chunk_of.items() if chunk in corrupt), verification)
+    return verification
+
+
+def _read_all(
+    scrub: Scrub, keys: Sequence[str], size: Mapping[str, int], verification: Verification
+) -> Iterator[tuple[str, _Read]]:
+    """Each of ``keys`` (of ``size`` bytes) read with its seal and judged; counts what is read and reports progress.
+
+    A call holds at most :data:`MAX_BUFFERS_PER_CALL` buffers (two an object) and
+    :data:`SCRUB_CALL_BYTES` of objects (or one object larger than that).
+
+    :raises InspectError: (``verify``) the read memory cannot be registered with the store.
+    """
+    per_call = MAX_BUFFERS_PER_CALL // 2
+    data_bytes = max(min(sum(size.values()), SCRUB_CALL_BYTES), max(size.values(), default=0))
+    with _registered(scrub.store, data_bytes + per_call * SEAL_SIZE) as base:
+        seals = base + data_bytes
+        for call in _calls(keys, size, per_call, data_bytes):
+            addresses = list(itertools.accumulate((size[key] for key in call[:-1]), initial=base))
+            seal_addresses = [seals + index * SEAL_SIZE for index in range(len(call))]
+            results = scrub.store.batch_get_into_multi_buffers(
+                [*call, *map(seal_key, call)],
+                [[address] for address in [*addresses, *seal_addresses]],
+                [[size[key]] for key in call] + [[SEAL_SIZE]] * len(call),
+            )
+            for index, key in enumerate(call):
+                yield (
+                    key,
+                    _judge_read(
+                        size[key],
+                        addresses[index],
+                        results[index],
+                        seal_addresses[index],
+                        results[len(call) + index],
+                    ),
+                )
+            before, verification.objects = verification.objects, verification.objects + len(call)
+            if (
+                scrub.on_progress is not None
+                and verification.objects // PROGRESS_EVERY > before // PROGRESS_EVERY
+            ):
+                scrub.on_progress(verification.objects, len(keys))
+            verification.bytes += sum(size[key] for key in call)
+
+
+def _repair(store: Store, doomed: Sequence[str], verification: Verification) -> None:
+    """Remove ``doomed`` (the corrupt chunks' objects and seals), forced: the reads leased them."""
+    codes = [store.remove(key, force=True) for key in doomed]
+    verification.removed = sum(code == 0 for code in codes)
+    verification.remove_failures = sum(code not in (0, Code.NOT_FOUND) for code in codes)
+
+
+def _judge_read(size: int, address: int, read: int, seal_address: int, seal_read: int) -> _Read:
+    """The verdict on an object of ``size`` bytes read to ``address`` and its seal (the call's results).
+
+    A seal object of another size is a damaged seal (corrupt), as a load judges it.
+    """
+    if read != size:
+        return _Read("unreadable", describe(read) if read < 0 else f"read {read} bytes, not {size}")
+    if seal_read == SEAL_SIZE:
+        seal_bytes: bytes | None = ctypes.string_at(seal_address, SEAL_SIZE)
+    elif seal_read == Code.NOT_FOUND:
+        seal_bytes = None
+    elif seal_read >= 0 or seal_read == Code.INVALID_PARAMS:
+        seal_bytes = b""
+    else:
+        return _Read("unreadable", f"its seal: {describe(seal_read)}")
+    verdict = judge(seal_bytes, [address], [size], None, Integrity.VERIFY)
+    seal = None if seal_bytes is None else Seal.unpack(seal_bytes)
+    return _Read(_VERDICT_NAMES[verdict], fingerprint=None if seal is None else seal.fingerprint.hex())
+
+
+def _calls(keys: Sequence[str], size: Mapping[str, int], objects: int, nbytes: int) -> Iterator[list[str]]:
+    """Runs of ``keys`` of at most ``objects`` keys and ``nbytes`` bytes (a larger object alone)."""
+    call: list[str] = []
+    used = 0
+    for key in keys:
+        if call and (len(call) == objects or used + size[key] > nbytes):
+            yield call
+            call, used = [], 0
+        call.append(key)
+        used += size[key]
+    if call:
+        yield call
+
+
+@contextmanager
+def _registered(store: Store, nbytes: int) -> Iterator[int]:
+    """The address of ``nbytes`` of memory registered with ``store`` (a transfer touches only such memory).
+
+    :raises InspectError: (``verify``) the store refuses to register it.
+    """
+    buffer = ctypes.create_string_buffer(nbytes)
+    address = ctypes.addressof(buffer)
+    code = store.register_buffer(address, nbytes)
+    if code != 0:
+        raise InspectError(
+            "verify", f"registering {nbytes} bytes of read memory with the store failed: {describe(code)}"
+        )
+    try:
+        yield address
+    finally:
+        store.unregister_buffer(address)
