@@ -3,13 +3,16 @@
 Either kind takes ``breaker: {failures_to_open, open_s}`` (or ``null`` to go
 without): the opened store is wrapped in a :class:`~.breaker.GuardedStore`,
 so a master that stops answering costs a few timed-out calls, not one per save.
+
+A backend is one config class with a ``kind`` tag, ``open`` and ``lent_bytes``
+(:class:`BackendConfig`), registered by naming it in :data:`AnyStoreConfig`.
 """
 
 from __future__ import annotations
 
 from collections.abc import Iterator
 from contextlib import contextmanager
-from typing import Annotated, Any, Literal
+from typing import Annotated, Any, Literal, Protocol, get_args
 
 from pydantic import BaseModel, BeforeValidator, ConfigDict, Field, model_validator
 
@@ -38,7 +41,8 @@ class MemoryStoreConfig(BaseModel):
     group_ids_supported: bool = True  # False: present as a Mooncake without group ids
     breaker: BreakerSettings | None = Field(default_factory=BreakerSettings)
 
-    def build(self) -> MemoryStore:
+    def open(self, *, mount_segment: bool = True, shared: bool = False) -> MemoryStore:
+        """A new in-process store (it has no client to share, no segment to leave out)."""
         return MemoryStore(
             self.capacity,
             high_watermark=self.high_watermark,
@@ -46,6 +50,10 @@ class MemoryStoreConfig(BaseModel):
             lease_ttl_s=self.lease_ttl_s,
             group_ids_supported=self.group_ids_supported,
         )
+
+    def lent_bytes(self) -> int:
+        """All of it: the store lives in the process that opens it."""
+        return self.capacity
 
 
 class MooncakeStoreConfig(MooncakeSettings):
@@ -62,6 +70,17 @@ class MooncakeStoreConfig(MooncakeSettings):
         """The client's own settings: this config without the kvpipe-side fields."""
         return MooncakeSettings.model_validate(self.model_dump(exclude={"kind", "breaker"}))
 
+    def open(self, *, mount_segment: bool = True, shared: bool = False) -> MooncakeStore:
+        """A client of the configured master (see :func:`connect`; raises what it raises)."""
+        settings = self.settings()
+        if not mount_segment:
+            settings = settings.model_copy(update={"global_segment_size": 0})
+        return MooncakeStore.open_shared(settings) if shared else MooncakeStore.open(settings)
+
+    def lent_bytes(self) -> int:
+        """The segment this client mounts into the store."""
+        return self.global_segment_size
+
     @model_validator(mode="before")
     @classmethod
     def _from_vllm_file(cls, data: Any) -> Any:
@@ -73,18 +92,44 @@ class MooncakeStoreConfig(MooncakeSettings):
         return {"kind": "mooncake", **settings.model_dump(), **ours}
 
 
-StoreConfig = Annotated[MemoryStoreConfig | MooncakeStoreConfig, Field(discriminator="kind")]
+class BackendConfig(Protocol):
+    """What every backend's config is: a ``kind`` tag, a breaker, and how to open its store."""
+
+    @property
+    def kind(self) -> str:
+        """The tag that names the backend in a ``store:`` section."""
+        ...
+
+    @property
+    def breaker(self) -> BreakerSettings | None:
+        """The circuit breaker the store is opened behind (None: without)."""
+        ...
+
+    def open(self, *, mount_segment: bool = True, shared: bool = False) -> Store:
+        """The store, open (``mount_segment``, ``shared``: see :func:`connect`)."""
+        ...
+
+    def lent_bytes(self) -> int:
+        """The memory a process that opens it lends the store."""
+        ...
+
+
+#: Every backend's config: the one registration a new backend needs.
+AnyStoreConfig = MemoryStoreConfig | MooncakeStoreConfig
+#: A ``store:`` section, told apart by its ``kind``.
+StoreConfig = Annotated[AnyStoreConfig, Field(discriminator="kind")]
+_KINDS = frozenset(get_args(config.model_fields["kind"].annotation)[0] for config in get_args(AnyStoreConfig))
 
 
 def without_store_tag(loc: tuple[str | int, ...]) -> tuple[str | int, ...]:
     """``store.memory.capacity`` -> ``store.capacity``: the kind is already in the file."""
-    if len(loc) > 1 and loc[0] == "store" and loc[1] in ("memory", "mooncake"):
+    if len(loc) > 1 and loc[0] == "store" and loc[1] in _KINDS:
         return (loc[0], *loc[2:])
     return loc
 
 
 def connect(
-    config: MemoryStoreConfig | MooncakeStoreConfig,
+    config: BackendConfig,
     *,
     mount_segment: bool = True,
     shared: bool = False,
@@ -103,19 +148,11 @@ def connect(
     :raises ~.mooncake.client.MooncakeError: the Mooncake client cannot be loaded (the
         extra or ``libibverbs1`` missing) or its ``setup()`` fails (naming the code).
     """
-    store: Store
-    if isinstance(config, MemoryStoreConfig):
-        store = config.build()
-    else:
-        settings = config.settings()
-        if not mount_segment:
-            settings = settings.model_copy(update={"global_segment_size": 0})
-        store = MooncakeStore.open_shared(settings) if shared else MooncakeStore.open(settings)
-    return guarded(store, config.breaker, log)
+    return guarded(config.open(mount_segment=mount_segment, shared=shared), config.breaker, log)
 
 
 @contextmanager
-def open_store(config: MemoryStoreConfig | MooncakeStoreConfig) -> Iterator[Store]:
+def open_store(config: BackendConfig) -> Iterator[Store]:
     """The configured store (:func:`connect`), closed (and a spawned master stopped) on exit.
 
     Raises what :func:`connect` raises.

@@ -34,7 +34,7 @@ from kvpipe.connector.store.protocol import Store
 from kvpipe.stages import shared_pool_id
 from kvpipe.stages.errors import ConfigError
 
-from .engine_cache import EngineCache, lent_bytes, open_store, store_config
+from .engine_cache import EngineCache, open_store, store_config
 from .events import ChunkAnnouncer
 from .messages import GAUGES, OPS, KVPipeKVEvents, KVPipeMetadata, KVPipeStats
 from .metrics import RECORDS_DROPPED
@@ -120,7 +120,7 @@ class KVPipeConnector(KVConnectorBase_V1, SupportsHMA):
             self.scheduler = SchedulerSide(self.cache, self.settings, store, announcer=announcer, saves=saves)
             self._source = "scheduler"
         else:
-            pinned = self.settings.max_pinned_bytes(lent_bytes(store_config(self.settings)))
+            pinned = self.settings.max_pinned_bytes(store_config(self.settings).lent_bytes())
             self.worker = WorkerSide(
                 self.cache,
                 self.settings,

@@ -12,7 +12,13 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
-from kvpipe.connector.store.configs import MemoryStoreConfig, MooncakeStoreConfig, connect, guarded
+from kvpipe.connector.store.configs import (
+    AnyStoreConfig,
+    MemoryStoreConfig,
+    MooncakeStoreConfig,
+    connect,
+    guarded,
+)
 from kvpipe.connector.store.memory import MemoryStore
 from kvpipe.connector.store.metered import OperationLog
 from kvpipe.connector.store.mooncake import MooncakeSettings
@@ -355,18 +361,11 @@ def tp_replicas(kv_cache_config: KVCacheConfig, tp_size: int, kv_heads: int, dcp
 _MEMORY_STORES: dict[str, MemoryStore] = {}
 
 
-def store_config(settings: ConnectorSettings) -> MemoryStoreConfig | MooncakeStoreConfig:
+def store_config(settings: ConnectorSettings) -> AnyStoreConfig:
     """The connector's store configuration: ``store``, or vLLM's Mooncake JSON when it is unset."""
     if settings.store is not None:
         return settings.store
     return MooncakeStoreConfig.model_validate(MooncakeSettings.from_vllm_env().model_dump())
-
-
-def lent_bytes(config: MemoryStoreConfig | MooncakeStoreConfig) -> int:
-    """The memory a worker of this configuration lends the store (all of it, for the memory store)."""
-    if isinstance(config, MemoryStoreConfig):
-        return config.capacity
-    return config.global_segment_size
 
 
 def open_store(
@@ -382,7 +381,7 @@ def open_store(
     if isinstance(config, MemoryStoreConfig):
         key = config.model_dump_json()
         if key not in _MEMORY_STORES:
-            _MEMORY_STORES[key] = config.build()
+            _MEMORY_STORES[key] = config.open()
         return guarded(_MEMORY_STORES[key], config.breaker, log), False
     if config.master == "spawn":
         raise ConfigError(
