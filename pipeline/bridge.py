@@ -344,7 +344,6 @@ class SyncPipeline:
                         if error is not None:
                             self._fail(job, f"the item never became ready: {error}")
                         else:
-                            pipeline.adopt(job)
                             await pipeline.submit_job(job)
                     finally:  # taken even when a cancelled stop interrupts the hand-over
                         # Count it taken first, then look for waiters: a submit that

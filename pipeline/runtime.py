@@ -256,18 +256,19 @@ class Pipeline:
             raise
         return job
 
-    def adopt(self, job: Job) -> None:
-        """Track a job created elsewhere (the sync bridge creates jobs off the loop)."""
+    def _adopt(self, job: Job) -> None:
+        """Track ``job`` from now on: its work counts until it ends."""
         self.submitted += 1
         self.jobs.open(job)
 
     async def submit_job(self, job: Job) -> None:
-        """Queue an adopted job's item; the job ends as failed if the pipeline is closed.
+        """Track and queue a job created elsewhere (the sync bridge creates jobs off the loop).
 
-        Raises nothing of its own (a closed entry fails the job instead). A cancellation
+        Raises nothing of its own: a closed entry fails the job instead. A cancellation
         while waiting for room propagates, and the job stays open until the pipeline
         ends it (failed, ``"cancelled"``).
         """
+        self._adopt(job)
         try:
             try:
                 self._entry.send_nowait((job, job.item, True))
@@ -280,7 +281,7 @@ class Pipeline:
         if self._closing:
             raise PipelineClosed(f"{self.name} is closing; no new items")
         job = Job(item, self.job_deadline_s)
-        self.adopt(job)
+        self._adopt(job)
         return job
 
     # -- observability ------------------------------------------------------
