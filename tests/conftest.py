@@ -17,7 +17,7 @@ def _fresh_structlog() -> Iterator[None]:
 
 @pytest.fixture(scope="session")
 def cluster() -> Iterator[LocalCluster]:
-    """etcd and two HA masters for the whole session (tests/connector and tests/vllm): Mooncake's
+    """etcd and two HA masters for the whole session (tests/connector and tests/connector/vllm): Mooncake's
     client joins one etcd per process. Tests add the store nodes they need and stop them."""
     with LocalCluster(masters=2) as running:
         yield running

@@ -161,6 +161,12 @@ class PipelineContender:
         return elapsed
 
 
+def put_each(store: Store, batches: Sequence[Sequence[StoreObject]]) -> None:
+    """The raw loop the contenders time: :func:`put_records` per batch, one after another."""
+    for batch in batches:
+        put_records(store, batch)
+
+
 def put_records(store: Store, records: Sequence[StoreObject]) -> None:
     """The raw logic for one batch: ask which exist, put the rest from their buffers."""
     keys = [record.key for record in records]

@@ -13,7 +13,7 @@ Targets: pipeline >= 0.9x raw throughput and >= 0.95x itself without seals.
 
 from __future__ import annotations
 
-from .kvbench import UNSEALED, BenchCache, MiB, PipelineContender, clear, open_local_store, put_records
+from .kvbench import UNSEALED, BenchCache, MiB, PipelineContender, clear, open_local_store, put_each
 from .result import BenchOptions, Target, WorkloadResult, contest_result
 from .timing import alternate, seconds
 
@@ -37,12 +37,7 @@ def run(options: BenchOptions) -> WorkloadResult:
 
         def raw() -> float:
             clear(store)
-
-            def work() -> None:
-                for batch in records:
-                    put_records(store, batch)
-
-            return seconds(work)
+            return seconds(lambda: put_each(store, records))
 
         def pipeline() -> float:
             clear(store)

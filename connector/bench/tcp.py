@@ -22,7 +22,7 @@ import warnings
 from kvpipe.connector.store.mooncake import MooncakeSettings, MooncakeStore
 from kvpipe.connector.store.mooncake.master import LocalMaster
 
-from .kvbench import UNSEALED, BenchCache, MiB, PipelineContender, clear, put_contiguous, put_records
+from .kvbench import UNSEALED, BenchCache, MiB, PipelineContender, clear, put_contiguous, put_each
 from .peer import remote_segment
 from .result import BenchOptions, Target, WorkloadResult, contest_result
 from .timing import alternate, seconds
@@ -66,12 +66,7 @@ def run(options: BenchOptions) -> WorkloadResult:
 
             def raw_multi() -> float:
                 clear(store)
-
-                def work() -> None:
-                    for batch in records:
-                        put_records(store, batch)
-
-                return seconds(work)
+                return seconds(lambda: put_each(store, records))
 
             def raw_single() -> float:
                 clear(store)

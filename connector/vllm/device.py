@@ -3,7 +3,7 @@
 The staging area (:mod:`.staging_area`) moves a step's blocks with a handful of
 batched calls; this module is the seam that says what each call does on the
 cache's device, so the area's code is the same everywhere and a test can stand
-in for a device (``tests/vllm/device_double.py``) to count launches and waits.
+in for a device (``tests/connector/vllm/device_double.py``) to count launches and waits.
 
 Why a side stream on a device: the engine thread must never block on the GPU.
 Copies are queued on a stream of their own, ordered after the work the engine

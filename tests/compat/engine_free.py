@@ -1,9 +1,9 @@
 """pytest plugin of ``make compat``: the connector's engine-free tests on another vLLM.
 
-``make compat`` runs a list of tests/vllm files with another release's Python sources
+``make compat`` runs a list of tests/connector/vllm files with another release's Python sources
 first on PYTHONPATH (tests/compat/README.md). Some tests in those files start an engine
 or need a real mooncake master; they reach them through the session fixtures of
-tests/vllm/conftest.py, so ``--engine-free`` deselects every test whose fixture
+tests/connector/vllm/conftest.py, so ``--engine-free`` deselects every test whose fixture
 closure holds one of :data:`ENGINE_FIXTURES` (or that is marked mooncake/gpu), and
 pytest's summary counts them as deselected.
 

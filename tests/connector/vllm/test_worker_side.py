@@ -21,7 +21,7 @@ from kvpipe.connector.vllm.settings import settings_from
 from kvpipe.connector.vllm.worker import WorkerSide
 from kvpipe.stages import LoadRequest, SaveRequest
 
-from ..stages.kv_fixtures import chain_hashes
+from ...stages.kv_fixtures import chain_hashes
 from .caches import engine_cache
 from .test_kv_layout import LAYERS, NUM_BLOCKS, engine_views
 

@@ -21,7 +21,7 @@ from kvpipe.connector.vllm.staging_area import StagingArea
 from kvpipe.connector.vllm.worker import WorkerSide
 from kvpipe.stages import LoadRequest, SaveRequest
 
-from ..stages.kv_fixtures import chain_hashes
+from ...stages.kv_fixtures import chain_hashes
 from .caches import engine_cache
 from .device_double import DeviceDouble
 from .test_device_path import BITS, BLOCK, SHAPE, layout_views

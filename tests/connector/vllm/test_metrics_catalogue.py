@@ -32,7 +32,7 @@ from .test_worker_side import worker as make_worker
 pytest.importorskip("vllm")
 from vllm.v1.kv_cache_layout import KVCacheLayout  # noqa: E402
 
-PAGE = Path(__file__).parents[2] / "docs" / "vllm-connector.md"  # "Operating it": the metrics table
+PAGE = Path(__file__).parents[3] / "docs" / "vllm-connector.md"  # "Operating it": the metrics table
 
 
 def unknown_to(side: Side, keys: Iterable[str]) -> set[str]:

@@ -18,8 +18,8 @@ from kvpipe.connector.vllm.scheduler import FAILED_CHUNK_TTL_S, SchedulerSide
 from kvpipe.connector.vllm.settings import settings_from
 from kvpipe.stages import GroupKind, GroupSpec, object_key
 
-from ..stages.clock import Clock
-from ..stages.kv_fixtures import chain_hashes
+from ...stages.clock import Clock
+from ...stages.kv_fixtures import chain_hashes
 from .caches import engine_cache
 
 BLOCK = 16

@@ -22,10 +22,10 @@ from kvpipe.connector.vllm.settings import settings_from
 from kvpipe.stages import GROUP_ID_SCOPE
 from kvpipe.stages.errors import ConfigError
 
-from ..stages.kv_fixtures import chain_hashes
+from ...stages.kv_fixtures import chain_hashes
 from .rank_half import BLOCK, CHUNKS, ranked_cache
 
-ROOT = Path(__file__).resolve().parents[2]
+ROOT = Path(__file__).resolve().parents[3]
 pytestmark = pytest.mark.mooncake
 
 
@@ -50,7 +50,7 @@ def rank(
         "dcp_size": dcp_size,
     }
     done = subprocess.run(
-        [sys.executable, "-m", "tests.vllm.rank_half", json.dumps(spec)],
+        [sys.executable, "-m", "tests.connector.vllm.rank_half", json.dumps(spec)],
         cwd=ROOT,
         capture_output=True,
         text=True,

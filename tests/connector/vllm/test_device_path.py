@@ -25,7 +25,7 @@ from kvpipe.connector.vllm.settings import settings_from
 from kvpipe.connector.vllm.staging_area import StagingArea
 from kvpipe.stages import LoadRequest, SaveRequest
 
-from ..stages.kv_fixtures import chain_hashes
+from ...stages.kv_fixtures import chain_hashes
 from .caches import engine_cache
 
 if TYPE_CHECKING:

@@ -1,13 +1,13 @@
 """The staging copy on a real accelerator: launches and engine-thread waits per step, and its GB/s.
 
-``make gpu-check`` runs it (``python3 -m tests.vllm.measure_staging_copy``) and
+``make gpu-check`` runs it (``python3 -m tests.connector.vllm.measure_staging_copy``) and
 prints, per KV layout (each layer in an allocation of its own, as vLLM has them):
 the copies a save step launches and the blocking waits on the engine thread, how
 long ``copy_in`` holds the engine thread, and the save copy's GB/s against one
 plain device-to-host copy of the same bytes (the transfer's ceiling). The save
 pipeline's wait runs in a thread of its own, as it does in the connector.
 Without an accelerator it says so and exits 0: the CPU proof is
-``tests/vllm/test_device_double.py``.
+``tests/connector/vllm/test_device_double.py``.
 """
 
 from __future__ import annotations

@@ -8,7 +8,7 @@ import pytest
 
 from kvpipe.connector.vllm.settings import ConnectorSettings, markdown_table
 
-PAGE = Path(__file__).parents[2] / "docs" / "vllm-connector.md"
+PAGE = Path(__file__).parents[3] / "docs" / "vllm-connector.md"
 
 
 @pytest.mark.parametrize("name", list(ConnectorSettings.model_fields))

@@ -1,4 +1,4 @@
-"""One TP rank's worker side in a process of its own: ``python -m tests.vllm.rank_half SPEC_JSON``.
+"""One TP rank's worker side in a process of its own: ``python -m tests.connector.vllm.rank_half SPEC_JSON``.
 
 vLLM's CPU build cannot run TP=2 here (generation never finishes), so the tests
 prove multi-rank behaviour with one worker half per process: each builds its
@@ -70,7 +70,7 @@ def main(spec: dict[str, Any]) -> dict[str, Any]:
     from kvpipe.connector.vllm.worker import WorkerSide
     from kvpipe.stages import LoadRequest, SaveRequest
 
-    from ..stages.kv_fixtures import chain_hashes
+    from ...stages.kv_fixtures import chain_hashes
 
     tp_rank, tp_size, replicas = spec["tp_rank"], spec["tp_size"], spec["tp_replicas"]
     settings = settings_from({"store": spec["store"], "enable_group_semantics": True, "staging_blocks": 8})
