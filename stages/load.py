@@ -326,10 +326,11 @@ class LoadStage(BatchStage):
         slab = None if self._integrity is Integrity.OFF else await self._seals.acquire(self)
         try:
             readable = await self._readable_seals(keys) if slab is not None else []
-            for index in readable:
-                keys.append(seal_key(records[index].key))
-                ptrs.append([slab.address(index)])  # type: ignore[union-attr]
-                sizes.append([SEAL_SIZE])
+            if slab is not None:
+                for index in readable:
+                    keys.append(seal_key(records[index].key))
+                    ptrs.append([slab.address(index)])
+                    sizes.append([SEAL_SIZE])
             try:
                 results = await call_per_key(self, self._store.batch_get_into_multi_buffers, keys, ptrs, sizes)
             except StoreCallError as error:

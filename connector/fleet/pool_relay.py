@@ -63,7 +63,7 @@ class PoolRelay:
             publisher.shutdown()
         self._context.term()
 
-    def _run(self, subscriber: zmq.Socket) -> None:  # type: ignore[type-arg]
+    def _run(self, subscriber: zmq.Socket[bytes]) -> None:
         decoder = msgspec.msgpack.Decoder(type=KVEventBatch)
         try:
             while not self._stop.is_set():
