@@ -17,10 +17,15 @@ The modules, one job each:
 - :mod:`.scheduler`: lookups (one store call per scheduling step), load planning
   (one load per shared prefix, a stale hit recomputes once) and save planning.
 - :mod:`.worker`: the engine's KV memory, the save and load pipelines, what finished.
+- :mod:`.registrations`: the memory the worker registers with the store (and sleep mode lets go of).
 - :mod:`.kv_layout`: engine KV tensors -> block layouts, for every layout vLLM has.
+- :mod:`.store_format`: rank-local or TP-sharded objects, as vLLM's connector chooses.
 - :mod:`.staging_area`: host slots that hold whole objects (saves; loads of device caches).
+- :mod:`.device`: the copies to and from device blocks, batched on a side stream.
 - :mod:`.engine_cache`: what both roles derive from vLLM's config, and the store they open.
 - :mod:`.settings`, :mod:`.messages`: ``kv_connector_extra_config``; what crosses processes.
+- :mod:`.metrics`, :mod:`.prom`, :mod:`.events`: the one catalogue of the connector's
+  metrics, their Prometheus series, and the KV events vLLM's router reads.
 
 Each role opens its own store client: in vLLM's default multiprocess mode the
 scheduler and the worker live in different processes. The scheduler only asks
