@@ -39,6 +39,7 @@ from .keys import object_key
 from .model import KVCache, Shard, StoreGroup, StoreObject, spans
 from .object_status import DEADLINE_PASSED
 from .put import MAX_BUFFERS_PER_CALL, split_into_calls
+from .retention import LoadedKeys
 from .seal import SealMemory, SealSlab
 from .storable import storable_groups
 from .store import EXISTS, Code, LoadingStore, describe
@@ -253,8 +254,15 @@ class LoadStage(BatchStage):
     input_type: ClassVar[Any] = LoadRequest
 
     def __init__(
-        self, params: LoadParams, kv: KVCache, store: LoadingStore, observer: LoadObserver | None = None
+        self,
+        params: LoadParams,
+        kv: KVCache,
+        store: LoadingStore,
+        observer: LoadObserver | None = None,
+        loads: LoadedKeys | None = None,
     ) -> None:
+        """``loads`` is told the key of every object loaded (retention counts them as requests)."""
+        self._loads = loads
         self._groups = storable_groups(kv)
         self._shards = kv.shards
         self._hash_block_size = kv.hash_block_size
@@ -349,6 +357,7 @@ class LoadStage(BatchStage):
             if slab is not None:
                 slab.release()
         damaged: list[str] = []
+        loaded: list[str] = []
         for (holder, target), result, verdict in zip(call, results, verdicts, strict=False):
             expected = target.record.size
             if result != expected:
@@ -366,6 +375,9 @@ class LoadStage(BatchStage):
                         damaged += [target.record.key, seal_key(target.record.key)]
                     continue
             holder.loaded += 1
+            loaded.append(target.record.key)
+        if self._loads is not None:
+            self._loads.loaded(loaded)
         if damaged:
             try:  # forced: every lookup leases a hot chunk's objects
                 await call_per_key(self, remove_each, damaged, self._store, True)

@@ -18,6 +18,7 @@ from .load import LoadObserver
 from .model import KVCache
 from .put import MAX_BUFFERS_PER_CALL
 from .registry import KV_STAGES
+from .retention import LoadedKeys
 from .store import LoadingStore
 
 DEFAULT_LOAD_PIPELINE: dict[str, Any] = {
@@ -40,12 +41,15 @@ def default_load_graph(
     *,
     max_buffers_per_call: int = MAX_BUFFERS_PER_CALL,
     integrity: Integrity | str = Integrity.VERIFY,
+    loaded_keys: LoadedKeys | None = None,
 ) -> Graph:
     """The default load graph; ``load_observer`` is told each request's failed block ids.
 
-    ``integrity`` is how loads check seals (:class:`~.integrity.Integrity`).
+    ``integrity`` is how loads check seals (:class:`~.integrity.Integrity`);
+    ``loaded_keys`` is told every object loaded (the save graph's retention counts them).
     """
     document = copy.deepcopy(DEFAULT_LOAD_PIPELINE)
     document["stages"][0]["params"]["max_buffers_per_call"] = max_buffers_per_call
     document["stages"][0]["params"]["integrity"] = Integrity(integrity).value
-    return build_graph(document, KV_STAGES, {"kv": kv, "store": store, "load_observer": load_observer})
+    resources = {"kv": kv, "store": store, "load_observer": load_observer, "loaded_keys": loaded_keys}
+    return build_graph(document, KV_STAGES, resources)

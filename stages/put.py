@@ -26,7 +26,7 @@ from .batch_calls import StoreCallError, call_per_key, remove_each
 from .integrity import SEAL_SIZE, seal_key, seal_of
 from .model import Records, StoreObject
 from .object_status import DEADLINE_PASSED, ObjectObserver, ObjectReporter
-from .retention import PinBudget
+from .retention import LoadedKeys, PinBudget
 from .seal import SealMemory, SealSlab
 from .store import EXISTS, MAX_SOFT_PIN_TTL_S, Code, SavingStore, describe
 from .throttle import DEFAULT_THROTTLE, SlowStoreThrottle, ThrottleParams
@@ -53,6 +53,8 @@ class PutParams(BaseModel):
     max_buffers_per_call: int = Field(MAX_BUFFERS_PER_CALL, gt=0)
     backoff_initial_s: float = Field(0.01, ge=0)
     backoff_max_s: float = Field(0.2, ge=0)
+    #: how long records refused for space keep being tried again (see ``_put_making_room``)
+    space_wait_s: float = Field(1.5, ge=0)
     throttle: ThrottleParams | None = DEFAULT_THROTTLE  # None: never skip a put
     #: store each object's seal beside it (:mod:`.integrity`); false: ``integrity: off``
     seal: bool = True
@@ -153,18 +155,26 @@ class PutStage(BatchStage):
         observer: ObjectObserver | None = None,
         cpu_wait: Callable[[], float] = cpu_wait_seconds,
         fingerprint: bytes | None = None,
+        loads: LoadedKeys | None = None,
     ) -> None:
-        """``fingerprint``: the cache's (:func:`~.integrity.fingerprint`), for the seals; None: no seals."""
+        """``fingerprint``: the cache's (:func:`~.integrity.fingerprint`), for the seals; None: no seals.
+
+        ``loads``: the keys the load stage of the same engine loads, which count as
+        requests for the chunks this stage holds pinned (:class:`~.retention.PinBudget`).
+        """
         self._store = store
         self._cpu_wait = cpu_wait
         self._reporter = ObjectReporter(observer)
         self._max_buffers = params.max_buffers_per_call
         self._backoff = Backoff(params.backoff_initial_s, params.backoff_max_s)
+        self._space_wait_s = params.space_wait_s
         self._fingerprint = fingerprint
         self._seals = SealMemory(store, params.max_buffers_per_call)  # registered at the first sealed put
         self.throttle = None if params.throttle is None else SlowStoreThrottle(params.throttle)
         self._pins = (
-            PinBudget(params.max_pinned_bytes, params.soft_pin_ttl_s) if params.max_pinned_bytes else None
+            PinBudget(params.max_pinned_bytes, params.soft_pin_ttl_s, loads=loads)
+            if params.max_pinned_bytes
+            else None
         )
         #: chunk (group id, else key) -> set when the batch putting it is done (see :meth:`_claim`)
         self._in_flight: dict[str, anyio.Event] = {}
@@ -366,37 +376,47 @@ class PutStage(BatchStage):
     async def _put_making_room(
         self, call: Sequence[StoreObject], pin: bool, holders: Holders
     ) -> tuple[list[int], set[str]]:
-        """:meth:`_put`, and once more, after the back-off, for the records the store refused for space.
+        """:meth:`_put`, then again after each back-off for the records the store refused for space.
 
         Mooncake's master evicts on a timer (every ~10 ms) once a put has been
-        refused: the refusal itself is what makes the room, so one more try a
-        back-off later stores what a cold object's eviction now fits, where
-        giving up at once would refuse a put while evictable objects exist. A
+        refused: the refusal itself is what makes the room, so a try a back-off
+        later stores what a cold object's eviction now fits, where giving up at
+        once would refuse a put while evictable objects exist. With a disk tier
+        the room comes later still: evicted objects leave memory only once the
+        segment's owner has written them to disk, on its heartbeat (a second).
+        So refused records are tried again, each time after the back-off, until
+        ``space_wait_s`` has passed (at least once more): a store that stays full
+        longer holds only leased or pinned objects, and the refusal stands. A
         record whose jobs all passed their deadline meanwhile keeps its refusal,
         and so does one whose chunk is partly stored.
         """
         codes, unsealed = await self._put(call, pin)
-        if Code.NO_SPACE not in codes:
-            return codes, unsealed
-        await self._backoff.wait()
-        # A chunk that is partly stored stays as it is (torn: rolled back by the caller); the
+        give_up_at = time.monotonic() + self._space_wait_s
+        # A chunk that is partly stored stays as it is (torn: rolled back by the caller); a
         # retry's eviction could take the stored part's group and leave the rest alone in it.
         stored_groups = {
             r.group_id for r, code in zip(call, codes, strict=True) if r.group_id and code == Code.OK
         }
-        refused = [
-            record
-            for record, code in zip(call, codes, strict=True)
-            if code == Code.NO_SPACE and record.group_id not in stored_groups
-        ]
-        retry, _ = _split_expired(refused, holders)
-        if not retry:
-            return codes, unsealed
-        again, unsealed_again = await self._put(retry, pin)
         index = {id(record): position for position, record in enumerate(call)}
-        for record, code in zip(retry, again, strict=True):
-            codes[index[id(record)]] = code
-        return codes, unsealed | unsealed_again
+        while Code.NO_SPACE in codes:
+            await self._backoff.wait()
+            refused = [
+                record
+                for record, code in zip(call, codes, strict=True)
+                if code == Code.NO_SPACE and record.group_id not in stored_groups
+            ]
+            retry, _ = _split_expired(refused, holders)
+            if not retry:
+                break
+            again, unsealed_again = await self._put(retry, pin)
+            for record, code in zip(retry, again, strict=True):
+                codes[index[id(record)]] = code
+                if record.group_id and code == Code.OK:
+                    stored_groups.add(record.group_id)
+            unsealed |= unsealed_again
+            if time.monotonic() >= give_up_at:
+                break
+        return codes, unsealed
 
     async def _put(self, call: Sequence[StoreObject], pin: bool) -> tuple[list[int], set[str]]:
         """One store call for ``call``'s records and their seals (``pin``: soft-pinned), after any back-off.

@@ -7,6 +7,10 @@ kind is a build error naming it, not an AttributeError at the first request.
 
 The load stage takes the same ``kv`` and ``store`` (a :class:`LoadingStore`) and,
 optionally, ``load_observer`` (told each load request's failed block ids).
+
+Optionally too, ``loaded_keys`` (a :class:`LoadedKeys`) given to both graphs of one
+engine: the load stage tells it each object it loads, the put stage's retention
+budget counts those as requests for the chunks it holds pinned.
 """
 
 from __future__ import annotations
@@ -25,6 +29,7 @@ from .load import LoadParams, LoadStage
 from .model import KVCache
 from .project import ProjectStage
 from .put import PutParams, PutStage
+from .retention import LoadedKeys
 from .store import LoadingStore, SavingStore
 
 KV_STAGES = StageRegistry()
@@ -41,6 +46,12 @@ def _resource(resources: Resources, name: str, kind: type[T]) -> T:
 
 def _kv(resources: Resources) -> KVCache:
     return _resource(resources, "kv", KVCache)
+
+
+def _loaded_keys(resources: Resources) -> LoadedKeys | None:
+    return (
+        _resource(resources, "loaded_keys", LoadedKeys) if resources.get("loaded_keys") is not None else None
+    )
 
 
 # A runtime_checkable Protocol is only isinstance'd here, never instantiated (mypy#4717).
@@ -85,9 +96,21 @@ def _build_gather(params: GatherParams, resources: Resources) -> GatherStage:
 @KV_STAGES.register("put", PutParams)
 def _build_put(params: PutParams, resources: Resources) -> PutStage:
     seal_with = fingerprint(_kv(resources)) if params.seal else None
-    return PutStage(params, _store(resources), resources.get("observer"), fingerprint=seal_with)
+    return PutStage(
+        params,
+        _store(resources),
+        resources.get("observer"),
+        fingerprint=seal_with,
+        loads=_loaded_keys(resources),
+    )
 
 
 @KV_STAGES.register("load", LoadParams)
 def _build_load(params: LoadParams, resources: Resources) -> LoadStage:
-    return LoadStage(params, _kv(resources), _loading_store(resources), resources.get("load_observer"))
+    return LoadStage(
+        params,
+        _kv(resources),
+        _loading_store(resources),
+        resources.get("load_observer"),
+        _loaded_keys(resources),
+    )

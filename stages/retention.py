@@ -27,6 +27,12 @@ bytes are known:
   most requested chunks, as a static choice of the hottest prefixes would;
   otherwise the object is put unpinned.
 
+- :class:`LoadedKeys` (from the load stage to the put stage's budget): the keys
+  loaded from the store since the budget last looked. Each load of a pinned
+  object is one more request that asked for its chunk, so its pin's count grows
+  with every hit, not only with the requests counted before its put: a hot chunk
+  pinned early, at two requests, is not demoted by a newcomer with three.
+
 A pin is soft only: a master that allows evicting soft-pinned objects (the
 default) still evicts them, oldest read first, once nothing else is left.
 """
@@ -35,7 +41,7 @@ from __future__ import annotations
 
 import heapq
 import time
-from collections import OrderedDict
+from collections import OrderedDict, deque
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 
@@ -82,11 +88,35 @@ class ReuseCounter:
         return {h: n for h in chunk_hashes if (n := counts.get(h, 0)) >= least}
 
 
+class LoadedKeys:
+    """Object keys loaded from the store, from the load stage's thread to the put stage's.
+
+    ``deque`` appends and pops are atomic, so the two pipelines' threads share it
+    without a lock. Bounded: keys nobody took (a put stage that saw no reused
+    chunk for a while) are dropped oldest first, which only leaves counts lower.
+    """
+
+    def __init__(self, remembered: int = DEFAULT_REMEMBERED_CHUNKS) -> None:
+        self._keys: deque[str] = deque(maxlen=remembered)
+
+    def loaded(self, keys: Iterable[str]) -> None:
+        """These objects were just loaded whole (one more request used each)."""
+        self._keys.extend(keys)
+
+    def take(self) -> list[str]:
+        """The keys loaded since the last call, oldest first."""
+        keys = self._keys
+        taken = []
+        while keys:
+            taken.append(keys.popleft())
+        return taken
+
+
 @dataclass(slots=True)
 class _Pin:
     size: int
     until: float  # when its TTL lapses
-    reuse: int  # requests that had asked for its chunk when it was pinned
+    reuse: int  # requests that asked for its chunk: those counted at its put, then one per load
 
 
 class PinBudget:
@@ -100,8 +130,17 @@ class PinBudget:
     its event loop.
     """
 
-    def __init__(self, max_bytes: int, ttl_s: float, clock: Callable[[], float] = time.monotonic) -> None:
-        """:raises ValueError: ``max_bytes`` < 0 or ``ttl_s`` <= 0."""
+    def __init__(
+        self,
+        max_bytes: int,
+        ttl_s: float,
+        clock: Callable[[], float] = time.monotonic,
+        loads: LoadedKeys | None = None,
+    ) -> None:
+        """``loads``: the keys loaded since, each one more request for a held pin's chunk.
+
+        :raises ValueError: ``max_bytes`` < 0 or ``ttl_s`` <= 0.
+        """
         if max_bytes < 0:
             raise ValueError(f"PinBudget: max_bytes must be >= 0, got {max_bytes}")
         if ttl_s <= 0:
@@ -109,6 +148,7 @@ class PinBudget:
         self.max_bytes = max_bytes
         self.ttl_s = ttl_s
         self._clock = clock
+        self._loads = loads
         self._pins: OrderedDict[str, _Pin] = OrderedDict()  # by key, the first to lapse first
         self._least_reused: list[tuple[int, float, str]] = []  # heap; an entry stale once its pin changed
         self._held = 0
@@ -133,6 +173,7 @@ class PinBudget:
         """
         now = self._clock()
         self._lapse(now)
+        self._count_loads()
         self.release(key)
         demoted = self._make_room(size, reuse)
         if demoted is None:
@@ -172,6 +213,16 @@ class PinBudget:
                 heapq.heappush(heap, entry)
             return None
         return victims
+
+    def _count_loads(self) -> None:
+        """Each load of a held pin's object since the last admit is one more request for its chunk."""
+        if self._loads is None:
+            return
+        for key in self._loads.take():
+            pin = self._pins.get(key)
+            if pin is not None:
+                pin.reuse += 1  # its heap entries go stale; the fresh one replaces them
+                heapq.heappush(self._least_reused, (pin.reuse, pin.until, key))
 
     def release(self, key: str) -> None:
         """``key`` holds no pin (its pinned put failed, or it was demoted): its bytes are free again."""

@@ -18,6 +18,7 @@ from .model import KVCache
 from .object_status import ObjectObserver
 from .put import MAX_BUFFERS_PER_CALL
 from .registry import KV_STAGES
+from .retention import LoadedKeys
 from .store import SavingStore
 from .throttle import DEFAULT_THROTTLE, ThrottleParams
 
@@ -76,6 +77,7 @@ def default_save_graph(
     integrity: Integrity | str = Integrity.VERIFY,
     max_pinned_bytes: int = 0,
     soft_pin_ttl_s: float = 600.0,
+    loaded_keys: LoadedKeys | None = None,
 ) -> Graph:
     """The default save graph over ``kv`` and ``store``.
 
@@ -86,7 +88,8 @@ def default_save_graph(
     told the final status of every object. ``integrity`` ``off`` writes no
     seals; ``verify`` and ``required`` seal every object put (:mod:`.integrity`).
     ``max_pinned_bytes`` and ``soft_pin_ttl_s``: the put stage's retention budget
-    (:mod:`.retention`; 0 bytes: no object is pinned).
+    (:mod:`.retention`; 0 bytes: no object is pinned); ``loaded_keys``, shared with
+    the engine's load graph, has each load count for the pins it reads.
     """
     document = copy.deepcopy(DEFAULT_SAVE_PIPELINE)
     stages = {stage["name"]: stage for stage in document["stages"]}
@@ -97,4 +100,6 @@ def default_save_graph(
     stages["put"]["params"]["seal"] = Integrity(integrity) is not Integrity.OFF
     stages["put"]["params"]["max_pinned_bytes"] = max_pinned_bytes
     stages["put"]["params"]["soft_pin_ttl_s"] = soft_pin_ttl_s
-    return build_graph(document, KV_STAGES, {"kv": kv, "store": store, "observer": observer})
+    return build_graph(
+        document, KV_STAGES, {"kv": kv, "store": store, "observer": observer, "loaded_keys": loaded_keys}
+    )

@@ -12,21 +12,31 @@ prefixes. Leases are short (the master's TTL is ten batch periods) so that, as
 in a serving fleet, what was read in the last few batches is shielded.
 
 Reported per point: hit rate (hit chunks over prompt chunks), puts refused
-(for space, after the put stage's one retry), objects the store evicted.
+(for space, once the put stage's space wait passed), objects the store evicted.
+
+At the smallest capacity kvpipe runs once more with Mooncake's SSD tier behind
+the memory segment, on a master that offloads what it evicts: a disk that holds
+the working set (every chunk the trace writes, one-off ones included: the disk
+keeps the least recently read, so it must outlast the one-off chunks put between
+two reuses of a prefix), beside the hit rate of an unbounded store (every prefix
+kept once first computed).
 """
 
 from __future__ import annotations
 
+import tempfile
 from collections.abc import Callable, Iterator
 from contextlib import AbstractContextManager, contextmanager
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
 from kvpipe.connector.store.mooncake import MooncakeSettings, MooncakeStore
 from kvpipe.connector.store.mooncake.master import LocalMaster, MasterEndpoints
+from kvpipe.connector.store.mooncake.settings import DiskTier
 from kvpipe.stages.retention import PINNED_SHARE
 
-from .capacity_replay import BATCH, KvpipeReplay, Replay, VllmReplay, evictions, replay
+from .capacity_replay import BATCH, KvpipeReplay, Replay, Tally, VllmReplay, evictions, prompts, replay
 from .kvbench import BenchCache, MiB
 from .result import BenchOptions, Target, WorkloadResult
 from .reuse_trace import Trace, belady_hits, best_static_hits, zipf_trace
@@ -38,10 +48,12 @@ LAYERS = 4
 #: 4 layers x 64 KiB = 256 KiB a chunk: 40 prefixes = 80 MiB, so 0.25x is above the client's 16 MiB floor
 BUFFER_BYTES = 64 * 1024
 FRACTIONS = (0.25, 0.5, 0.75)
-QUICK_FRACTIONS = (0.5,)
 #: one batch of requests a period; leases last LEASE_PERIODS of them
 PERIOD_S = 0.03
 LEASE_PERIODS = 10
+#: the SSD tier's run: memory at this capacity, a disk of the trace's bytes
+DISK_MEMORY = 0.25
+QUICK_FRACTIONS = (DISK_MEMORY,)
 
 
 @dataclass(frozen=True)
@@ -102,8 +114,11 @@ def run(options: BenchOptions) -> WorkloadResult:
     rows: list[dict[str, Any]] = []
     targets: list[Target] = []
     lease_ms = round(LEASE_PERIODS * PERIOD_S * 1000)
-    with LocalMaster(lease_ttl_ms=lease_ms) as master:
-        assert master.endpoints is not None
+    with (
+        LocalMaster(lease_ttl_ms=lease_ms) as master,
+        LocalMaster(lease_ttl_ms=lease_ms, enable_offload=True) as offloading,
+    ):
+        assert master.endpoints is not None and offloading.endpoints is not None
         for scenario in scenarios:
             trace = scenario.trace(120 if options.quick else None)
             for fraction in fractions:
@@ -124,6 +139,19 @@ def run(options: BenchOptions) -> WorkloadResult:
                     row[name] = round(trace.hit_rate(tally.hit_chunks), 3)
                     row[f"{name} refused"] = tally.puts_refused
                     row[f"{name} evicted"] = evicted
+                if fraction == DISK_MEMORY:
+                    unbounded = trace.hit_rate(belady_hits(trace, PREFIXES))
+                    row["unbounded"] = round(unbounded, 3)
+                    tally = _with_disk(offloading.endpoints, cache, trace, capacity)
+                    row["kvpipe + disk"] = round(trace.hit_rate(tally.hit_chunks), 3)
+                    row["kvpipe + disk refused"] = tally.puts_refused
+                    targets.append(
+                        Target(
+                            name=f"kvpipe + disk / unbounded ({scenario.name})",
+                            measured=round(row["kvpipe + disk"] / unbounded, 3),
+                            goal=0.95,
+                        )
+                    )
                 rows.append(row)
                 if scenario.name == TARGETED:
                     targets.append(
@@ -160,14 +188,27 @@ def run(options: BenchOptions) -> WorkloadResult:
     )
 
 
+def _with_disk(endpoints: MasterEndpoints, cache: BenchCache, trace: Trace, capacity: int) -> Tally:
+    """kvpipe's replay of ``trace`` on a memory segment of ``capacity`` with a disk of the trace's bytes."""
+    chunks = {chunk_hash for prompt in prompts(trace, cache) for chunk_hash in prompt.block_hashes}
+    with tempfile.TemporaryDirectory(prefix="kvpipe-capacity-disk-") as folder:
+        disk = DiskTier(path=Path(folder), size=len(chunks) * cache.object_bytes)
+        with _client(endpoints, capacity, disk) as store, cache.registered(store):
+            with CONTENDERS["kvpipe"](cache, store, capacity) as ours:
+                return replay(ours, trace, cache, PERIOD_S)
+
+
 @contextmanager
-def _client(endpoints: MasterEndpoints, capacity: int) -> Iterator[MooncakeStore]:
-    """A fresh client whose segment is the whole store (closing it empties the store)."""
+def _client(
+    endpoints: MasterEndpoints, capacity: int, disk: DiskTier | None = None
+) -> Iterator[MooncakeStore]:
+    """A fresh client whose segment (and ``disk``) is the whole store (closing it empties the store)."""
     settings = MooncakeSettings(
         master=endpoints.master_address,
         metadata_server=endpoints.metadata_server,
         global_segment_size=capacity,
         local_buffer_size=16 * MiB,
+        disk=disk,
     )
     with MooncakeStore.open(settings) as store:
         yield store

@@ -46,7 +46,7 @@ from kvpipe.stages import (
     lookup_keys,
     object_key,
 )
-from kvpipe.stages.retention import ReuseCounter
+from kvpipe.stages.retention import LoadedKeys, ReuseCounter
 
 from .kvbench import BLOCK_TOKENS, BenchCache
 from .reuse_trace import Trace
@@ -160,6 +160,7 @@ class KvpipeReplay(AbstractContextManager["KvpipeReplay"]):
         self.tally = Tally()
         self._failed: dict[str, frozenset[int]] = {}
         self._reuse = ReuseCounter() if max_pinned_bytes else None
+        loaded_keys = LoadedKeys() if max_pinned_bytes else None
         self._save = SyncPipeline(
             default_save_graph(
                 cache.kv,
@@ -168,11 +169,15 @@ class KvpipeReplay(AbstractContextManager["KvpipeReplay"]):
                 integrity=integrity,
                 enable_group_semantics=enable_group_semantics,
                 max_pinned_bytes=max_pinned_bytes,
+                loaded_keys=loaded_keys,
             ),
             keep_completed=False,
         )
         self._load = SyncPipeline(
-            default_load_graph(cache.kv, store, self._load_failed, integrity=integrity), keep_completed=False
+            default_load_graph(
+                cache.kv, store, self._load_failed, integrity=integrity, loaded_keys=loaded_keys
+            ),
+            keep_completed=False,
         )
 
     def __enter__(self) -> KvpipeReplay:

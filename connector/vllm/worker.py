@@ -52,6 +52,7 @@ from kvpipe.stages import (
 )
 from kvpipe.stages.integrity import engine_facts
 from kvpipe.stages.load import load_chunks, touched_block_ids
+from kvpipe.stages.retention import LoadedKeys
 
 from .device import Device
 from .engine_cache import EngineCache
@@ -297,6 +298,8 @@ class WorkerSide:
             for shard in range(len(shards))
         ]
         load_kv = self._rank_cache(staging.layouts() if self._load_via_staging else engine, byte_facts)
+        # each load of a pinned chunk is one more request for it: the save's pin budget hears of it
+        loaded_keys = LoadedKeys() if options.max_pinned_bytes else None
         self._save_pipeline = SyncPipeline(
             default_save_graph(
                 self._rank_cache(staging.layouts(), byte_facts),
@@ -307,6 +310,7 @@ class WorkerSide:
                 integrity=self.settings.integrity,
                 max_pinned_bytes=options.max_pinned_bytes,
                 soft_pin_ttl_s=self.settings.retention_pin_ttl_s,
+                loaded_keys=loaded_keys,
             ),
             queue_capacity=self.settings.queue_capacity,
             when_full="drop",
@@ -321,6 +325,7 @@ class WorkerSide:
                 load_observer=self._load_failures.told,
                 max_buffers_per_call=self.settings.max_buffers_per_call,
                 integrity=self.settings.integrity,
+                loaded_keys=loaded_keys,
             ),
             queue_capacity=self.settings.queue_capacity,
             when_full="wait",

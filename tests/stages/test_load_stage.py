@@ -22,6 +22,7 @@ from kvpipe.stages import (
     is_seal_key,
     object_key,
 )
+from kvpipe.stages.retention import LoadedKeys
 
 from .kv_fixtures import FULL, MAMBA_ALIGN, RING, bytes_of, make_kv, make_request
 from .save_path import run_save_path
@@ -146,6 +147,25 @@ async def test_a_missing_object_fails_its_record_and_reports_its_block_while_the
     assert failed == {"req-1": frozenset({TARGET_BLOCKS[1]})}
     moved = _moved(source, target, groups=(0,), shards=2)
     assert [key for key, ok in moved.items() if not ok] == [(1, 0, 1)]
+
+
+async def test_every_object_loaded_whole_and_only_those_are_told_to_the_loaded_keys():
+    source, store, saved = await _saved([FULL], shards=2)
+    missing = object_key(source.kv.shards[1].namespace, 0, saved.block_hashes[1])
+    assert store.remove(missing) == 0
+    target = make_kv([FULL], shards=2, seed=1)
+    loads = LoadedKeys()
+    stage = LoadStage(LoadParams(), target.kv, store, loads=loads)
+
+    await stage.process_batch(batch_of([_load_request(saved)]))
+    await stage.stop()
+
+    expected = {
+        object_key(source.kv.shards[shard].namespace, 0, chunk_hash)
+        for shard in range(2)
+        for chunk_hash in saved.block_hashes[:3]
+    } - {missing}
+    assert sorted(loads.take()) == sorted(expected)
 
 
 @pytest.mark.parametrize(("layers", "code"), [(1, "-600 (INVALID_PARAMS)"), (3, "-800 (TRANSFER_FAILED)")])

@@ -63,7 +63,7 @@ async def test_already_exists_counts_as_stored():
 async def test_no_space_is_counted_as_backpressure_and_fails_the_record():
     batch = batch_of([(fake_record("a"), fake_record("b"))])
 
-    await _stage(_scripted({"a": -200}), backoff_initial_s=0).process_batch(batch)
+    await _stage(_scripted({"a": -200}), backoff_initial_s=0, space_wait_s=0).process_batch(batch)
 
     emit = batch[0].emit
     assert emit.counts["backpressure"] == 1
@@ -89,10 +89,28 @@ async def test_a_record_refused_for_space_is_put_once_more_after_the_back_off():
     assert batch[0].emit.counts["backpressure"] == 0
 
 
-async def test_a_record_refused_for_space_twice_is_not_tried_a_third_time():
+async def test_a_record_refused_for_space_is_tried_again_until_the_space_wait_has_passed():
+    tries: dict[str, int] = {}
+
+    def full_for_a_while(key: str) -> int:  # a store whose eviction (or disk offload) lags
+        tries[key] = tries.get(key, 0) + 1
+        return -200 if tries[key] <= 4 else 0
+
+    store = RecordingStore(ScriptedStore(put=full_for_a_while))
+    batch = batch_of([(fake_record("a"),)])
+
+    await _stage(store, backoff_initial_s=0, space_wait_s=60).process_batch(batch)
+
+    assert store.put_keys == ["a"] * 5
+    assert batch[0].emit.counts["put"] == 1
+
+
+async def test_a_record_refused_for_space_once_the_space_wait_has_passed_is_not_tried_again():
     store = _scripted({"a": -200})
 
-    await _stage(store, backoff_initial_s=0).process_batch(batch_of([(fake_record("a"), fake_record("b"))]))
+    await _stage(store, backoff_initial_s=0, space_wait_s=0).process_batch(
+        batch_of([(fake_record("a"), fake_record("b"))])
+    )
 
     assert store.put_keys == ["a", "b", "a"]
 

@@ -8,7 +8,7 @@ import torch
 from kvpipe.connector.store.memory import MemoryStore
 from kvpipe.pipeline.testing import batch_of
 from kvpipe.stages import Buffer, Code, PutParams, PutStage, StoreObject
-from kvpipe.stages.retention import PinBudget, ReuseCounter
+from kvpipe.stages.retention import LoadedKeys, PinBudget, ReuseCounter
 
 from .clock import Clock
 from .stores import RecordingStore, ScriptedStore, fake_record
@@ -150,6 +150,46 @@ def test_a_lapsed_pin_is_never_demoted():
     assert budget.admit("newer", 100, reuse=3) == (True, ["new"])
 
 
+def test_each_load_of_a_pinned_object_counts_as_one_more_request_for_its_chunk():
+    loads = LoadedKeys()
+    clock = Clock()
+    budget = PinBudget(max_bytes=100, ttl_s=10, clock=clock, loads=loads)
+    budget.admit("early", 50, reuse=2)  # pinned at its second request: the first to lapse, and to demote
+    clock.now = 1.0
+    budget.admit("cool", 50, reuse=2)
+
+    loads.loaded(["early", "early", "unpinned"])  # two more requests hit it
+
+    assert budget.admit("newcomer", 50, reuse=3) == (True, ["cool"])
+
+
+def test_a_pin_loaded_as_often_as_a_newcomer_asked_keeps_its_place():
+    loads = LoadedKeys()
+    budget = PinBudget(max_bytes=50, ttl_s=10, clock=Clock(), loads=loads)
+    budget.admit("early", 50, reuse=2)
+
+    loads.loaded(["early"])
+
+    assert budget.admit("newcomer", 50, reuse=3) == (False, [])
+
+
+def test_loaded_keys_are_taken_once_oldest_first():
+    loads = LoadedKeys()
+    loads.loaded(["a", "b"])
+    loads.loaded(["c"])
+
+    assert loads.take() == ["a", "b", "c"]
+    assert loads.take() == []
+
+
+def test_loaded_keys_nobody_takes_are_dropped_oldest_first_past_the_bound():
+    loads = LoadedKeys(remembered=2)
+
+    loads.loaded(["a", "b", "c"])
+
+    assert loads.take() == ["b", "c"]
+
+
 def test_the_ttl_is_given_to_the_store_in_milliseconds():
     assert PinBudget(max_bytes=1, ttl_s=2.5).ttl_ms == 2500
 
@@ -251,7 +291,7 @@ async def test_pinned_objects_are_evicted_after_every_unpinned_one():
 async def test_a_pin_whose_put_did_not_store_its_object_holds_no_budget(code: int):
     """The next chunk may take the budget: a failed or redundant put pinned nothing."""
     store = RecordingStore(ScriptedStore(put=lambda key: code if key == "first" else 0))
-    stage = _put_stage(store, max_pinned_bytes=64, seal=False)
+    stage = _put_stage(store, max_pinned_bytes=64, seal=False, space_wait_s=0)
     await stage.process_batch(batch_of([(fake_record("first", reuse=2),)]))
 
     await stage.process_batch(batch_of([(fake_record("second", reuse=2),)]))

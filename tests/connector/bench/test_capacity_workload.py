@@ -42,5 +42,14 @@ def test_targets_compare_kvpipe_with_the_best_static_choice_and_vllms_connector(
     assert any(name.startswith("kvpipe - vLLM's connector") for name in names)
 
 
+def test_the_disk_tier_run_hits_at_most_what_an_unbounded_store_would(result: WorkloadResult) -> None:
+    disk_rows = [row for row in result.rows if "kvpipe + disk" in row]
+    assert disk_rows
+    for row in disk_rows:
+        assert 0 < row["kvpipe + disk"] <= row["unbounded"] <= 1
+        assert row["kvpipe + disk refused"] >= 0
+    assert any(target.name.startswith("kvpipe + disk / unbounded") for target in result.targets)
+
+
 def test_the_record_is_json(result: WorkloadResult, tmp_path: Path) -> None:
     assert result.write(tmp_path).exists()

@@ -67,3 +67,18 @@ def test_without_a_pin_budget_the_same_chunks_are_evicted_by_the_flood(store: Mo
 
     assert all(code >= 0 for code in left)  # answers, not errors
     assert left.count(EXISTS) < HOT_CHUNKS
+
+
+def test_a_flood_into_a_full_store_of_unleased_objects_has_no_put_refused(store: MooncakeStore) -> None:
+    """Each refusal for space starts an eviction; the put stage waits for it rather than drop the save."""
+    cache = BenchCache.build(layers=4, buffer_bytes=CHUNK_BYTES // 4, num_blocks=HOT_CHUNKS + 1)
+    pipeline = SyncPipeline(default_save_graph(cache.kv, store, throttle=None))
+    flood = cache.requests([HOT_CHUNKS] * (3 * SEGMENT // (HOT_CHUNKS * CHUNK_BYTES)), salt="flood")
+    with cache.registered(store), pipeline:
+        jobs = [pipeline.submit(request) for request in flood]
+        for job in jobs:
+            job.wait()
+    counts = [job.counts for job in jobs]
+
+    assert sum(c.get("put", 0) for c in counts) == len(flood) * HOT_CHUNKS
+    assert sum(c.get("backpressure", 0) for c in counts) == 0
