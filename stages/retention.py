@@ -50,6 +50,9 @@ from dataclasses import dataclass
 PINNED_SHARE = 0.9
 #: chunk hashes a counter remembers (16-byte hashes: ~20 MiB at this size)
 DEFAULT_REMEMBERED_CHUNKS = 1 << 18
+#: loaded keys held for the put stage between two of its pin decisions (object keys of
+#: ~80-120 characters: ~10 MiB at this size, where the chunk bound above would hold ~40 MiB)
+DEFAULT_REMEMBERED_LOADS = 1 << 16
 
 
 class ReuseCounter:
@@ -96,7 +99,7 @@ class LoadedKeys:
     chunk for a while) are dropped oldest first, which only leaves counts lower.
     """
 
-    def __init__(self, remembered: int = DEFAULT_REMEMBERED_CHUNKS) -> None:
+    def __init__(self, remembered: int = DEFAULT_REMEMBERED_LOADS) -> None:
         self._keys: deque[str] = deque(maxlen=remembered)
 
     def loaded(self, keys: Iterable[str]) -> None:
