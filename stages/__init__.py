@@ -12,7 +12,7 @@ from .flags import StrictFlag, parse_flag
 from .full_and_tail import FullChunksStage, TailStage, chunk_records
 from .gather import GatherParams, GatherStage
 from .group_ids import GroupIdsParams, GroupIdsStage
-from .integrity import Integrity, Seal, Verdict, fingerprint, is_seal_key, seal_key
+from .integrity import Integrity, Seal, SealEntry, Verdict, fingerprint, is_seal_key, seal_key
 from .keys import GROUP_ID_SCOPE, group_id, key_model_name, object_key, shared_pool_id
 from .load import LoadObserver, LoadParams, LoadRequest, LoadStage, LoadTarget, load_targets
 from .load_pipeline import (
@@ -97,6 +97,7 @@ __all__ = [
     "SaveRequest",
     "SavingStore",
     "Seal",
+    "SealEntry",
     "SealMemory",
     "Shard",
     "SlowStoreThrottle",

@@ -39,7 +39,8 @@ def chunk_records(
     if len(chunks) > 1 and len({chunk.group.store_group for chunk in chunks}) > 1:
         chunks = sorted(chunks, key=lambda chunk: (chunk.tokens_end, chunk.group.store_group))
     records = []
-    for group, chunk_hash, block_id, _ in chunks:
+    for chunk in chunks:
+        group, chunk_hash, block_id, _ = chunk
         hex_hash = chunk_hash.hex()
         reuse = reused_chunks.get(chunk_hash, 0) if reused_chunks else 0
         for shard in shards:
@@ -51,6 +52,7 @@ def chunk_records(
                     shard.layouts[group.engine_group].buffers(block_id),
                     None,
                     request_id,
+                    chunk.block_index,
                     reuse=reuse,
                 )
             )

@@ -34,15 +34,26 @@ from kvpipe.pipeline.stage import BatchEntry, BatchStage, Emit
 
 from .batch_calls import StoreCallError, call_per_key, remove_each
 from .chunks import chunk_hash_at, is_recurrent
-from .integrity import REFUSED, SEAL_SIZE, Integrity, Verdict, fingerprint, judge, seal_key
+from .integrity import (
+    REFUSED,
+    SEAL_SIZE,
+    Integrity,
+    Verdict,
+    fingerprint,
+    judge,
+    key_stem,
+    seal_candidates,
+    seal_key,
+)
 from .keys import object_key
 from .model import KVCache, Shard, StoreGroup, StoreObject, spans
 from .object_status import DEADLINE_PASSED
 from .put import MAX_BUFFERS_PER_CALL, split_into_calls
 from .retention import LoadedKeys
-from .seal import SealMemory, SealSlab
+from .seal import SealMemory
 from .storable import storable_groups
-from .store import EXISTS, Code, LoadingStore, describe
+from .store import EXISTS, LoadingStore, describe
+from .vouching import DAMAGED, SealPlace, Vouchers, Witness
 
 log = structlog.get_logger(__name__)
 
@@ -188,6 +199,7 @@ def load_targets(
                 store_group=chunk.group.store_group,
                 buffers=shard.layouts[chunk.group.engine_group].buffers(chunk.block_id),
                 request_id=request.request_id,
+                chunk_index=chunk.block_index,
             ),
             chunk.block_id,
         )
@@ -264,6 +276,7 @@ class LoadStage(BatchStage):
         """``loads`` is told the key of every object loaded (retention counts them as requests)."""
         self._loads = loads
         self._groups = storable_groups(kv)
+        self._block_size = {group.store_group: group.spec.block_size for group in self._groups}
         self._shards = kv.shards
         self._hash_block_size = kv.hash_block_size
         self._store = store
@@ -327,17 +340,19 @@ class LoadStage(BatchStage):
         return calls
 
     async def _load(self, call: list[tuple[_Pending, LoadTarget]]) -> None:
-        """One store call (the objects and, with integrity on, their seals); settle every record in its job."""
+        """One store call (the objects and, with integrity on, the seals that may vouch for them); settle each record."""
         records = [target.record for _, target in call]
         keys = [record.key for record in records]
         ptrs, sizes = (list(column) for column in zip(*(spans(record.buffers) for record in records), strict=True))
         slab = None if self._integrity is Integrity.OFF else await self._seals.acquire(self)
         try:
-            readable = await self._readable_seals(keys) if slab is not None else []
+            readable: list[tuple[str, SealPlace]] = []
             if slab is not None:
-                for index in readable:
-                    keys.append(seal_key(records[index].key))
-                    ptrs.append([slab.address(index)])
+                room = self._max_buffers - sum(map(len, ptrs))
+                readable = (await self._readable_seals(self._seal_places(call)))[:room]
+                for slot, (key, _) in enumerate(readable):
+                    keys.append(key)
+                    ptrs.append([slab.address(slot)])
                     sizes.append([SEAL_SIZE])
             try:
                 results = await call_per_key(self, self._store.batch_get_into_multi_buffers, keys, ptrs, sizes)
@@ -345,34 +360,36 @@ class LoadStage(BatchStage):
                 for holder, target in call:
                     self._failed(holder, target, f"load {target.record.key}: {error}")
                 return
-            if slab is not None:  # a seal not read answers as a missing one
-                seal_results = [int(Code.NOT_FOUND)] * len(records)
-                for position, index in enumerate(readable):
-                    seal_results[index] = results[len(records) + position]
-                results = results[: len(records)] + seal_results
-            verdicts: list[Verdict | str | None] = [None] * len(records)
+            witnesses: list[Witness] = []
+            verdicts: list[Verdict | None] = [None] * len(records)
             if slab is not None:
-                verdicts = await self._judged(records, results, slab)
+                vouchers = Vouchers()
+                for slot, (key, place) in enumerate(readable):
+                    result = results[len(records) + slot]
+                    vouchers.add(key, place, result, slab.read(slot) if result == SEAL_SIZE else None)
+                witnesses = [vouchers.witness(record) for record in records]
+                verdicts = await self._judged(records, results, witnesses)
         finally:
             if slab is not None:
                 slab.release()
-        damaged: list[str] = []
+        damaged: set[str] = set()
         loaded: list[str] = []
-        for (holder, target), result, verdict in zip(call, results, verdicts, strict=False):
+        for index, ((holder, target), result, verdict) in enumerate(zip(call, results, verdicts, strict=False)):
             expected = target.record.size
             if result != expected:
                 reason = describe(result) if result < 0 else f"read {result} bytes, the block holds {expected}"
                 self._failed(holder, target, f"load {target.record.key}: {reason}")
                 continue
-            if verdict is not None and not isinstance(verdict, Verdict):  # its seal was unreadable now
-                self._failed(holder, target, f"load {target.record.key}: its seal: {verdict}")
+            if witnesses and (problem := witnesses[index].problem) not in (None, DAMAGED):
+                # a seal that may vouch for it could not be read now: nothing is known of the bytes
+                self._failed(holder, target, f"load {target.record.key}: a seal: {problem}")
                 continue
             if verdict is not None:
                 holder.verdicts[verdict] += 1
                 if verdict in REFUSED:
                     self._refused(holder, target, verdict)
                     if verdict is Verdict.CORRUPT:
-                        damaged += [target.record.key, seal_key(target.record.key)]
+                        damaged.update(self._doomed(target.record, witnesses[index]))
                     continue
             holder.loaded += 1
             loaded.append(target.record.key)
@@ -380,27 +397,75 @@ class LoadStage(BatchStage):
             self._loads.loaded(loaded)
         if damaged:
             try:  # forced: every lookup leases a hot chunk's objects
-                await call_per_key(self, remove_each, damaged, self._store, True)
+                await call_per_key(self, remove_each, sorted(damaged), self._store, True)
             except StoreCallError as error:
-                log.warning("removing damaged objects failed", keys=damaged, error=str(error))
+                log.warning("removing damaged objects failed", keys=sorted(damaged), error=str(error))
 
-    async def _readable_seals(self, keys: Sequence[str]) -> list[int]:
-        """The positions of ``keys`` whose seal the store says it can give, asked before reading any.
+    @staticmethod
+    def _doomed(record: StoreObject, witness: Witness) -> list[str]:
+        """What goes from the store with an object found corrupt: the object, and its seal where that is suspect.
+
+        A damaged seal goes. So does the object's own seal (it anchored its span):
+        the object put again will be anchored there again, and a put of a key that
+        exists keeps the old seal, which may be another writer's (the race in
+        :mod:`.integrity`'s docs) and would refuse every recompute. A seal anchored
+        before it stays: it vouches for its other objects, and the object put again
+        gets a seal of its own, nearer, which wins (:meth:`~.vouching.Vouchers.vouch_for`).
+        """
+        seal = witness.seal
+        if seal is not None and (witness.problem == DAMAGED or seal == seal_key(record.key)):
+            return [record.key, seal]
+        return [record.key]
+
+    def _seal_places(self, call: Sequence[tuple[_Pending, LoadTarget]]) -> dict[str, SealPlace]:
+        """The keys of the seals that may vouch for ``call``'s objects, each with its place; the objects' own first.
+
+        A load reads a run of chunks per stream, so beyond the objects' own seal
+        keys only the earliest object of each stream and request looks further
+        back (:func:`~.integrity.seal_candidates`).
+        """
+        places: dict[str, SealPlace] = {}
+        earliest: dict[tuple[int, str], tuple[_Pending, StoreObject]] = {}
+        for holder, target in call:
+            record = target.record
+            stem = key_stem(record.key, record.chunk_hash)
+            places[seal_key(record.key)] = SealPlace(stem, record.chunk_index)
+            stream = (id(holder), stem)
+            first = earliest.get(stream)
+            if first is None or record.chunk_index < first[1].chunk_index:
+                earliest[stream] = (holder, record)
+        for holder, record in earliest.values():
+            candidates = seal_candidates(
+                record.key,
+                record.chunk_hash,
+                record.chunk_index,
+                self._block_size[record.store_group],
+                holder.request.block_hashes,
+                self._hash_block_size,
+            )
+            stem = key_stem(record.key, record.chunk_hash)
+            for back, key in enumerate(candidates[1:], start=1):
+                places.setdefault(key, SealPlace(stem, record.chunk_index - back))
+        return places
+
+    async def _readable_seals(self, places: dict[str, SealPlace]) -> list[tuple[str, SealPlace]]:
+        """The seals of ``places`` the store says it can give, asked before reading any.
 
         ``batch_is_exist`` answers 0 for an object with a replica on a node that no
         longer answers (the lookups' every-copy rule), and a read of such a replica
         waits for the kernel to give up its connection (tens of seconds). The data
-        passed that rule at lookup; its seal must too. A seal not read is a missing one.
+        passed that rule at lookup; its seals must too. A seal not read is a missing one.
         """
+        keys = list(places)
         try:
-            present = await call_per_key(self, self._store.batch_is_exist, [seal_key(key) for key in keys])
+            present = await call_per_key(self, self._store.batch_is_exist, keys)
         except StoreCallError:
             return []
-        return [index for index, answer in enumerate(present) if answer == EXISTS]
+        return [(key, places[key]) for key, answer in zip(keys, present, strict=True) if answer == EXISTS]
 
     async def _judged(
-        self, records: Sequence[StoreObject], results: Sequence[int], slab: SealSlab
-    ) -> list[Verdict | str | None]:
+        self, records: Sequence[StoreObject], results: Sequence[int], witnesses: Sequence[Witness]
+    ) -> list[Verdict | None]:
         """Each object's verdict, judged in as many worker threads as the stage has.
 
         xxh3 lets go of the GIL, and a sync load's engine waits for the verdicts:
@@ -408,10 +473,10 @@ class LoadStage(BatchStage):
         """
         parts = max(1, min(self.thread_limit, len(records)))
         bounds = [len(records) * part // parts for part in range(parts + 1)]
-        verdicts: list[Verdict | str | None] = [None] * len(records)
+        verdicts: list[Verdict | None] = [None] * len(records)
 
         async def judge(start: int, end: int) -> None:
-            verdicts[start:end] = await self.run_blocking(self._judge_range, records, results, slab, start, end)
+            verdicts[start:end] = await self.run_blocking(self._judge_range, records, results, witnesses, start, end)
 
         async with anyio.create_task_group() as group:
             for start, end in itertools.pairwise(bounds):
@@ -419,33 +484,32 @@ class LoadStage(BatchStage):
         return verdicts
 
     def _judge_range(
-        self, records: Sequence[StoreObject], results: Sequence[int], slab: SealSlab, start: int, end: int
-    ) -> list[Verdict | str | None]:
-        """The verdicts of ``records[start:end]``, in a worker thread.
-
-        None where an object's bytes were not read whole; the read's error where its
-        seal could not be read (a failed transfer says nothing of the bytes).
-        """
-        verdicts: list[Verdict | str | None] = []
-        count = len(records)
+        self,
+        records: Sequence[StoreObject],
+        results: Sequence[int],
+        witnesses: Sequence[Witness],
+        start: int,
+        end: int,
+    ) -> list[Verdict | None]:
+        """The verdicts of ``records[start:end]``, in a worker thread; None where an object was not read whole."""
+        verdicts: list[Verdict | None] = []
         for index in range(start, end):
             record = records[index]
-            seal_result = results[count + index]
             if results[index] != record.size:
                 verdicts.append(None)
                 continue
-            if seal_result == SEAL_SIZE:
-                seal_bytes: bytes | None = slab.read(index)
-            elif seal_result == Code.NOT_FOUND:
-                seal_bytes = None
-            elif seal_result == Code.INVALID_PARAMS:  # a seal object of another size
-                verdicts.append(Verdict.CORRUPT)
-                continue
-            else:
-                verdicts.append(describe(seal_result))
-                continue
+            witness = witnesses[index]
             addresses, sizes = spans(record.buffers)
-            verdicts.append(judge(seal_bytes, addresses, sizes, self._fingerprint, self._integrity))
+            verdicts.append(
+                judge(
+                    witness.vouch,
+                    addresses,
+                    sizes,
+                    self._fingerprint,
+                    self._integrity,
+                    damaged_seal=witness.problem == DAMAGED,
+                )
+            )
         return verdicts
 
     def _refused(self, holder: _Pending, target: LoadTarget, verdict: Verdict) -> None:

@@ -30,9 +30,11 @@ from __future__ import annotations
 import math
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
+from typing import NamedTuple
 
 from .chunks import chunk_hash_at, is_recurrent
-from .keys import object_key, seal_key
+from .integrity import seal_candidates
+from .keys import object_key
 from .model import Shard, StoreGroup
 
 
@@ -79,6 +81,22 @@ def _hit_limit(hash_block_size: int, request: LookupRequest, grain: int) -> int:
     return max(0, longest // grain * grain)
 
 
+class _Chunk(NamedTuple):
+    """What decides whether one chunk counts: its objects (one per shard) and, sealed, per shard the seals
+    any one of which may vouch for its object (:func:`~.integrity.seal_candidates`)."""
+
+    objects: tuple[str, ...]
+    seals: tuple[tuple[str, ...], ...] = ()
+
+    def keys(self) -> list[str]:
+        return [*self.objects, *(key for candidates in self.seals for key in candidates)]
+
+    def stored(self, exists: Mapping[str, bool]) -> bool:
+        return all(exists.get(key, False) for key in self.objects) and all(
+            any(exists.get(key, False) for key in candidates) for candidates in self.seals
+        )
+
+
 def _ends(
     groups: Sequence[StoreGroup],
     shards: Sequence[Shard],
@@ -86,8 +104,8 @@ def _ends(
     request: LookupRequest,
     grain: int,
     sealed: bool,
-) -> list[tuple[StoreGroup, dict[int, tuple[str, ...] | None]]]:
-    """Per group, the token ends that matter up to the limit and their keys (None: the engine's own).
+) -> list[tuple[StoreGroup, dict[int, _Chunk | None]]]:
+    """Per group, the token ends that matter up to the limit and their chunks (None: the engine's own).
 
     An object is keyed by the hash at its end: a full chunk at its block's end, a
     partial tail or a recurrent state at the hash block it stops after. A
@@ -101,14 +119,26 @@ def _ends(
         ends = set(range(grain, limit + 1, grain))
         if not is_recurrent(group):
             ends = {end for end in ends if end % block_size} | set(range(block_size, limit + 1, block_size))
-        keys: dict[int, tuple[str, ...] | None] = {}
+        keys: dict[int, _Chunk | None] = {}
         for end in sorted(ends):
             if end <= request.num_computed_tokens:
                 keys[end] = None  # the engine has it already
                 continue
             chunk_hash = chunk_hash_at(request.block_hashes, end, hash_block_size)
-            objects = [object_key(shard.namespace, group.store_group, chunk_hash) for shard in shards]
-            keys[end] = tuple(objects + [seal_key(key) for key in objects] if sealed else objects)
+            objects = tuple(object_key(shard.namespace, group.store_group, chunk_hash) for shard in shards)
+            seals = (
+                tuple(
+                    tuple(
+                        seal_candidates(
+                            key, chunk_hash, (end - 1) // block_size, block_size, request.block_hashes, hash_block_size
+                        )
+                    )
+                    for key in objects
+                )
+                if sealed
+                else ()
+            )
+            keys[end] = _Chunk(objects, seals)
         per_group.append((group, keys))
     return per_group
 
@@ -123,8 +153,9 @@ def lookup_keys(
 ) -> tuple[str, ...]:
     """The keys whose existence decides ``request``'s hit, in prefix order, each once.
 
-    ``sealed`` (``integrity: required``): each object's seal too, so a chunk
-    without seals is a miss rather than a load that is refused.
+    ``sealed`` (``integrity: required``): the seals that may vouch for each
+    object too, so a chunk no seal can vouch for is a miss rather than a load
+    that is refused.
     """
     grain = _grain(groups, alignment)
     ends = [
@@ -132,7 +163,7 @@ def lookup_keys(
         for index, (_, keys) in enumerate(_ends(groups, shards, hash_block_size, request, grain, sealed))
         for end, chunk in keys.items()
         if chunk is not None
-        for key in chunk
+        for key in chunk.keys()
     ]
     return tuple(dict.fromkeys(key for _, _, key in sorted(ends, key=lambda item: item[:2])))
 
@@ -155,15 +186,14 @@ def longest_stored_prefix(
     group, every chunk up to its last block end within ``L`` and, when ``L``
     ends inside a block, the tail stored at ``L``; of every recurrent group, the
     state at ``L``. The hit is the longest such ``L``; it never reaches ``num_tokens``.
-    ``sealed``: an object counts only with its seal (as :func:`lookup_keys` asks).
+    ``sealed``: an object counts only with a seal that may vouch for it (as
+    :func:`lookup_keys` asks); whether it does, its load tells.
     """
     grain = _grain(groups, alignment)
     limit = _hit_limit(hash_block_size, request, grain)
     present: list[tuple[StoreGroup, dict[int, bool], int]] = []
     for group, keys in _ends(groups, shards, hash_block_size, request, grain, sealed):
-        stored = {
-            end: chunk is None or all(exists.get(key, False) for key in chunk) for end, chunk in keys.items()
-        }
+        stored = {end: chunk is None or chunk.stored(exists) for end, chunk in keys.items()}
         run = 0  # the end of the group's run of whole chunks from token 0
         while stored.get(run + group.spec.block_size, False):
             run += group.spec.block_size

@@ -264,6 +264,9 @@ class StoreObject:
     buffers: Sequence[Buffer]
     group_id: str | None = None
     request_id: str = field(default="", compare=False)
+    #: its chunk's block in its store group (:attr:`.chunks.Chunk.block_index`): which of a
+    #: request's objects one seal may vouch for (:func:`.integrity.seal_spans`)
+    chunk_index: int = field(default=0, compare=False)
     staging: StagedCopy | None = field(default=None, compare=False, repr=False)
     #: requests that asked for its chunk, when they keep asking (0: not reused): put it soft-pinned
     #: if the budget allows (:mod:`.retention`)

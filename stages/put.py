@@ -13,6 +13,7 @@ from __future__ import annotations
 import functools
 import time
 from collections.abc import Callable, Sequence
+from dataclasses import dataclass
 from typing import Any, ClassVar
 
 import anyio
@@ -23,7 +24,7 @@ from kvpipe.pipeline.stage import BatchEntry, BatchStage, Emit
 
 from .backoff import Backoff
 from .batch_calls import StoreCallError, call_per_key, remove_each
-from .integrity import SEAL_SIZE, seal_key, seal_of
+from .integrity import SEAL_SIZE, Seal, entry_of, seal_key, seal_spans
 from .model import Records, StoreObject
 from .object_status import DEADLINE_PASSED, ObjectObserver, ObjectReporter
 from .retention import LoadedKeys, PinBudget
@@ -140,6 +141,42 @@ def split_into_calls(
     if current:
         calls.append(current)
     return calls
+
+
+@dataclass(frozen=True, slots=True)
+class _CallLayout:
+    """The parallel lists of one put call, and where each record and each span's seal sit in them."""
+
+    keys: list[str]
+    ptrs: list[Sequence[int]]
+    sizes: list[Sequence[int]]
+    group_ids: list[str]
+    data_positions: list[int]  # per record of the call
+    seal_positions: list[int]  # per span
+
+    @classmethod
+    def of(cls, call: Sequence[StoreObject], spans: Sequence[Sequence[int]], slab: SealSlab | None) -> _CallLayout:
+        """Records in their order, each span's seal (in ``slab``'s slot of its number) right after its last record."""
+        layout = cls([], [], [], [], [], [0] * len(spans))
+        closing: dict[int, list[int]] = {}  # record position -> the spans whose last record it is
+        for number, span in enumerate(spans):
+            closing.setdefault(max(span), []).append(number)
+        for index, record in enumerate(call):
+            addresses, lengths = record.transfer_spans()
+            layout.data_positions.append(len(layout.keys))
+            layout._add(record.key, addresses, lengths, record.group_id)
+            for number in closing.get(index, ()):
+                assert slab is not None
+                anchor = call[spans[number][0]]
+                layout.seal_positions[number] = len(layout.keys)
+                layout._add(seal_key(anchor.key), [slab.address(number)], [SEAL_SIZE], anchor.group_id)
+        return layout
+
+    def _add(self, key: str, addresses: Sequence[int], lengths: Sequence[int], group_id: str | None) -> None:
+        self.keys.append(key)
+        self.ptrs.append(addresses)
+        self.sizes.append(lengths)
+        self.group_ids.append(group_id or "")
 
 
 class PutStage(BatchStage):
@@ -348,10 +385,9 @@ class PutStage(BatchStage):
                     holders[record.key][0][0].count("demoted", len(demotes))
                     demoted += demotes
             (pinned if admitted else unpinned).append(record)
-        if demoted:
-            keys = demoted + ([seal_key(key) for key in demoted] if self._fingerprint is not None else [])
+        if demoted:  # their seals stay: a seal may vouch for more of its span than the demoted object
             try:
-                await call_per_key(self, remove_each, keys, self._store, False)
+                await call_per_key(self, remove_each, demoted, self._store, False)
             except StoreCallError:
                 pass  # they stay until their pins lapse: the budget counts them gone all the same
         return pinned, unpinned
@@ -422,43 +458,49 @@ class PutStage(BatchStage):
         """One store call for ``call``'s records and their seals (``pin``: soft-pinned), after any back-off.
 
         Returns per-record codes, and the keys of records stored whose seal was refused.
-        Each seal goes right after its object: a put of a key that exists keeps the
-        first value and still answers 0, so two writers racing on one chunk can leave
-        one's object beside the other's seal; adjacent keys keep that window as small
-        as a call allows, and a load that meets such a pair removes it as damaged (a
-        recompute, never a wrong byte).
+        Records go in their order; each span's seal (:func:`~.integrity.seal_spans`)
+        right after its last record: a put of a key that exists keeps the first value
+        and still answers 0, so two writers racing on one chunk can leave one's object
+        beside the other's seal; adjacent keys keep that window as small as a call
+        allows, and a load that meets such a pair removes it as damaged (a recompute,
+        never a wrong byte).
         """
         slab = None if self._fingerprint is None else await self._seals.acquire(self)
         try:
-            keys: list[str] = []
-            ptrs: list[Sequence[int]] = []
-            sizes: list[Sequence[int]] = []
-            group_ids: list[str] = []
-            for index, record in enumerate(call):
-                addresses, lengths = record.transfer_spans()
-                keys.append(record.key)
-                ptrs.append(addresses)
-                sizes.append(lengths)
-                group_ids.append(record.group_id or "")
-                if slab is not None:
-                    keys.append(seal_key(record.key))
-                    ptrs.append([slab.address(index)])
-                    sizes.append([SEAL_SIZE])
-                    group_ids.append(record.group_id or "")
-            codes = await self._timed_call(keys, ptrs, sizes, group_ids, slab, pin)
+            spans = seal_spans(call) if slab is not None else []
+            layout = _CallLayout.of(call, spans, slab)
+            seal = None
+            if slab is not None:
+                seal = functools.partial(self._write_seals, slab, spans, layout)
+            codes = await self._timed_call(layout.keys, layout.ptrs, layout.sizes, layout.group_ids, seal, pin)
         finally:
             if slab is not None:
                 slab.release()
         self._backoff.record(pressured=Code.NO_SPACE in codes)
-        if slab is None:
-            return codes, set()
-        data_codes, seal_codes = codes[0::2], codes[1::2]
+        data_codes = [codes[position] for position in layout.data_positions]
         unsealed = {
-            record.key
-            for record, code, sealed in zip(call, data_codes, seal_codes, strict=True)
-            if code == Code.OK and sealed != Code.OK
+            call[position].key
+            for span, seal_position in zip(spans, layout.seal_positions, strict=True)
+            if codes[seal_position] != Code.OK
+            for position in span
+            if data_codes[position] == Code.OK
         }
         return data_codes, unsealed
+
+    def _write_seals(self, slab: SealSlab, spans: Sequence[Sequence[int]], layout: _CallLayout) -> None:
+        """Write each span's seal into its slot of ``slab`` (in the worker thread that makes the call).
+
+        Sealing there reads the very bytes the put sends (a staging slot, or the
+        engine's blocks) and costs no hop of its own.
+        """
+        fingerprint_ = self._fingerprint
+        assert fingerprint_ is not None
+        for number, span in enumerate(spans):
+            entries = []
+            for index in span:
+                position = layout.data_positions[index]
+                entries.append(entry_of(layout.keys[position], layout.ptrs[position], layout.sizes[position]))
+            slab.write(number, Seal(fingerprint_, tuple(entries)))
 
     async def _timed_call(
         self,
@@ -466,7 +508,7 @@ class PutStage(BatchStage):
         ptrs: list[Sequence[int]],
         sizes: list[Sequence[int]],
         group_ids: list[str],
-        slab: SealSlab | None,
+        seal: Callable[[], None] | None,
         pin: bool,
     ) -> list[int]:
         """The put call itself (group ids where the store takes them); the throttle learns its time."""
@@ -477,7 +519,7 @@ class PutStage(BatchStage):
             config.group_ids = group_ids
         spent: list[float] = []
         try:
-            timed_put = functools.partial(self._timed_put, spent, slab)
+            timed_put = functools.partial(self._timed_put, spent, seal)
             return await call_per_key(self, timed_put, keys, ptrs, sizes, config)
         finally:
             if self.throttle is not None and spent:
@@ -486,26 +528,21 @@ class PutStage(BatchStage):
     def _timed_put(
         self,
         spent: list[float],
-        slab: SealSlab | None,
+        seal: Callable[[], None] | None,
         keys: Sequence[str],
         ptrs: Sequence[Sequence[int]],
         sizes: Sequence[Sequence[int]],
         config: Any,
     ) -> Sequence[int]:
-        """Seal the objects (with ``slab``, every other key is a seal), put; append the store's seconds.
+        """Seal the objects (``seal``), put; append the store's seconds.
 
-        Sealing here, in the worker thread that makes the call, reads the very bytes
-        the put sends (a staging slot, or the engine's blocks) and costs no hop of its
-        own. The store's time is the call's less what this thread waited for a CPU:
+        The store's time is the call's less what this thread waited for a CPU:
         saves run nicer than the engine (:mod:`kvpipe.pipeline.priority`), so on a core
         the engine keeps busy a 20 ms put can take 300 ms of wall time, and a throttle
         fed wall time would shed saves while the store is fast.
         """
-        if slab is not None:
-            fingerprint_ = self._fingerprint
-            assert fingerprint_ is not None
-            for index in range(len(keys) // 2):
-                slab.write(index, seal_of(ptrs[2 * index], sizes[2 * index], fingerprint_))
+        if seal is not None:
+            seal()
         started, waited = time.monotonic(), self._cpu_wait()
         try:
             return self._store.batch_put_from_multi_buffers(keys, ptrs, sizes, config)

@@ -203,7 +203,7 @@ def segment_holder(endpoints: MasterEndpoints, global_segment_size: int | str = 
 def stored_keys(endpoints: MasterEndpoints, *, seals: bool = False) -> list[str]:
     """The keys the master holds (its admin HTTP, as ``kvpipe inspect`` reads it).
 
-    Seals (one beside each object kvpipe puts) are left out unless ``seals``: what
+    Seals (one per run of objects kvpipe puts) are left out unless ``seals``: what
     callers count is objects, whichever connector wrote them.
     """
     from kvpipe.connector.store.mooncake.admin import AdminClient

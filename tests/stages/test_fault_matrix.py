@@ -59,7 +59,7 @@ from kvpipe.stages import (
     group_id,
     object_key,
 )
-from kvpipe.stages.integrity import SEAL_SIZE, Seal, is_seal_key, seal_key, sealed_key
+from kvpipe.stages.integrity import SEAL_SIZE, Seal, is_seal_key, key_id, seal_key, sealed_key
 
 from .kv_fixtures import FULL, RING, KVFixture, make_kv
 
@@ -455,13 +455,15 @@ def test_fault_matrix_jobs_end_counts_add_up_and_bytes_survive(scenario: Scenari
             assert key in poisoned, f"{key}: stored {size} bytes, saved {len(want)}"
             assert result < 0, f"{key}: a read of the wrong size returned {result}"
 
-    # A seal only ever vouches for its object's true bytes, and only sits beside a saved key.
+    # A seal only ever vouches for saved objects' true bytes, and only sits under a saved key.
     assert set(seals) <= set(seen.records)
-    for key in seals.keys() & held.keys() - poisoned.keys():
-        seal = read_seal(store, key)
-        want = source_bytes(seen.records[key])
-        assert seal is not None and seal.size == len(want), key
-        assert seal.checksum == xxhash.xxh3_64_intdigest(want), key
+    by_id = {key_id(key): key for key in seen.records}
+    for anchor in seals:
+        seal = read_seal(store, anchor)
+        assert seal is not None and seal.entries, anchor
+        for entry in seal.entries:
+            want = source_bytes(seen.records[by_id[entry.key_id]])
+            assert (entry.size, entry.checksum) == (len(want), xxhash.xxh3_64_intdigest(want)), anchor
 
     # The load path, get faults back on: a block is either reported failed or exact.
     store.faults = faults

@@ -2,6 +2,8 @@
 
 Every fault here is a store object whose bytes are not the bytes its writer put;
 none of them may reach the engine as loaded, and each is counted by its verdict.
+The request saved here has 3 chunks, put in one call: one seal, anchored at
+chunk 0, vouches for all three.
 """
 
 from __future__ import annotations
@@ -23,6 +25,8 @@ from kvpipe.stages import (
     LoadStage,
     LookupRequest,
     Seal,
+    SealEntry,
+    StoreObject,
     Verdict,
     fingerprint,
     is_seal_key,
@@ -32,7 +36,7 @@ from kvpipe.stages import (
     seal_key,
     storable_groups,
 )
-from kvpipe.stages.integrity import SEAL_SIZE, checksum, judge
+from kvpipe.stages.integrity import SEAL_SIZE, SEAL_SPAN, Vouch, checksum, judge, key_id, seal_spans
 
 from .kv_fixtures import FULL, make_kv, make_request
 from .save_path import run_save_path
@@ -43,8 +47,8 @@ FLOAT16 = (("dtype", '"torch.float16"'),)
 BFLOAT16 = (("dtype", '"torch.bfloat16"'),)
 
 
-def _kv(seed: int = 0, byte_facts=FLOAT16):
-    fixture = make_kv([FULL], seed=seed)
+def _kv(seed: int = 0, byte_facts=FLOAT16, num_blocks: int = 16):
+    fixture = make_kv([FULL], seed=seed, num_blocks=num_blocks)
     fixture.kv = replace(fixture.kv, byte_facts=byte_facts)
     return fixture
 
@@ -76,10 +80,10 @@ def _read(store: MemoryStore, key: str, size: int) -> bytes | None:
     return buffer.raw if result == size else None
 
 
-async def _load(kv, store, saved, *, threads: int = 1, **params):
-    """Load the request's 3 chunks into TARGET_BLOCKS: (the job's handle, the failed block ids)."""
+async def _load(kv, store, saved, *, threads: int = 1, start: int = 0, **params):
+    """Load the request's chunks from token ``start`` into TARGET_BLOCKS: (the job's handle, the failed block ids)."""
     failed: dict[str, frozenset[int]] = {}
-    request = LoadRequest("load", saved.block_hashes, (TARGET_BLOCKS,), 0, 48)
+    request = LoadRequest("load", saved.block_hashes, (TARGET_BLOCKS,), start, 48)
     (entry,) = batch = batch_of([request])
     stage = LoadStage(LoadParams(**params), kv, store, lambda rid, ids: failed.setdefault(rid, ids))
     stage.thread_limit = threads
@@ -111,7 +115,7 @@ def _torn(original: bytes) -> bytes:
 
 
 @pytest.mark.parametrize("damage", [_same_size_garbage, _torn], ids=["overwritten", "torn"])
-async def test_an_object_whose_bytes_are_not_as_sealed_fails_its_block_and_is_removed_with_its_seal(damage):
+async def test_an_object_whose_bytes_are_not_as_sealed_fails_its_block_and_is_removed(damage):
     source, store, saved = await _saved()
     key = _key(source, saved, 1)
     _write(store, key, damage(source.block_bytes(0, 0, 2)))
@@ -121,7 +125,8 @@ async def test_an_object_whose_bytes_are_not_as_sealed_fails_its_block_and_is_re
     assert failed == {TARGET_BLOCKS[1]}
     assert (emit.counts["loaded"], emit.counts["integrity_corrupt"], emit.counts["failed"]) == (2, 1, 1)
     assert "integrity: corrupt" in str(emit.failures[0])
-    assert store.batch_is_exist([key, seal_key(key)]) == [0, 0]
+    anchor_seal = seal_key(_key(source, saved, 0))
+    assert store.batch_is_exist([key, anchor_seal]) == [0, 1]  # the seal still vouches for chunks 0 and 2
 
 
 @pytest.mark.parametrize("threads", [2, 3])
@@ -135,38 +140,48 @@ async def test_verdicts_judged_in_several_threads_land_on_their_own_objects(thre
     assert (emit.counts["integrity_verified"], emit.counts["integrity_corrupt"]) == (2, 1)
 
 
-async def test_a_damaged_seal_fails_its_block_and_goes_with_its_object():
+async def test_a_damaged_seal_fails_every_block_of_its_span_and_goes_with_their_objects():
     source, store, saved = await _saved()
-    key = _key(source, saved, 0)
-    _write(store, seal_key(key), os.urandom(SEAL_SIZE))
+    keys = [_key(source, saved, chunk) for chunk in range(3)]
+    _write(store, seal_key(keys[0]), os.urandom(SEAL_SIZE))
 
     emit, failed = await _load(_kv(seed=1).kv, store, saved)
 
-    assert failed == {TARGET_BLOCKS[0]} and emit.counts["integrity_corrupt"] == 1
-    assert store.batch_is_exist([key, seal_key(key)]) == [0, 0]
+    assert failed == set(TARGET_BLOCKS) and emit.counts["integrity_corrupt"] == 3
+    assert store.batch_is_exist([*keys, seal_key(keys[0])]) == [0, 0, 0, 0]
 
 
 async def test_a_seal_larger_than_a_seal_is_a_damaged_seal():
     """(One smaller reads as a failed transfer, -800, which says nothing of the bytes: a failed
     block, recomputed, nothing removed.)"""
     source, store, saved = await _saved()
-    key = _key(source, saved, 2)
+    key = _key(source, saved, 0)
     _write(store, seal_key(key), os.urandom(2 * SEAL_SIZE))
 
     emit, failed = await _load(_kv(seed=1).kv, store, saved)
 
-    assert failed == {TARGET_BLOCKS[2]} and emit.counts["integrity_corrupt"] == 1
+    assert failed == set(TARGET_BLOCKS) and emit.counts["integrity_corrupt"] == 3
 
 
-async def test_a_seal_smaller_than_a_seal_fails_its_block_and_removes_nothing():
+async def test_a_seal_smaller_than_a_seal_fails_its_blocks_and_removes_nothing():
     source, store, saved = await _saved()
-    key = _key(source, saved, 2)
+    key = _key(source, saved, 0)
     _write(store, seal_key(key), b"short")
 
     emit, failed = await _load(_kv(seed=1).kv, store, saved)
 
-    assert failed == {TARGET_BLOCKS[2]} and "its seal: -800" in str(emit.failures[0])
+    assert failed == set(TARGET_BLOCKS) and "a seal: -800" in str(emit.failures[0])
     assert store.batch_is_exist([key, seal_key(key)]) == [1, 1]
+
+
+async def test_a_seal_anchored_after_an_object_says_nothing_of_it():
+    """Garbage under chunk 2's own seal key is no anchor of chunk 0's span: chunk 2 is vouched for."""
+    source, store, saved = await _saved()
+    _write(store, seal_key(_key(source, saved, 2)), os.urandom(SEAL_SIZE))
+
+    emit, failed = await _load(_kv(seed=1).kv, store, saved, start=16)
+
+    assert failed == frozenset() and emit.counts["integrity_verified"] == 2
 
 
 async def test_an_object_stored_without_its_seal_is_counted_unsealed():
@@ -223,13 +238,63 @@ async def test_integrity_off_loads_what_is_there_as_before_seals_existed():
     assert not any(name.startswith("integrity_") for name in emit.counts)
 
 
-async def test_a_put_seals_each_object_with_its_checksum_and_fingerprint():
+async def test_a_put_seals_its_objects_with_their_checksums_and_fingerprint_under_the_first():
     source, store, saved = await _saved()
+    keys = [_key(source, saved, chunk) for chunk in range(3)]
 
-    for chunk in range(3):
-        seal = Seal.unpack(_read(store, seal_key(_key(source, saved, chunk)), SEAL_SIZE) or b"")
-        data = source.block_bytes(0, 0, 1 + chunk)
-        assert seal == Seal(len(data), fingerprint(source.kv), xxhash.xxh3_64_intdigest(data))
+    seal = Seal.unpack(_read(store, seal_key(keys[0]), SEAL_SIZE) or b"")
+
+    data = [source.block_bytes(0, 0, 1 + chunk) for chunk in range(3)]
+    entries = tuple(SealEntry(key_id(k), len(d), xxhash.xxh3_64_intdigest(d)) for k, d in zip(keys, data, strict=True))
+    assert seal == Seal(fingerprint(source.kv), entries)
+    assert store.batch_is_exist([seal_key(keys[1]), seal_key(keys[2])]) == [0, 0]
+
+
+async def test_a_load_that_starts_after_the_anchor_finds_the_seal_before_its_range():
+    """The engine holds chunk 0 itself (its prefix cache) and loads chunks 1 and 2 only."""
+    source, store, saved = await _saved()
+    target = _kv(seed=1)
+
+    emit, failed = await _load(target.kv, store, saved, start=16)
+
+    assert failed == frozenset() and emit.counts["integrity_verified"] == 2
+
+
+async def test_a_long_request_is_sealed_in_spans_each_vouching_for_its_own():
+    chunks = SEAL_SPAN + 4
+    source = _kv(num_blocks=chunks + 2)
+    store = MemoryStore(lease_ttl_s=0)
+    saved = make_request(source.kv, 16 * chunks)
+    await run_save_path(source.kv, store, [saved])
+    target = _kv(seed=1, num_blocks=chunks + 2)
+    blocks = tuple(range(1, chunks + 1))
+
+    anchors = [seal_key(_key(source, saved, chunk)) for chunk in (0, SEAL_SPAN)]
+    assert store.batch_is_exist(anchors) == [1, 1]
+    for start in (0, 16 * (SEAL_SPAN - 1), 16 * (SEAL_SPAN + 1)):
+        request = LoadRequest("load", saved.block_hashes, (blocks,), start, 16 * chunks)
+        (entry,) = batch = batch_of([request])
+        stage = LoadStage(LoadParams(), target.kv, store)
+        try:
+            await stage.process_batch(batch)
+        finally:
+            await stage.stop()
+        assert entry.emit.counts["integrity_verified"] == chunks - start // 16, start
+
+
+async def test_an_object_put_again_after_a_refusal_is_vouched_for_by_its_own_nearer_seal():
+    """Chunk 1 is removed as damaged; the recompute that replaces it need not match the bytes its
+    first seal (anchored at chunk 0, which stays) describes: its new seal, anchored at itself, wins."""
+    source, store, saved = await _saved()
+    _write(store, _key(source, saved, 1), _same_size_garbage(source.block_bytes(0, 0, 2)))
+    await _load(_kv(seed=1).kv, store, saved)
+    other_bytes = _kv(seed=3)  # another batch shape, another kernel: other last bits
+
+    await run_save_path(other_bytes.kv, store, [saved])
+    emit, failed = await _load(_kv(seed=2).kv, store, saved)
+
+    assert failed == frozenset() and emit.counts["integrity_verified"] == 3
+    assert store.batch_is_exist([seal_key(_key(source, saved, 1))]) == [1]
 
 
 async def test_an_object_beside_another_writer_s_seal_costs_one_recompute_then_heals():
@@ -244,7 +309,8 @@ async def test_an_object_beside_another_writer_s_seal_costs_one_recompute_then_h
     second, refailed = await _load(_kv(seed=2).kv, store, saved)
 
     assert failed == {TARGET_BLOCKS[0]} and first.counts["integrity_corrupt"] == 1
-    assert refailed == frozenset() and second.counts["integrity_verified"] == 3
+    assert refailed == frozenset() and second.counts["integrity_verified"] == 1
+    assert second.counts["integrity_unverified"] == 2  # their seal was chunk 0's own: it went with it
 
 
 def _lookup(store, fixture, saved, sealed):
@@ -255,15 +321,21 @@ def _lookup(store, fixture, saved, sealed):
     return keys, longest_stored_prefix(groups, fixture.kv.shards, 16, request, exists, sealed=sealed)
 
 
-async def test_a_lookup_under_required_asks_for_seals_and_misses_a_chunk_without_them():
+async def test_a_lookup_under_required_asks_for_seals_and_misses_a_chunk_no_seal_can_vouch_for():
     source, store, saved = await _saved()
-    store.remove(seal_key(_key(source, saved, 1)), force=True)
+    store.remove(seal_key(_key(source, saved, 0)), force=True)
 
     keys, hit = _lookup(store, source, saved, sealed=True)
 
-    assert seal_key(_key(source, saved, 0)) in keys
-    assert hit == 16  # chunk 1 has no seal: the prefix stops before it
+    assert seal_key(_key(source, saved, 0)) in keys and seal_key(_key(source, saved, 2)) in keys
+    assert hit == 0  # the span's only seal is gone: no chunk has one that may vouch for it
     assert _lookup(store, source, saved, sealed=False)[1] == 48
+
+
+async def test_a_lookup_under_required_counts_a_chunk_whose_span_is_anchored_before_it():
+    source, store, saved = await _saved()
+
+    assert _lookup(store, source, saved, sealed=True)[1] == 48
 
 
 def test_the_checksum_is_xxh3_of_the_object_s_bytes_in_buffer_order():
@@ -291,21 +363,49 @@ def test_a_fingerprint_follows_the_bytes_not_how_an_object_is_split_into_buffers
 
 
 def test_a_seal_round_trips_and_other_bytes_are_no_seal():
-    seal = Seal(4096, bytes(range(16)), 2**64 - 1)
+    seal = Seal(bytes(range(16)), tuple(SealEntry(i, 4096, 2**64 - 1 - i) for i in range(3)))
 
     assert Seal.unpack(seal.pack()) == seal and len(seal.pack()) == SEAL_SIZE
     assert Seal.unpack(os.urandom(SEAL_SIZE)) is None
     assert Seal.unpack(seal.pack()[:-1]) is None
 
 
+def test_a_seal_holds_at_most_a_span_of_entries():
+    with pytest.raises(ValueError, match=f"at most {SEAL_SPAN} entries"):
+        Seal(bytes(16), tuple(SealEntry(i, 1, 1) for i in range(SEAL_SPAN + 1))).pack()
+
+
 def test_a_seal_is_judged_by_its_fingerprint_before_its_checksum():
     data = ctypes.create_string_buffer(b"kv bytes", 8)
     spans = ([ctypes.addressof(data)], [8])
     ours, theirs = b"\1" * 16, b"\2" * 16
-    intact = Seal(8, ours, xxhash.xxh3_64_intdigest(b"kv bytes")).pack()
+    intact = SealEntry(key_id("k"), 8, xxhash.xxh3_64_intdigest(b"kv bytes"))
 
-    assert judge(intact, *spans, ours, Integrity.VERIFY) is Verdict.VERIFIED
-    assert judge(intact, *spans, theirs, Integrity.VERIFY) is Verdict.FOREIGN
-    assert judge(Seal(8, ours, 0).pack(), *spans, ours, Integrity.VERIFY) is Verdict.CORRUPT
+    assert judge(Vouch(ours, intact), *spans, ours, Integrity.VERIFY) is Verdict.VERIFIED
+    assert judge(Vouch(theirs, intact), *spans, ours, Integrity.VERIFY) is Verdict.FOREIGN
+    assert judge(Vouch(ours, intact._replace(checksum=0)), *spans, ours, Integrity.VERIFY) is Verdict.CORRUPT
     assert judge(None, *spans, ours, Integrity.VERIFY) is Verdict.UNVERIFIED
     assert judge(None, *spans, ours, Integrity.REQUIRED) is Verdict.UNSEALED
+    assert judge(None, *spans, ours, Integrity.VERIFY, damaged_seal=True) is Verdict.CORRUPT
+
+
+def _record(request: str, group: int, chunk: int) -> StoreObject:
+    chunk_hash = bytes([chunk]) * 4
+    return StoreObject(f"m@group:{group}@{chunk_hash.hex()}", chunk_hash, group, (), request_id=request, chunk_index=chunk)
+
+
+def test_spans_hold_one_request_and_stream_each_within_a_span_of_chunks_from_the_anchor():
+    records = [
+        *(_record("a", 0, chunk) for chunk in (3, 1, 2, 1 + SEAL_SPAN, SEAL_SPAN)),
+        _record("a", 1, 1),
+        _record("b", 0, 2),
+    ]
+
+    spans = [[(records[p].request_id, records[p].store_group, records[p].chunk_index) for p in span] for span in seal_spans(records)]
+
+    assert spans == [
+        [("a", 0, 1), ("a", 0, 2), ("a", 0, 3), ("a", 0, SEAL_SPAN)],
+        [("a", 0, 1 + SEAL_SPAN)],
+        [("a", 1, 1)],
+        [("b", 0, 2)],
+    ]

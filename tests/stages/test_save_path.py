@@ -24,7 +24,7 @@ def _own_group_id(key: str) -> str:
 
 
 def _with_seals(keys: list[str]) -> list[str]:
-    """What a put call names for these objects: each followed by its seal."""
+    """What a put call names for these objects, when each is its own span (another request or rank): each followed by its seal."""
     return [name for key in keys for name in (key, seal_key(key))]
 
 
@@ -54,7 +54,8 @@ async def test_full_path_with_the_first_object_stored_puts_the_other_two_each_wi
 
     assert store.exist_answers == [[1, 0, 0]]
     (call,) = store.put_calls
-    assert call.keys == _with_seals([r.key for r in run.records[1:]])
+    first, second = (r.key for r in run.records[1:])
+    assert call.keys == [first, second, seal_key(first)]  # one request's run of chunks: one seal, anchored first
     assert call.group_ids == [_own_group_id(key) for key in call.keys]
     assert len(set(call.group_ids)) == 2
     assert run.counts["existing"] == 1 and run.counts["put"] == 2

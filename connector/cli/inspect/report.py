@@ -65,9 +65,10 @@ class _Listing:
 
 @dataclass(frozen=True)
 class _Stored:
-    """The model's listed objects still stored, with their replicas and sizes, and its seals' sizes."""
+    """The model's listed objects still stored, with their replicas and sizes, and its seals and their sizes."""
 
     present: dict[str, list[Replica]]
+    seals: list[str]
     size: dict[str, int]
     seal_sizes: list[int]
 
@@ -105,7 +106,7 @@ def build_report(admin: AdminClient, request: ReportRequest) -> InspectReport:
     verification = (
         None
         if request.scrub is None
-        else verify_objects(request.scrub, stored.present, listing.chunk_of, nodes)
+        else verify_objects(request.scrub, stored.present, stored.seals, listing.chunk_of, nodes)
     )
     size = stored.size
     expected_keys = expectation.keys
@@ -188,6 +189,7 @@ def _stored(admin: AdminClient, listing: _Listing) -> _Stored:
     present = {key: copies for key, copies in stored.items() if key in listing.ours}
     return _Stored(
         present=present,
+        seals=[key for key in listing.seals if key in stored],
         size={key: copies[0].size for key, copies in present.items()},
         seal_sizes=[stored[key][0].size for key in listing.seals if key in stored],
     )

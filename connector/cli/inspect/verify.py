@@ -1,8 +1,10 @@
-"""The scrubber: read the model's objects with their seals through a Mooncake client, judge them, repair.
+"""The scrubber: read the model's seals and objects through a Mooncake client, judge them, repair.
 
 Why: the admin HTTP says what is stored, not whether it is what its writer
-wrote. A client that mounts no segment reads each object with its seal in one
-``batch_get_into_multi_buffers`` call and judges the bytes against the seal
+wrote. A client that mounts no segment first reads every seal of the model (a
+seal vouches for a span of objects, :mod:`kvpipe.stages.integrity`; they are
+small), then the objects in bounded ``batch_get_into_multi_buffers`` calls, and
+judges each object's bytes against the entry that names it
 (:func:`~kvpipe.stages.integrity.judge`); :mod:`.figures` says what each verdict means.
 """
 
@@ -23,9 +25,10 @@ from kvpipe.connector.store.mooncake.admin import Replica
 from kvpipe.connector.store.protocol import Store
 from kvpipe.pipeline.config import one_line
 from kvpipe.stages import MAX_BUFFERS_PER_CALL
-from kvpipe.stages.integrity import SEAL_SIZE, Integrity, Seal, Verdict, judge
+from kvpipe.stages.integrity import SEAL_SIZE, Integrity, Verdict, judge
 from kvpipe.stages.keys import seal_key
 from kvpipe.stages.store import Code, describe
+from kvpipe.stages.vouching import DAMAGED, SealPlace, Vouchers
 
 from .errors import InspectError
 from .figures import SCRUB_VERDICTS, NodeFigures, Verification
@@ -83,13 +86,15 @@ class _Read(NamedTuple):
 def verify_objects(
     scrub: Scrub,
     present: Mapping[str, Sequence[Replica]],
+    seals: Sequence[str],
     chunk_of: Mapping[str, bytes],
     nodes: Sequence[NodeFigures],
 ) -> Verification:
     """Read and judge the objects ``scrub`` asks for, count each verdict on the nodes of its replicas; repair.
 
-    ``present``: the model's stored objects and their replicas; ``chunk_of``: the
-    chunk of each of the model's objects and seals. Each node's ``verify`` is set.
+    ``present``: the model's stored objects and their replicas; ``seals``: its
+    stored seals; ``chunk_of``: the chunk of each of the model's objects and
+    seals. Each node's ``verify`` is set.
 
     :raises InspectError: (``verify``) the read memory cannot be registered with the store.
     """
@@ -98,7 +103,8 @@ def verify_objects(
         keys = sorted(random.sample(keys, scrub.sample))
     verification = Verification(scrub.sample)
     tally = {node.endpoint: Counter[str]() for node in nodes}
-    for key, read in _read_all(scrub, keys, {key: present[key][0].size for key in keys}, verification):
+    size = {key: present[key][0].size for key in keys}
+    for key, read in _read_all(scrub, keys, size, seals, verification):
         verification.verdicts[read.verdict] += 1
         if read.reason is not None:
             verification.unreadable_reasons[read.reason] += 1
@@ -118,38 +124,26 @@ def verify_objects(
 
 
 def _read_all(
-    scrub: Scrub, keys: Sequence[str], size: Mapping[str, int], verification: Verification
+    scrub: Scrub, keys: Sequence[str], size: Mapping[str, int], seals: Sequence[str], verification: Verification
 ) -> Iterator[tuple[str, _Read]]:
-    """Each of ``keys`` (of ``size`` bytes) read with its seal and judged; counts what is read and reports progress.
+    """Each of ``keys`` (of ``size`` bytes) read and judged by ``seals``; counts what is read and reports progress.
 
-    A call holds at most :data:`MAX_BUFFERS_PER_CALL` buffers (two an object) and
+    A call holds at most :data:`MAX_BUFFERS_PER_CALL` buffers and
     :data:`SCRUB_CALL_BYTES` of objects (or one object larger than that).
 
     :raises InspectError: (``verify``) the read memory cannot be registered with the store.
     """
-    per_call = MAX_BUFFERS_PER_CALL // 2
     data_bytes = max(min(sum(size.values()), SCRUB_CALL_BYTES), max(size.values(), default=0))
-    with _registered(scrub.store, data_bytes + per_call * SEAL_SIZE) as base:
-        seals = base + data_bytes
-        for call in _calls(keys, size, per_call, data_bytes):
+    seal_bytes = min(len(seals), MAX_BUFFERS_PER_CALL) * SEAL_SIZE
+    with _registered(scrub.store, max(data_bytes, seal_bytes, 1)) as base:
+        vouchers, unreadable_seals = _read_seals(scrub.store, seals, base)
+        for call in _calls(keys, size, MAX_BUFFERS_PER_CALL, data_bytes):
             addresses = list(itertools.accumulate((size[key] for key in call[:-1]), initial=base))
-            seal_addresses = [seals + index * SEAL_SIZE for index in range(len(call))]
             results = scrub.store.batch_get_into_multi_buffers(
-                [*call, *map(seal_key, call)],
-                [[address] for address in [*addresses, *seal_addresses]],
-                [[size[key]] for key in call] + [[SEAL_SIZE]] * len(call),
+                call, [[address] for address in addresses], [[size[key]] for key in call]
             )
-            for index, key in enumerate(call):
-                yield (
-                    key,
-                    _judge_read(
-                        size[key],
-                        addresses[index],
-                        results[index],
-                        seal_addresses[index],
-                        results[len(call) + index],
-                    ),
-                )
+            for key, address, result in zip(call, addresses, results, strict=True):
+                yield key, _judge_read(key, size[key], address, result, vouchers, unreadable_seals)
             before, verification.objects = verification.objects, verification.objects + len(call)
             if (
                 scrub.on_progress is not None
@@ -159,6 +153,27 @@ def _read_all(
             verification.bytes += sum(size[key] for key in call)
 
 
+def _read_seals(store: Store, seals: Sequence[str], base: int) -> tuple[Vouchers, dict[str, str]]:
+    """Every seal of ``seals`` read through memory at ``base``: what they vouch for, and those not read as seals.
+
+    The second holds, per seal key, :data:`~kvpipe.stages.vouching.DAMAGED` (no seal
+    of ours: its anchor object is corrupt, as a load judges it) or why it could not be read.
+    """
+    vouchers = Vouchers()
+    unreadable: dict[str, str] = {}
+    for start in range(0, len(seals), MAX_BUFFERS_PER_CALL):
+        call = seals[start : start + MAX_BUFFERS_PER_CALL]
+        addresses = [base + index * SEAL_SIZE for index in range(len(call))]
+        results = store.batch_get_into_multi_buffers(
+            call, [[address] for address in addresses], [[SEAL_SIZE]] * len(call)
+        )
+        for key, address, result in zip(call, addresses, results, strict=True):
+            data = ctypes.string_at(address, SEAL_SIZE) if result == SEAL_SIZE else None
+            if (problem := vouchers.add(key, SealPlace(key, 0), result, data)) is not None:
+                unreadable[key] = problem
+    return vouchers, unreadable
+
+
 def _repair(store: Store, doomed: Sequence[str], verification: Verification) -> None:
     """Remove ``doomed`` (the corrupt chunks' objects and seals), forced: the reads leased them."""
     codes = [store.remove(key, force=True) for key in doomed]
@@ -166,24 +181,23 @@ def _repair(store: Store, doomed: Sequence[str], verification: Verification) -> 
     verification.remove_failures = sum(code not in (0, Code.NOT_FOUND) for code in codes)
 
 
-def _judge_read(size: int, address: int, read: int, seal_address: int, seal_read: int) -> _Read:
-    """The verdict on an object of ``size`` bytes read to ``address`` and its seal (the call's results).
+def _judge_read(
+    key: str, size: int, address: int, read: int, vouchers: Vouchers, unreadable_seals: Mapping[str, str]
+) -> _Read:
+    """The verdict on the object ``key`` of ``size`` bytes read to ``address`` (``read``: the call's result).
 
-    A seal object of another size is a damaged seal (corrupt), as a load judges it.
+    An object no seal names is unverified, unless its own seal (it anchored a
+    span) was damaged: then it is corrupt, as a load judges it.
     """
     if read != size:
         return _Read("unreadable", describe(read) if read < 0 else f"read {read} bytes, not {size}")
-    if seal_read == SEAL_SIZE:
-        seal_bytes: bytes | None = ctypes.string_at(seal_address, SEAL_SIZE)
-    elif seal_read == Code.NOT_FOUND:
-        seal_bytes = None
-    elif seal_read >= 0 or seal_read == Code.INVALID_PARAMS:
-        seal_bytes = b""
-    else:
-        return _Read("unreadable", f"its seal: {describe(seal_read)}")
-    verdict = judge(seal_bytes, [address], [size], None, Integrity.VERIFY)
-    seal = None if seal_bytes is None else Seal.unpack(seal_bytes)
-    return _Read(_VERDICT_NAMES[verdict], fingerprint=None if seal is None else seal.fingerprint.hex())
+    found = vouchers.vouch_for(key)
+    problem = unreadable_seals.get(seal_key(key)) if found is None else None
+    if problem not in (None, DAMAGED):
+        return _Read("unreadable", f"its seal: {problem}")
+    vouch = None if found is None else found[0]
+    verdict = judge(vouch, [address], [size], None, Integrity.VERIFY, damaged_seal=problem == DAMAGED)
+    return _Read(_VERDICT_NAMES[verdict], fingerprint=None if vouch is None else vouch.fingerprint.hex())
 
 
 def _calls(keys: Sequence[str], size: Mapping[str, int], objects: int, nbytes: int) -> Iterator[list[str]]:

@@ -35,7 +35,7 @@ from kvpipe.connector.store.mooncake.cluster import LocalCluster
 from kvpipe.connector.store.mooncake.master import LocalMaster, MasterEndpoints, free_port, is_listening
 from kvpipe.connector.store.mooncake.master_address import MasterAddress
 from kvpipe.stages import KeyNamespace, group_id, object_key, seal_key
-from kvpipe.stages.integrity import SEAL_SIZE, seal_of
+from kvpipe.stages.integrity import SEAL_SIZE, Seal, entry_of
 from kvpipe.stages.keys import parse_object_key
 
 pytestmark = pytest.mark.mooncake
@@ -558,15 +558,20 @@ def _gamma() -> dict[str, bytes]:
 GAMMA = _gamma()
 
 
-def _seal(data: bytes, fingerprint: bytes = FINGERPRINT) -> bytes:
-    """The seal kvpipe's save path writes beside ``data`` (its checksum, by kvpipe's own function)."""
-    copy = ctypes.create_string_buffer(data, len(data))
-    return seal_of([ctypes.addressof(copy)], [len(data)], fingerprint).pack()
-
-
 def _sealed(objects: Mapping[str, bytes], fingerprint: bytes = FINGERPRINT) -> dict[str, bytes]:
-    """``objects`` and their seals, as one put call stores them."""
-    return {**objects, **{seal_key(key): _seal(data, fingerprint) for key, data in objects.items()}}
+    """``objects`` and their seals as kvpipe's save path puts a request's run of chunks: per rank and
+    store group, one seal under the first object's key vouching for them all (by kvpipe's own functions)."""
+    streams: dict[str, list[str]] = {}
+    for key in objects:
+        streams.setdefault(key.rsplit("@", 1)[0], []).append(key)
+    seals = {}
+    for keys in streams.values():
+        copies = [ctypes.create_string_buffer(objects[key], len(objects[key])) for key in keys]
+        entries = tuple(
+            entry_of(key, [ctypes.addressof(copy)], [len(objects[key])]) for key, copy in zip(keys, copies, strict=True)
+        )
+        seals[seal_key(keys[0])] = Seal(fingerprint, entries).pack()
+    return {**objects, **seals}
 
 
 @dataclass(frozen=True)
@@ -622,12 +627,13 @@ def test_a_seal_counts_as_a_seal_and_with_its_objects_model(sealed: Sealed) -> N
 
     report = build_report(sealed.client, ReportRequest("gamma"))
 
-    assert (report.seals, report.seal_bytes) == (len(GAMMA), len(GAMMA) * SEAL_SIZE)
+    seals = 2  # one per tp rank: each vouches for its rank's three chunks
+    assert (report.seals, report.seal_bytes) == (seals, seals * SEAL_SIZE)
     assert (report.objects, report.bytes) == (len(GAMMA), sum(map(len, GAMMA.values())))
     assert vars(report.chunks) == {"total": 3, "complete": 3, "partial": 0, "absent": 0}
     assert report.other_keys == 2 and report.unparsed_keys == 0
     assert report.other_models == [("delta", "", 2)]  # its object and its seal
-    assert report.as_json()["seals"] == {"count": len(GAMMA), "bytes": len(GAMMA) * SEAL_SIZE}
+    assert report.as_json()["seals"] == {"count": seals, "bytes": seals * SEAL_SIZE}
     assert report.verification is None and report.as_json()["verify"] is None
 
 
@@ -668,18 +674,42 @@ def test_an_unsealed_object_is_unverified(sealed: Sealed, capsys: pytest.Capture
     assert verify["fingerprints"] == {FINGERPRINT.hex(): len(GAMMA)}
 
 
-def test_repair_removes_the_corrupt_chunks_objects_and_seals(
-    sealed: Sealed, capsys: pytest.CaptureFixture[str]
-) -> None:
+def test_repair_removes_the_corrupt_chunks_objects(sealed: Sealed, capsys: pytest.CaptureFixture[str]) -> None:
+    chunk = [object_key(KeyNamespace("gamma", tp_rank=tp), 0, GAMMA_HASHES[1]) for tp in (0, 1)]
+    _overwrite(sealed, chunk[1])
+
+    repaired, _ = _scrubbed(capsys, sealed, "--repair")
+    again, _ = _scrubbed(capsys, sealed)
+
+    assert repaired["verify"]["repair"] == {"removed": 2, "failed": 0}  # its seals lie under chunk 0: they stay
+    assert set(sealed.client.keys()) == set(_sealed(GAMMA)) - set(chunk)
+    assert (again["verify"]["ok"], again["verify"]["corrupt"]) == (len(GAMMA) - 2, 0)
+
+
+def test_repair_of_an_anchor_chunk_takes_its_seals(sealed: Sealed, capsys: pytest.CaptureFixture[str]) -> None:
     chunk = [object_key(KeyNamespace("gamma", tp_rank=tp), 0, GAMMA_HASHES[0]) for tp in (0, 1)]
     _overwrite(sealed, chunk[1])
 
     repaired, _ = _scrubbed(capsys, sealed, "--repair")
     again, _ = _scrubbed(capsys, sealed)
 
-    assert repaired["verify"]["repair"] == {"removed": 4, "failed": 0}  # two objects, two seals
-    assert set(sealed.client.keys()) == {*GAMMA, *map(seal_key, GAMMA)} - {*chunk, *map(seal_key, chunk)}
-    assert (again["verify"]["ok"], again["verify"]["corrupt"]) == (len(GAMMA) - 2, 0)
+    assert repaired["verify"]["repair"] == {"removed": 4, "failed": 0}  # two objects, the two seals under them
+    assert set(sealed.client.keys()) == set(GAMMA) - set(chunk)
+    assert (again["verify"]["ok"], again["verify"]["unverified"]) == (0, len(GAMMA) - 2)
+
+
+def test_a_damaged_seal_makes_its_anchor_corrupt_and_the_rest_of_its_span_unverified(
+    sealed: Sealed, capsys: pytest.CaptureFixture[str]
+) -> None:
+    anchor = object_key(KeyNamespace("gamma", tp_rank=0), 0, GAMMA_HASHES[0])
+    assert sealed.writer.remove(seal_key(anchor), force=True) == 0
+    _put(sealed.writer, {seal_key(anchor): random.Random(2).randbytes(SEAL_SIZE)})
+
+    report, _ = _scrubbed(capsys, sealed)
+
+    verify = report["verify"]
+    assert (verify["ok"], verify["corrupt"], verify["unverified"]) == (3, 1, 2)
+    assert verify["corrupt_keys"] == [anchor]
 
 
 def test_sample_reads_that_many_objects(sealed: Sealed, capsys: pytest.CaptureFixture[str]) -> None:

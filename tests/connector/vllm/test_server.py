@@ -272,10 +272,11 @@ def test_kvpipe_save_counts_agree_with_the_master(runs: Runs) -> None:
     stored = len(runs.first.keys)
     assert stored > 0
     assert scrape.total("kvpipe:objects_total", status="put") == stored
-    # each object goes with its seal
-    assert scrape.total("kvpipe:store_operation_keys_total", operation="put", status="ok") == 2 * stored
+    # the objects go with their seals: one per request's run of up to SEAL_SPAN chunks put together
+    seals = scrape.total("kvpipe:store_operation_keys_total", operation="put", status="ok") - stored
+    assert len(PROMPT_LENGTHS) <= seals <= stored
     assert scrape.total("kvpipe:store_operation_bytes_total", operation="put", status="ok") == (
-        stored * (OBJECT_BYTES + SEAL_SIZE)
+        stored * OBJECT_BYTES + seals * SEAL_SIZE
     )
     assert scrape.total("kvpipe:objects_total", status="failed") == 0
     assert scrape.total("kvpipe:store_operation_failed_keys_total") == 0
@@ -287,7 +288,8 @@ def test_kvpipe_lookup_counts_agree_with_vllm_after_the_restart(runs: Runs) -> N
     assert scrape.total("kvpipe:lookup_hit_tokens_total") == runs.second.external_hits
     chunks = runs.second.external_hits // engine.BLOCK  # one object per block: one store group
     assert scrape.total("kvpipe:chunks_loaded_total") == chunks
-    assert scrape.total("kvpipe:store_operation_keys_total", operation="get", status="ok") == 2 * chunks
+    seals_read = scrape.total("kvpipe:store_operation_keys_total", operation="get", status="ok") - chunks
+    assert len(PROMPT_LENGTHS) <= seals_read < chunks  # a seal vouches for a run of chunks
     assert scrape.total("kvpipe:chunks_verified_total") == chunks
     assert scrape.total("kvpipe:loads_total") == len(PROMPT_LENGTHS)
     assert scrape.total("kvpipe:objects_total", status="put") == 0  # nothing new to store
