@@ -54,7 +54,7 @@ class PutParams(BaseModel):
     max_buffers_per_call: int = Field(MAX_BUFFERS_PER_CALL, gt=0)
     backoff_initial_s: float = Field(0.01, ge=0)
     backoff_max_s: float = Field(0.2, ge=0)
-    #: how long records refused for space keep being tried again (see ``_put_making_room``)
+    #: how long refused records keep being tried with no try storing any (``_put_making_room``)
     space_wait_s: float = Field(1.5, ge=0)
     throttle: ThrottleParams | None = DEFAULT_THROTTLE  # None: never skip a put
     #: store each object's seal beside it (:mod:`.integrity`); false: ``integrity: off``
@@ -421,8 +421,11 @@ class PutStage(BatchStage):
         the room comes later still: evicted objects leave memory only once the
         segment's owner has written them to disk, on its heartbeat (a second).
         So refused records are tried again, each time after the back-off, until
-        ``space_wait_s`` has passed (at least once more): a store that stays full
-        longer holds only leased or pinned objects, and the refusal stands. A
+        ``space_wait_s`` has passed (at least once more) without a try storing
+        any of them: each eviction round makes room for a few objects, so a
+        burst several times the store's size drains over many rounds, while a
+        store that stays full that long holds only leased or pinned objects,
+        and the refusal stands. A
         record whose jobs all passed their deadline meanwhile keeps its refusal,
         and so does one whose chunk is partly stored.
         """
@@ -450,7 +453,9 @@ class PutStage(BatchStage):
                 if record.group_id and code == Code.OK:
                     stored_groups.add(record.group_id)
             unsealed |= unsealed_again
-            if time.monotonic() >= give_up_at:
+            if Code.OK in again:  # the store is making room: the wait starts again
+                give_up_at = time.monotonic() + self._space_wait_s
+            elif time.monotonic() >= give_up_at:
                 break
         return codes, unsealed
 

@@ -115,6 +115,23 @@ async def test_a_record_refused_for_space_once_the_space_wait_has_passed_is_not_
     assert store.put_keys == ["a", "b", "a"]
 
 
+async def test_records_refused_for_space_are_tried_again_while_each_try_stores_some_of_them():
+    room_at_try = {"a": 2, "b": 3, "c": 4}  # a store evicting room for one object per round
+    tries: dict[str, int] = {}
+
+    def one_more_fits_each_round(key: str) -> int:
+        tries[key] = tries.get(key, 0) + 1
+        return 0 if tries[key] >= room_at_try[key] else -200
+
+    store = RecordingStore(ScriptedStore(put=one_more_fits_each_round))
+    batch = batch_of([(fake_record("a"), fake_record("b"), fake_record("c"))])
+
+    await _stage(store, backoff_initial_s=0, space_wait_s=0).process_batch(batch)
+
+    assert store.put_keys == ["a", "b", "c", "a", "b", "c", "b", "c", "c"]
+    assert batch[0].emit.counts["put"] == 3
+
+
 async def test_any_other_code_fails_the_record_naming_key_and_code():
     batch = batch_of([(fake_record("a"),)])
 

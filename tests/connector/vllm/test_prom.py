@@ -171,7 +171,8 @@ def test_an_engine_s_series_agree_with_its_connector_s_counters(engine_run: dict
 def test_an_engine_s_store_calls_are_in_the_operation_series(engine_run: dict[str, Any]) -> None:
     counters, series = engine_run["counters"], engine_run["series"]
     put_keys = series[("kvpipe:store_operation_keys_total", (("operation", "put"), ("status", "ok")))]
-    assert put_keys == 2 * counters["worker"]["objects_put"]  # each with its seal
     got = series[("kvpipe:store_operation_keys_total", (("operation", "get"), ("status", "ok")))]
-    assert got == 2 * counters["worker"]["chunks_loaded"]
+    seals_put = put_keys - counters["worker"]["objects_put"]
+    assert seals_put > 0
+    assert got - counters["worker"]["chunks_loaded"] == seals_put  # each seal read once
     assert series[("kvpipe:store_operation_seconds_count", (("operation", "exist"), ("status", "ok")))] >= 2
