@@ -64,6 +64,7 @@ WORKLOADS: dict[str, str] = {
     "framework": "framework",
     "vllm": "vllm_prefix",
     "vllm-loads": "async_loads",
+    "save-visible": "save_visible",
     "serve": "serve",
     "fragmentation": "fragmentation",
     "capacity": "capacity",

@@ -58,10 +58,10 @@ POLICIES = ("round_robin", "cache_aware", "kv_aware")
 LOCAL_HITS = "vllm:prefix_cache_hits_total"
 CONNECTOR_HITS = "vllm:external_prefix_cache_hits_total"
 FROM_OTHERS = "kvpipe:chunks_loaded_from_others_total"
-#: kvpipe's saves stored, and the milliseconds each took from its step: the delay before a hit elsewhere
-LANDED = "kvpipe:saves_landed_total"
-LANDING_MS = "kvpipe:save_landing_ms_total"
-COUNTERS = (LOCAL_HITS, CONNECTOR_HITS, FROM_OTHERS, LANDED, LANDING_MS)
+#: kvpipe's saves stored, and the seconds they took from their steps: the delay before a hit elsewhere
+LANDED = "kvpipe:save_landing_seconds_count"
+LANDING_S = "kvpipe:save_landing_seconds_sum"
+COUNTERS = (LOCAL_HITS, CONNECTOR_HITS, FROM_OTHERS, LANDED, LANDING_S)
 CLIENT_TIMEOUT_S = 900
 
 
@@ -190,7 +190,7 @@ class Measured:
                 int(self.counters[FROM_OTHERS]) if self.contender is Contender.KVPIPE else "-"
             ),
             "save lands ms (mean)": (
-                round(self.counters[LANDING_MS] / self.counters[LANDED])
+                round(1000 * self.counters[LANDING_S] / self.counters[LANDED])
                 if self.contender is Contender.KVPIPE and self.counters[LANDED]
                 else "-"
             ),

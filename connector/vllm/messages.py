@@ -5,8 +5,8 @@ with ``vllm serve``), where :mod:`.prom` turns it into Prometheus series. Its
 ``data`` is plain JSON-able values, in three kinds that aggregate differently:
 
 - counters, ``name -> int``: growth since the role's last report; summed;
-- ``"ops"``: the store calls' records (:data:`~kvpipe.connector.store.metered.OperationRecord`
-  as lists); concatenated;
+- lists: ``"ops"``, the store calls' records (:data:`~kvpipe.connector.store.metered.OperationRecord`
+  as lists), and a histogram's observations (``save_landing_seconds``); concatenated;
 - ``"gauges"``: ``source -> {name: value}``, the latest reading of each role
   (``"scheduler"``, ``"worker:<tp>:<pp>"``); merged, a later reading replacing an
   earlier one of the same source, so readings of several ranks never add up twice.
@@ -53,8 +53,8 @@ class KVPipeStats(KVConnectorStats):
 
     def aggregate(self, other: KVConnectorStats) -> KVConnectorStats:
         for name, value in other.data.items():
-            if name == OPS:
-                self.data.setdefault(OPS, []).extend(value)
+            if isinstance(value, list):
+                self.data.setdefault(name, []).extend(value)
             elif name == GAUGES:
                 self.data.setdefault(GAUGES, {}).update(value)
             else:
@@ -62,10 +62,17 @@ class KVPipeStats(KVConnectorStats):
         return self
 
     def reduce(self) -> dict[str, int | float]:
-        """What vLLM's periodic log line shows: the counters, and per operation calls, mean time, failed keys."""
-        reduced: dict[str, int | float] = {
-            name: value for name, value in self.data.items() if name not in (OPS, GAUGES)
-        }
+        """What vLLM's periodic log line shows: the counters, observations' count and mean, and per
+        operation calls, mean time, failed keys."""
+        reduced: dict[str, int | float] = {}
+        for name, value in self.data.items():
+            if name in (OPS, GAUGES):
+                continue
+            if isinstance(value, list):
+                reduced[f"{name}_count"] = len(value)
+                reduced[f"{name}_mean"] = round(fmean(value), 4) if value else 0.0
+            else:
+                reduced[name] = value
         by_operation: dict[str, list[list[Any]]] = {}
         for record in self.data.get(OPS, ()):
             by_operation.setdefault(record[0], []).append(record)

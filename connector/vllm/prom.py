@@ -9,6 +9,7 @@ are ``vllm:...``, so none can clash) and carrying vLLM's labels (``model_name``,
 - counters, ``key -> growth``: added to the series the key names (:func:`~.metrics.metric_of`);
   a key the catalogue does not know is exported under its own name rather than lost;
 - the store calls' records: the ``store_operation_*`` series, labelled by operation and status;
+- a histogram's observations, ``key -> [value, ...]``: each observed into the series the key names;
 - gauges, the latest reading of every role on every rank: summed over ranks, except
   the breaker's, which shows the worst rank of each role.
 """
@@ -34,6 +35,7 @@ from .metrics import (
     OPERATION_KEYS,
     OPERATION_SECONDS,
     PREFIX,
+    Keyed,
     Kind,
     Metric,
     metric_of,
@@ -123,6 +125,8 @@ class KVPipePromMetrics(KVConnectorPromMetrics):
             elif name == GAUGES:
                 self._readings.setdefault(engine_idx, {}).update(value)
                 self._set_gauges(engine, self._readings[engine_idx])
+            elif isinstance(value, list):
+                self._observe_samples(engine, name, value)
             elif value:
                 self._count(engine, name, value)
 
@@ -138,6 +142,14 @@ class KVPipePromMetrics(KVConnectorPromMetrics):
             ):
                 if amount:
                     self._series[name].labels(*labels).inc(amount)
+
+    def _observe_samples(self, engine: list[object], key: str, samples: list[float]) -> None:
+        found = metric_of(key)
+        if found is None or found[0].keyed is not Keyed.SAMPLES:
+            return  # observations of no histogram the catalogue knows: nothing to put them in
+        series = self._series[found[0].name].labels(*engine)
+        for sample in samples:
+            series.observe(sample)
 
     def _count(self, engine: list[object], key: str, value: int) -> None:
         found = metric_of(key)

@@ -68,9 +68,7 @@ from .metrics import (
     LOADS_FAILED_NO_STAGING,
     OBJECTS_BY_STATUS,
     SAVE_JOBS_BY_OUTCOME,
-    SAVE_LANDING_MS,
     SAVES_DROPPED_NO_STAGING,
-    SAVES_LANDED,
     SAVES_SUBMITTED,
     SEALS_FAILED,
     STAGE_DROPPED,
@@ -93,6 +91,9 @@ log = structlog.get_logger("kvpipe.connector.vllm")
 #: the outer bound on waiting for a sync load; its job's deadline ends it long before
 LOAD_TIMEOUT_S = 60.0
 STOP_DEADLINE_S = 10.0
+#: landing times kept for :meth:`WorkerSide.take_landings`; vLLM takes them every step,
+#: so the bound only matters where nobody does (the oldest go first)
+LANDINGS_KEPT = 65536
 
 
 def parallel_ranks() -> tuple[int, int, int]:
@@ -237,6 +238,8 @@ class WorkerSide:
         self.tp_rank = tp_rank
         self.stats: Counter[str] = Counter()
         self.observed: deque[tuple[StoreObject, ObjectStatus]] = deque(maxlen=65536)
+        #: per save landed since the last :meth:`take_landings`, seconds from its step to stored
+        self.landings: deque[float] = deque(maxlen=LANDINGS_KEPT)
         self._put_here: OrderedDict[bytes, None] = OrderedDict()  # chunk hashes, newest last
         self._options = _StartOptions(transfers, load_via_staging, max_pinned_bytes, staging_device)
         self._memory = BufferRegistrations(store)
@@ -442,8 +445,7 @@ class WorkerSide:
         self.stats[SAVE_JOBS_BY_OUTCOME[job.outcome]] += 1
         if job.outcome is Outcome.OK and job.elapsed_s is not None:
             # from the step that computed it to stored: when another replica can hit it
-            self.stats[SAVES_LANDED] += 1
-            self.stats[SAVE_LANDING_MS] += round(job.elapsed_s * 1000)
+            self.landings.append(job.elapsed_s)
         if self.reporter is not None:
             self.reporter.ended(job.id)
 
@@ -579,6 +581,13 @@ class WorkerSide:
         """Chunks whose saves ended since the last call, stored whole or not (empty without ``kv_events``)."""
         self._reap()
         return [] if self.reporter is None else self.reporter.take()
+
+    def take_landings(self) -> list[float]:
+        """Per save landed since the last call, the seconds from the step that computed it to stored."""
+        self._reap()
+        landed = list(self.landings)
+        self.landings.clear()
+        return landed
 
     def gauges(self) -> dict[str, float]:
         """What this rank holds now: staging slots, the breaker, each stage's queue.

@@ -114,6 +114,22 @@ def test_the_breaker_gauge_shows_the_worst_rank_of_each_role() -> None:
     assert value("kvpipe:breaker_state", role="scheduler") == 1
 
 
+def test_landing_times_fill_the_landing_histogram() -> None:
+    metrics = prom()
+    metrics.observe({"save_landing_seconds": [0.05, 0.3]})
+    metrics.observe({"save_landing_seconds": [2.0]})
+    assert value("kvpipe:save_landing_seconds_count") == 3
+    assert value("kvpipe:save_landing_seconds_sum") == pytest.approx(2.35)
+    assert value("kvpipe:save_landing_seconds_bucket", le="1.0") == 2
+
+
+def test_stats_aggregate_observations_by_concatenating_them() -> None:
+    stats = KVPipeStats(data={"save_landing_seconds": [0.1]})
+    stats.aggregate(KVPipeStats(data={"save_landing_seconds": [0.3, 0.2]}))
+    assert stats.data["save_landing_seconds"] == [0.1, 0.3, 0.2]
+    assert stats.reduce() == {"save_landing_seconds_count": 3, "save_landing_seconds_mean": 0.2}
+
+
 def test_stats_aggregate_counters_records_and_readings_each_their_way() -> None:
     stats = KVPipeStats(
         data={"loads": 1, OPS: [("get", "ok", 0.1, 1, 64, 0)], GAUGES: {"worker:0:0": {"a": 1}}}
@@ -166,6 +182,12 @@ def test_an_engine_s_series_agree_with_its_connector_s_counters(engine_run: dict
     assert counters["scheduler"]["lookup_hit_tokens"] == 2 * engine.FULL_HIT
     assert series[("kvpipe:chunks_loaded_total", ())] == counters["worker"]["chunks_loaded"]
     assert series[("kvpipe:chunks_verified_total", ())] == counters["worker"]["chunks_loaded"]
+
+
+def test_an_engine_s_saves_landed_are_in_the_landing_histogram(engine_run: dict[str, Any]) -> None:
+    counters, series = engine_run["counters"], engine_run["series"]
+    assert series[("kvpipe:save_landing_seconds_count", ())] == counters["worker"]["save_jobs_ok"] > 0
+    assert series[("kvpipe:save_landing_seconds_sum", ())] > 0
 
 
 def test_an_engine_s_store_calls_are_in_the_operation_series(engine_run: dict[str, Any]) -> None:
