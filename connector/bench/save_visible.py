@@ -19,7 +19,9 @@ lands while the engine is busy.
 Contenders: ``save_nice`` 10 (the default), 0 (the engine's weight) and 19; one
 engine per contender per round, contenders alternating. Per contender: chunks
 watched, save-to-visible p50/p99/max, chunks never visible, saves dropped for want
-of staging slots, and the engine's tokens/s (what the saves' priority costs it).
+of staging slots, and what the saves' priority costs the engine: its tokens/s, its
+thread's CPU inside kvpipe's hooks, and the longest it slept inside one (waiting
+for the interpreter lock or a lock a nicer thread holds; :mod:`.hook_clock`).
 """
 
 from __future__ import annotations
@@ -36,6 +38,7 @@ from kvpipe.connector.store.mooncake.master import LocalMaster
 from kvpipe.connector.vllm.metrics import SAVES_DROPPED_NO_STAGING, SAVES_SUBMITTED
 
 from . import launch
+from .hook_clock import HookReport
 from .result import BenchOptions, Target, WorkloadResult
 from .visibility_probe import Probe, visibility_probe
 from .vllm_prefix import BIGGER
@@ -63,6 +66,7 @@ class Drive:
     submitted: int = 0
     tokens: int = 0
     wall_s: float = 0.0
+    hooks: HookReport = field(default_factory=lambda: HookReport(thread_cpu_s=0.0))
 
 
 @contextmanager
@@ -91,6 +95,7 @@ def _drive(llm: Any, probe: Probe, measured: int, tail_s: float, seed: int) -> D
     """Keep :data:`RUNNING` requests in the engine; hand the measured ones' saves to ``probe``."""
     from vllm import SamplingParams
 
+    from .vllm_timed import CLOCK
     from .vllm_watched import WATCHED
 
     engine = llm.llm_engine
@@ -100,6 +105,7 @@ def _drive(llm: Any, probe: Probe, measured: int, tail_s: float, seed: int) -> D
     added = finished_measured = 0
     measured_done_at: float | None = None
     WATCHED.clear()
+    CLOCK.take()  # the hooks' times from here on, on this (the engine's) thread
     started = time.perf_counter()
     while True:
         arriving = measured_done_at is None or time.monotonic() - measured_done_at < tail_s
@@ -122,6 +128,7 @@ def _drive(llm: Any, probe: Probe, measured: int, tail_s: float, seed: int) -> D
         if measured_done_at is None and finished_measured == measured:
             measured_done_at = time.monotonic()
     drive.wall_s = time.perf_counter() - started
+    drive.hooks = CLOCK.take()
     return drive
 
 
@@ -146,6 +153,8 @@ def _ms(values: list[float], q: float) -> float:
 
 def _row(nice: int, drives: list[Drive]) -> dict[str, Any]:
     seconds = [s for d in drives for s in d.seconds]
+    thread_cpu_s = sum(d.hooks.thread_cpu_s for d in drives)
+    worst = max(drives, key=lambda d: d.hooks.max_blocked_s)
     return {
         "save_nice": nice,
         "chunks watched": sum(d.watched for d in drives),
@@ -156,6 +165,9 @@ def _row(nice: int, drives: list[Drive]) -> dict[str, Any]:
         "saves dropped (no staging)": sum(d.dropped for d in drives),
         "saves submitted": sum(d.submitted for d in drives),
         "engine tokens/s": round(sum(d.tokens for d in drives) / max(sum(d.wall_s for d in drives), 1e-9)),
+        "hooks' CPU share %": round(100 * sum(d.hooks.cpu_s for d in drives) / max(thread_cpu_s, 1e-9), 2),
+        "engine slept in a hook, max ms": round(1000 * worst.hooks.max_blocked_s, 2),
+        "in hook": worst.hooks.most_blocked,
     }
 
 

@@ -2,6 +2,8 @@
 
 The ``save-visible`` workload names this module and :class:`WatchedKVPipeConnector`
 in vLLM's ``kv_transfer_config``, so production's connector pays nothing for it.
+It is the timed connector (:mod:`.vllm_timed`) too: on a busy engine, how long its
+thread slept inside kvpipe's hooks is what a save's priority can cost a step.
 The engine runs in-process (``VLLM_ENABLE_V1_MULTIPROCESSING=0``), so the bench's
 step loop drains :data:`WATCHED` on the thread that stepped the engine.
 
@@ -21,9 +23,10 @@ import time
 from collections import deque
 from typing import NamedTuple
 
-from kvpipe.connector.vllm import KVPipeConnector
 from kvpipe.stages.chunks import chunks_to_save
 from kvpipe.stages.keys import object_key
+
+from .vllm_timed import TimedKVPipeConnector
 
 
 class WatchedSave(NamedTuple):
@@ -38,8 +41,8 @@ class WatchedSave(NamedTuple):
 WATCHED: deque[WatchedSave] = deque()
 
 
-class WatchedKVPipeConnector(KVPipeConnector):
-    """kvpipe's connector, each step's saves put on :data:`WATCHED` before the worker stages them."""
+class WatchedKVPipeConnector(TimedKVPipeConnector):
+    """kvpipe's timed connector, each step's saves put on :data:`WATCHED` before the worker stages them."""
 
     def wait_for_save(self) -> None:
         computed_at = time.monotonic()

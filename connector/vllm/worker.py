@@ -592,9 +592,10 @@ class WorkerSide:
     def gauges(self) -> dict[str, float]:
         """What this rank holds now: staging slots, the breaker, each stage's queue.
 
-        Reading the stages is a call on each pipeline's loop; the connector asks
-        about once a second. The stages' drops found on the way go into
-        :attr:`stats` as they stand (they only grow: the connector reports growth).
+        The stages are read on this thread, never waiting for a pipeline's loop (nicer
+        than the engine, it would stall the step); the connector asks about once a
+        second. The stages' drops found on the way go into :attr:`stats` as they
+        stand (they only grow: the connector reports growth).
         """
         readings: dict[str, float] = {}
         if self._staging is not None:

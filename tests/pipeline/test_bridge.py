@@ -6,7 +6,7 @@ import pytest
 
 from kvpipe.pipeline import Outcome, PipelineClosed, SyncPipeline
 
-from .toy_stages import AddOne, Collect, Slow, ThreadGate, chain
+from .toy_stages import AddOne, Collect, Fn, Slow, ThreadGate, chain
 
 
 def test_submits_from_several_threads_all_complete_and_are_handed_back_once():
@@ -182,3 +182,21 @@ def test_an_item_whose_ready_call_raises_fails_without_entering_the_pipeline():
         fine = bridge.submit(2)
     assert failed.outcome is Outcome.FAILED and "copy failed" in (failed.first_error or "")
     assert fine.outcome is Outcome.OK and sink.items == [3]
+
+
+
+def test_metrics_answer_at_once_while_the_loop_is_held():
+    held, release = threading.Event(), threading.Event()
+
+    def hold_the_loop(item: int, emit: object) -> None:
+        held.set()
+        release.wait(10)  # on the loop thread: nothing else runs there meanwhile
+
+    with SyncPipeline(chain(AddOne(), Fn(hold_the_loop, ports=()))) as bridge:
+        bridge.submit(1)
+        assert held.wait(5)
+        try:
+            stats = bridge.metrics()
+        finally:
+            release.set()
+    assert stats["s0"].items_out == 1 and stats["s1"].items_in == 1
