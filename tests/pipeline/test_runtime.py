@@ -2,11 +2,12 @@
 
 import threading
 from collections import defaultdict
+from types import SimpleNamespace
 
 import anyio
 import pytest
 
-from kvpipe.pipeline import BatchPolicy, Graph, Outcome, Pipeline, PipelineClosed, Stage, StageSpec
+from kvpipe.pipeline import BatchPolicy, Graph, Outcome, Pipeline, PipelineClosed, Stage, StageSpec, runtime
 
 from .toy_stages import AddOne, Collect, Fn, Gate, RecordBatches, Slow, chain
 
@@ -269,6 +270,21 @@ async def test_metrics_count_in_out_drops_and_errors_with_processing_times():
     assert (stats.items_in, stats.items_out, stats.dropped, stats.errors) == (9, 3, 3, 3)
     assert stats.p99_ms >= stats.p50_ms > 0
     assert stats.as_dict().keys() >= {"in", "out", "dropped", "errors", "p50_ms", "p99_ms", "queue_depth"}
+
+
+async def test_a_stage_times_its_first_item_and_one_in_eight_after_it(monkeypatch):
+    clock = [0.0]  # seconds; an item i takes i of them
+    monkeypatch.setattr(runtime, "time", SimpleNamespace(perf_counter=lambda: clock[0]))
+
+    def take_item_seconds(item, emit):
+        clock[0] += item
+
+    async with Pipeline(chain(Fn(take_item_seconds, ports=()))) as pipeline:
+        for i in range(9):
+            await pipeline.submit(i)
+    stats = pipeline.metrics()["s0"]
+    # timed: items 0 and 8 (all nine would put the median at 4 s)
+    assert (stats.items_in, stats.p50_ms, stats.p99_ms) == (9, 0.0, 8000.0)
 
 
 async def test_stage_start_and_stop_are_called_once():
