@@ -29,24 +29,33 @@ def main() -> None:
         sys.stdin.read()
 
 
+def start_ready_child(module: str, *args: str, what: str) -> subprocess.Popen[str]:
+    """``python -m module *args``, its stdin and stdout piped, once it printed :data:`READY`.
+
+    :raises RuntimeError: it ended or printed anything else first (``what`` names it); it is reaped.
+    """
+    child = subprocess.Popen(
+        [sys.executable, "-m", module, *args],
+        stdin=subprocess.PIPE,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.DEVNULL,
+        text=True,
+    )
+    assert child.stdout is not None
+    if child.stdout.readline().strip() != READY:
+        child.kill()
+        raise RuntimeError(f"{what} did not start (exit code {child.wait()})")
+    return child
+
+
 @contextmanager
 def remote_segment(master: str, metadata: str, segment_bytes: int) -> Iterator[subprocess.Popen[str]]:
     """Run a peer holding ``segment_bytes`` on ``master`` for the block; yields its process.
 
     (Fault tests kill it mid-run; a peer already dead is only reaped on the way out.)
     """
-    peer = subprocess.Popen(
-        [sys.executable, "-m", __name__, master, metadata, str(segment_bytes)],
-        stdin=subprocess.PIPE,
-        stdout=subprocess.PIPE,
-        stderr=subprocess.DEVNULL,
-        text=True,
-    )
+    peer = start_ready_child(__name__, master, metadata, str(segment_bytes), what="the peer store client")
     try:
-        assert peer.stdout is not None
-        line = peer.stdout.readline().strip()
-        if line != READY:
-            raise RuntimeError(f"the peer store client did not start (exit code {peer.wait(5)})")
         yield peer
     finally:
         if peer.poll() is None and peer.stdin is not None:

@@ -29,10 +29,11 @@ from dataclasses import dataclass
 
 from kvpipe.connector.store.mooncake import MooncakeSettings, MooncakeStore
 
+from .peer import READY, start_ready_child
+
 POLL_S = 0.002
 #: how long keys still unseen are waited for once the watcher has no more to send
 LINGER_S = 15.0
-READY = "READY"
 
 
 def _read_orders(orders: queue.SimpleQueue[tuple[float, list[str]] | None]) -> None:
@@ -107,18 +108,12 @@ class Probe:
 
 @contextmanager
 def visibility_probe(master: str, metadata: str) -> Iterator[Probe]:
-    """Run a probe on ``master`` for the block; it is stopped on the way out, whatever happened."""
-    process = subprocess.Popen(
-        [sys.executable, "-m", __name__, master, metadata],
-        stdin=subprocess.PIPE,
-        stdout=subprocess.PIPE,
-        stderr=subprocess.DEVNULL,
-        text=True,
-    )
+    """Run a probe on ``master`` for the block; it is stopped on the way out, whatever happened.
+
+    :raises RuntimeError: its store client did not start.
+    """
+    process = start_ready_child(__name__, master, metadata, what="the visibility probe's store client")
     try:
-        assert process.stdout is not None
-        if process.stdout.readline().strip() != READY:
-            raise RuntimeError(f"the visibility probe's store client did not start (exit code {process.wait(5)})")
         yield Probe(process)
     finally:
         if process.poll() is None:
