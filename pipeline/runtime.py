@@ -448,8 +448,7 @@ class Pipeline:
         if timed:
             took = time.perf_counter() - started
             node.metrics.durations.append(took - emit.inline_s)
-        if node.is_sink:  # finish() concerns sinks only: the other stages' items skip the call
-            emit.finish()
+        emit.finish()
         return took
 
     async def _run_batch_worker(self, node: _Node, inbox: ReceiveStream, outs: Outs) -> None:

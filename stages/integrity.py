@@ -184,7 +184,7 @@ def key_id(key: str) -> int:
 
 #: The process's whole address space as one byte buffer: a span's bytes are a slice of it.
 #: Slicing costs a fraction of making a ctypes array per span (16 KiB in one span: 0.62 us
-#: hashed against 1.09; in four of 4 KiB: 1.9 against 3.5). Reading it is reading memory by
+#: hashed against 1.09; in four of 4 KiB: 1.4 against 3.5). Reading it is reading memory by
 #: address, as the store's own calls do: only live spans are ever sliced.
 _MEMORY = memoryview((ctypes.c_char * sys.maxsize).from_address(0)).cast("B")
 
