@@ -155,7 +155,9 @@ def test_soak_200k_requests_memory_flat_queues_bounded_no_job_lost():
     assert max_queued <= QUEUE_CAPACITY, report
     assert sampler.samples > 10, report
     for name, depth in sampler.max_depth.items():
-        assert depth <= capacities[name], f"{name}: {depth} > {capacities[name]}; {report}"
+        # +1: the sampler reads from its own thread, and may catch anyio's receive in the
+        # middle of moving a waiting sender's item into the full buffer to hand one out
+        assert depth <= capacities[name] + 1, f"{name}: {depth} > {capacities[name]} + 1; {report}"
     assert max_in_flight <= in_flight_bound, report
     assert handed_back == REQUESTS and not_done == 0 and open_jobs == 0, report
     assert bridge.submitted + bridge.dropped == REQUESTS, report

@@ -11,11 +11,13 @@ from collections.abc import Iterator
 from typing import Any
 
 import pytest
+import torch
 
 from kvpipe.connector.bench.launch import close_llm, kvpipe_transfer
 from kvpipe.connector.store.mooncake import MooncakeStore
 from kvpipe.stages import seal_key
 
+from ...stages.openmp import openmp_workers
 from . import engine
 
 PER_BATCH = 2 * engine.FULL_HIT // engine.BLOCK  # objects of one batch of two prompts
@@ -50,8 +52,6 @@ def test_second_pass_loads_the_stored_prefix(llm: Any, reference: dict[int, list
 def test_loaded_kv_is_really_used(llm: Any, holder: MooncakeStore) -> None:
     """Replace a prompt's objects with other bytes and no seals (as a writer without seals would):
     they load unverified, and the output changes."""
-    import torch
-
     batch = engine.prompts(2)
     first, records = engine.stored_by(llm, batch)
     keys = list(dict.fromkeys(r.key for r in records))
@@ -135,3 +135,17 @@ def test_decode_chunks_are_not_saved_by_default(llm: Any) -> None:
     assert engine.worker(llm).drain(10.0)
     records = [r for r, status in list(engine.worker(llm).observed)[before:] if status.value == "put"]
     assert len(records) == 1
+
+
+def test_saves_and_loads_start_no_openmp_pool_beside_the_engine_s(llm: Any) -> None:
+    """A parallel torch op on a pipeline's thread would give it a pool of its own, and every
+    barrier of the engine's forward would then sleep instead of spin (``tests/stages/openmp.py``)."""
+    batch = engine.prompts(44)
+    engine.stored_by(llm, batch)  # sealed saves
+    assert llm.reset_prefix_cache()
+    loaded_before = engine.worker(llm).stats["chunks_verified"]
+    again = engine.generate(llm, batch)  # verified loads
+    assert again["cached"] == [engine.FULL_HIT, engine.FULL_HIT]
+    assert engine.worker(llm).stats["chunks_verified"] - loaded_before == PER_BATCH
+
+    assert openmp_workers() <= torch.get_num_threads() - 1  # the engine thread's pool, if any
