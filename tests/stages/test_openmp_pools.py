@@ -9,6 +9,7 @@ sleeps and wakes at its barriers (:mod:`.openmp`): plain decode steps took
 from __future__ import annotations
 
 import threading
+import time
 import warnings
 
 from kvpipe.connector.store.memory import MemoryStore
@@ -24,6 +25,7 @@ with warnings.catch_warnings():  # this CPU torch build warns at import that num
     import torch
 
 BIG_ENOUGH_TO_PARALLELIZE = 1 << 20  # bytes: far above torch's grain for one parallel fill
+SEEN_WITHIN_S = 10.0
 
 
 def _start_this_thread_s_pool() -> None:
@@ -37,7 +39,11 @@ def test_a_parallel_torch_op_in_another_thread_is_seen_as_a_pool_of_its_own():
     other = threading.Thread(target=lambda: (_start_this_thread_s_pool(), counted.wait(10)))
     other.start()
     try:
-        during = openmp_workers()
+        # a worker still spinning is not seen yet: look again until it sleeps (a busy machine
+        # may leave it off a core a while), within a deadline
+        deadline = time.monotonic() + SEEN_WITHIN_S
+        while (during := openmp_workers()) <= before and time.monotonic() < deadline:
+            pass
     finally:
         counted.set()
         other.join()
@@ -62,4 +68,6 @@ async def test_a_sealed_save_and_load_start_no_openmp_pool_of_their_own():
         await load.stop()
 
     assert entry.emit.counts["integrity_verified"] == 3  # read through seal memory
-    assert workers == before
+    # no more than before: a worker of the old pool still spinning is not seen (one fewer),
+    # a new pool's would be one more
+    assert workers <= before
