@@ -105,10 +105,12 @@ class LoadParams(BaseModel):
 class LoadObserver(Protocol):
     """Told once per load request which of its blocks failed to load (often none).
 
-    Runs on the pipeline's loop thread: it must be quick.
+    Told the request object as submitted, so a caller that gave a load up can tell
+    its late answer from a later load of the same request id. Runs on the
+    pipeline's loop thread: it must be quick.
     """
 
-    def __call__(self, request_id: str, failed_block_ids: frozenset[int]) -> None: ...
+    def __call__(self, request: LoadRequest, failed_block_ids: frozenset[int]) -> None: ...
 
 
 @dataclass(frozen=True, slots=True)
@@ -314,7 +316,7 @@ class LoadStage(BatchStage):
             await self._load(call)
         for holder in pending:
             if self._observer is not None:
-                self._observer(holder.request.request_id, frozenset(holder.failed_block_ids))
+                self._observer(holder.request, frozenset(holder.failed_block_ids))
             holder.settle()
 
     def _calls(self, sendable: list[tuple[_Pending, LoadTarget]]) -> list[list[tuple[_Pending, LoadTarget]]]:

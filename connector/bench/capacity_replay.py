@@ -194,8 +194,8 @@ class KvpipeReplay(AbstractContextManager["KvpipeReplay"]):
             for prompt in batch:
                 self._reuse.asked(prompt.block_hashes)
 
-    def _load_failed(self, request_id: str, failed_block_ids: frozenset[int]) -> None:
-        self._failed[request_id] = failed_block_ids
+    def _load_failed(self, request: LoadRequest, failed_block_ids: frozenset[int]) -> None:
+        self._failed[request.request_id] = failed_block_ids
 
     def _lookup(self, prompt: Prompt) -> LookupRequest:
         return LookupRequest(prompt.request_id, prompt.block_hashes, prompt.tokens)

@@ -95,6 +95,7 @@ LOADS_SYNC: Final = "loads_sync"
 LOADS: Final = "loads"
 LOADS_FAILED: Final = "loads_failed"
 LOADS_FAILED_NO_STAGING: Final = "loads_failed_no_staging"
+LOADS_GIVEN_UP: Final = "loads_given_up"
 LOADS_SPARED: Final = "loads_spared"
 CHUNKS_LOADED: Final = "chunks_loaded"
 CHUNKS_LOAD_FAILED: Final = "chunks_load_failed"
@@ -297,7 +298,13 @@ CATALOGUE: Final = (
         LOADS_FAILED_NO_STAGING,
         Kind.COUNTER,
         Side.WORKER,
-        "Loads failed at once for want of free staging slots (a load into a device cache).",
+        "Loads failed at once for want of free staging slots.",
+    ),
+    Metric(
+        LOADS_GIVEN_UP,
+        Kind.COUNTER,
+        Side.WORKER,
+        "Loads given up at their deadline while a store call still ran (their blocks recomputed).",
     ),
     Metric(
         CHUNKS_LOADED,

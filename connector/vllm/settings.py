@@ -78,7 +78,8 @@ class ConnectorSettings(BaseModel):
         description=(
             "Tokens of every stored group the worker's staging area holds, whatever the block size "
             "(a count of blocks would hold 8x fewer tokens at 16-token blocks than at 128). "
-            "A step's saves that do not fit are dropped and counted."
+            "A step's saves that do not fit are dropped and counted; a load lands in them too "
+            "(`load_via_staging`), and one longer than the free slots is a miss, counted."
         ),
     )
     staging_blocks: int | None = Field(
@@ -92,7 +93,21 @@ class ConnectorSettings(BaseModel):
     load_deadline_s: float = Field(
         5.0,
         gt=0,
-        description="Past it, a load job starts no new store call: a late load is a miss, recomputed.",
+        description=(
+            "Past it a load is a miss, recomputed: its request waits no longer, whatever the store "
+            "call in flight does (with `load_via_staging`), and the job starts no new store call."
+        ),
+    )
+    load_via_staging: StrictFlag = Field(
+        True,
+        description=(
+            "true: a load lands in staging slots, is checked there and is copied into the engine's "
+            "blocks on the engine's thread, so a load past `load_deadline_s` is given up while the "
+            "store may still write its slots, and a byte that fails its check never touches the "
+            "engine's blocks. false (a CPU cache; a device cache always stages): straight into the "
+            "engine's blocks, one copy less, but a load cannot be given up: a store node cut off "
+            "by the network holds its requests until the transfer fails (41.7 s measured)."
+        ),
     )
     save_nice: int = Field(
         10,

@@ -18,13 +18,19 @@ step it runs the loads the scheduler planned and stages the saves:
   before the forward. Failed blocks go to vLLM as block ids
   (one KV-cache group) or as a failed request (several groups: vLLM cannot map
   block ids back then), and are recomputed under ``kv_load_failure_policy:
-  recompute``. On CPU a load lands straight in the engine's blocks; a device
-  cache is loaded into host slots and copied into its blocks, ordered before the
-  next forward.
+  recompute``. A load lands in staging slots (host memory, checked there) and is
+  copied into the engine's blocks on the engine's thread, ordered before the next
+  forward. So a load can be given up: past its deadline its blocks fail (vLLM
+  recomputes them) and its request waits no longer, while the store call that
+  may still write its slots keeps them taken until it ends. A native call cannot
+  be cancelled, and one to a store node cut off by the network was measured to
+  hold a request 41.7 s. ``load_via_staging: false`` loads a CPU cache in place:
+  one copy less, and no giving up.
 """
 
 from __future__ import annotations
 
+import math
 import threading
 import time
 from collections import Counter, OrderedDict, deque
@@ -66,6 +72,7 @@ from .metrics import (
     CHUNKS_LOADED_FROM_OTHERS,
     LOADS,
     LOADS_FAILED_NO_STAGING,
+    LOADS_GIVEN_UP,
     OBJECTS_BY_STATUS,
     SAVE_JOBS_BY_OUTCOME,
     SAVES_DROPPED_NO_STAGING,
@@ -138,12 +145,24 @@ class _Load:
     """A load in flight: its job (None: it could not start), and the slots it lands in first (device caches)."""
 
     request: LoadRequest  # over engine block ids
-    job: Job | None
+    job: Job | None  # its item is the request over the slots it lands in
     bounce: list[_SlotCopy] = field(default_factory=list)
+    via_slots: bool = False  # nothing it writes reaches the engine before it is settled
 
     @property
     def done(self) -> bool:
         return self.job is None or self.job.done
+
+    @property
+    def over(self) -> bool:
+        """Its job has ended, or it lands in slots and its deadline has passed (then it is given up)."""
+        return self.done or (self.via_slots and self.job is not None and self.job.expired)
+
+    def wait_s(self) -> float:
+        """How long the engine may wait for it: to its deadline when it can be given up, else for its call."""
+        if self.via_slots and self.job is not None and self.job.deadline < math.inf:
+            return min(LOAD_TIMEOUT_S, max(0.0, self.job.deadline - time.monotonic()))
+        return LOAD_TIMEOUT_S
 
 
 class _StagedSave(NamedTuple):
@@ -159,7 +178,6 @@ class _StartOptions:
     """How :meth:`WorkerSide.register_kv_caches` sets the worker up (see :class:`WorkerSide`)."""
 
     transfers: bool
-    load_via_staging: bool | None
     max_pinned_bytes: int
     staging_device: Device | None
 
@@ -170,22 +188,29 @@ class _LoadFailures:
     The load stage tells a request's failed blocks on the load pipeline's thread;
     the worker settles them into what vLLM asks for: failed block ids (one KV-cache
     group) or failed requests (several: vLLM cannot map block ids back then).
+    What the stage tells is kept per submitted request object, not per request id:
+    a load given up may tell its outcome after its request was loaded again.
     """
 
     def __init__(self) -> None:
         self._lock = threading.Lock()
-        self._told: dict[str, frozenset[int]] = {}  # by the load stage, per request
+        # by the load stage: id(submitted request) -> (it, its failed blocks)
+        self._told: dict[int, tuple[LoadRequest, frozenset[int]]] = {}
         self._blocks: set[int] = set()  # engine block ids, for get_block_ids_with_load_errors
         self._requests: set[str] = set()
 
-    def told(self, request_id: str, failed_block_ids: frozenset[int]) -> None:
+    def told(self, request: LoadRequest, failed_block_ids: frozenset[int]) -> None:
         with self._lock:
-            self._told[request_id] = failed_block_ids
+            self._told[id(request)] = (request, failed_block_ids)
 
-    def take_told(self, request_id: str) -> frozenset[int] | None:
-        """What the load stage told of the request's load; None: it never reached the stage."""
+    def take_told(self, request: LoadRequest) -> frozenset[int] | None:
+        """What the load stage told of the load of ``request`` (as submitted); None: nothing yet."""
         with self._lock:
-            return self._told.pop(request_id, None)
+            told = self._told.get(id(request))
+            if told is None or told[0] is not request:
+                return None
+            del self._told[id(request)]
+            return told[1]
 
     def record(self, request_id: str, blocks: set[int], as_request: bool) -> None:
         """A settled load's failed ``blocks``: for vLLM, its failed request (``as_request``) or block ids."""
@@ -216,15 +241,12 @@ class WorkerSide:
         store: Store,
         tp_rank: int = 0,
         *,
-        load_via_staging: bool | None = None,
         kv_events: bool = False,
         max_pinned_bytes: int = 0,
         transfers: bool = True,
         staging_device: Device | None = None,
     ) -> None:
-        """``load_via_staging``: None lets the cache's device decide (host slots for a device cache).
-
-        ``transfers``: False for a capacity-only engine (a ``kv_consumer`` that neither
+        """``transfers``: False for a capacity-only engine (a ``kv_consumer`` that neither
         looks up nor saves): it lends the store its segment and touches no KV cache.
 
         ``kv_events``: report each saved chunk's outcome for the scheduler's KV events
@@ -241,7 +263,7 @@ class WorkerSide:
         #: per save landed since the last :meth:`take_landings`, seconds from its step to stored
         self.landings: deque[float] = deque(maxlen=LANDINGS_KEPT)
         self._put_here: OrderedDict[bytes, None] = OrderedDict()  # chunk hashes, newest last
-        self._options = _StartOptions(transfers, load_via_staging, max_pinned_bytes, staging_device)
+        self._options = _StartOptions(transfers, max_pinned_bytes, staging_device)
         self._memory = BufferRegistrations(store)
         self.layouts: dict[int, tuple[GroupLayout, ...]] = {}  # per engine group, per store shard of the rank
         # set up by register_kv_caches
@@ -252,6 +274,7 @@ class WorkerSide:
         self._job_slots: dict[int, list[int]] = {}  # save jobs in flight: their staging slots
         self._loads: dict[str, _Load] = {}  # async loads in flight
         self._sync_loads: list[_Load] = []  # this step's, submitted, waited for in start_load_kv
+        self._given_up: list[_Load] = []  # settled past their deadlines, their calls still running
         self._submitted: KVPipeMetadata | None = None  # the step whose loads went out
         self._load_failures = _LoadFailures()
         self.reporter = ChunkReporter((cache.writer(tp_rank), cache.pp_rank)) if kv_events else None
@@ -291,10 +314,9 @@ class WorkerSide:
         slots = self.settings.staging_slots([group.spec.block_size for group in cache.store_groups])
         staging = self._staging = StagingArea(self.layouts, slots, options.staging_device)
         on_cpu = staging.device.type == "cpu"
-        self._load_via_staging = not on_cpu if options.load_via_staging is None else options.load_via_staging
-        # On CPU the store reads and writes the engine's blocks; a device cache only ever
-        # meets the store through the (host) staging arena.
-        self._memory.register(storages_of(list(layers.values())) if on_cpu else {}, engine=True)
+        self._load_via_staging = not on_cpu or self.settings.load_via_staging
+        # The store meets only the (host) staging arena, unless loads land in place.
+        self._memory.register({} if self._load_via_staging else storages_of(list(layers.values())), engine=True)
         self._memory.register({staging.arena.data_ptr(): staging.arena.numel()})
         engine = [
             {g: layouts[shard].block_layout for g, layouts in self.layouts.items()}
@@ -431,10 +453,20 @@ class WorkerSide:
         return copies, _remapped(block_ids, plan, slots)
 
     def _reap(self) -> None:
-        """Free the staging slots of completed save jobs and count their outcomes."""
+        """Free the staging slots of completed save jobs (counting their outcomes) and of given-up loads'."""
         if self._save_pipeline is not None:
             for job in self._save_pipeline.completed():
                 self._reaped(job)
+        if self._given_up:
+            running: list[_Load] = []
+            for load in self._given_up:
+                if not load.done:
+                    running.append(load)
+                    continue
+                assert self._staging is not None and load.job is not None  # a given-up load had both
+                self._load_failures.take_told(load.job.item)  # too late to matter
+                self._staging.give_back([copy.slot for copy in load.bounce])
+            self._given_up = running
 
     def _reaped(self, job: Job) -> None:
         """A completed save job: free its staging slots, count its outcome."""
@@ -477,7 +509,7 @@ class WorkerSide:
         if self._load_pipeline is None:
             return
         for load in waited:
-            if load.job is not None and not load.job.wait(LOAD_TIMEOUT_S):
+            if load.job is not None and not load.job.wait(load.wait_s()):
                 log.warning("load timed out", request_id=load.request.request_id)
         self._settle_loads(waited, reported=False)
         if waited:
@@ -494,7 +526,7 @@ class WorkerSide:
             self.stats[LOADS_FAILED_NO_STAGING] += 1
             return _Load(load, None)
         copies, ids = self._into_slots(plan, load.block_ids)
-        return _Load(load, self._load_pipeline.submit(replace(load, block_ids=ids)), copies)
+        return _Load(load, self._load_pipeline.submit(replace(load, block_ids=ids)), copies, via_slots=True)
 
     def _load_plan(self, load: LoadRequest) -> list[_Placement]:
         """Where every chunk the load fills lies in the engine (none if the load is invalid)."""
@@ -514,10 +546,11 @@ class WorkerSide:
         slots: list[int] = []
         for load in loads:
             failed = self._settle_load(load, reported)
-            if load.bounce and load.job is not None and load.job.done:
+            if not load.done:
+                self._given_up.append(load)  # its call may still write its slots: they stay taken
+            elif load.bounce:
                 home.extend(copy for copy in load.bounce if copy.block not in failed)
                 slots.extend(copy.slot for copy in load.bounce)
-            # else the job may still write its slots: they stay taken (a leak bounded by timeouts)
         if slots:
             assert self._staging is not None
             if home:
@@ -530,9 +563,11 @@ class WorkerSide:
         ``reported``: an async load, whose end ``get_finished`` reports (a sync one's is not).
         """
         job, rid = load.job, load.request.request_id
-        told = self._load_failures.take_told(rid)
-        if job is None or not job.done or told is None:
-            # never started, timed out, or refused before the stage: every block of its range
+        told = None if job is None or not job.done else self._load_failures.take_told(job.item)
+        if job is not None and not job.done:
+            self.stats[LOADS_GIVEN_UP] += 1
+        if told is None:
+            # never started, given up, or refused before the stage: every block of its range
             # (not the blocks below it: those are the engine's own, maybe shared with others)
             failed = set(touched_block_ids(self.cache.store_groups, load.request))
         else:
@@ -565,7 +600,7 @@ class WorkerSide:
         if self._load_pipeline is None or not self._loads:
             return set()
         self._load_pipeline.completed()
-        finished = {rid for rid, load in self._loads.items() if load.done}
+        finished = {rid for rid, load in self._loads.items() if load.over}
         self._settle_loads([self._loads.pop(rid) for rid in finished], reported=True)
         return finished
 

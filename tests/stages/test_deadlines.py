@@ -45,7 +45,7 @@ async def test_a_load_past_its_deadline_is_a_miss_its_blocks_reported_failed():
     target = make_kv([FULL], shards=1, seed=1)
     failed: dict[str, frozenset[int]] = {}
     request = LoadRequest("late", saved.block_hashes, ((7, 8),), 0, 32)
-    stage = LoadStage(LoadParams(), target.kv, store, lambda rid, ids: failed.setdefault(rid, ids))
+    stage = LoadStage(LoadParams(), target.kv, store, lambda request, ids: failed.setdefault(request.request_id, ids))
 
     await stage.process_batch(batch := _expire(batch_of([request]), 0))
 

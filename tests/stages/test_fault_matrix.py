@@ -368,7 +368,7 @@ async def load_all(
                 f"load-{c}", chain.hashes, tuple(blocks for _ in range(groups)), 0, CHAIN_CHUNKS * BLOCK
             )
         )
-    graph = default_load_graph(target.kv, store, lambda rid, ids: failed.setdefault(rid, ids))
+    graph = default_load_graph(target.kv, store, lambda request, ids: failed.setdefault(request.request_id, ids))
     async with Pipeline(graph) as pipeline:
         jobs = [await pipeline.submit(request) for request in requests]
     for job in jobs:
@@ -512,7 +512,7 @@ def test_a_destination_of_the_wrong_size_is_a_failed_load_never_loaded_bytes():
     failed: dict[str, frozenset[int]] = {}
 
     async def load() -> Job:
-        graph = default_load_graph(target.kv, store, lambda rid, ids: failed.setdefault(rid, ids))
+        graph = default_load_graph(target.kv, store, lambda request, ids: failed.setdefault(request.request_id, ids))
         async with Pipeline(graph) as pipeline:
             job = await pipeline.submit(
                 LoadRequest("load", chain.hashes, (chain.blocks,), 0, CHAIN_CHUNKS * BLOCK)

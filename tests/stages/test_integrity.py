@@ -85,7 +85,7 @@ async def _load(kv, store, saved, *, threads: int = 1, start: int = 0, **params)
     failed: dict[str, frozenset[int]] = {}
     request = LoadRequest("load", saved.block_hashes, (TARGET_BLOCKS,), start, 48)
     (entry,) = batch = batch_of([request])
-    stage = LoadStage(LoadParams(**params), kv, store, lambda rid, ids: failed.setdefault(rid, ids))
+    stage = LoadStage(LoadParams(**params), kv, store, lambda request, ids: failed.setdefault(request.request_id, ids))
     stage.thread_limit = threads
     try:
         await stage.process_batch(batch)

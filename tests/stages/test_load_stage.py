@@ -73,7 +73,7 @@ def _load_request(saved, start=0, end=48, blocks=TARGET_BLOCKS, request_id="req-
 async def _load(kv, store, *requests, **params):
     failed_blocks: dict[str, frozenset[int]] = {}
     batch = batch_of(requests)
-    stage = LoadStage(LoadParams(**params), kv, store, lambda rid, ids: failed_blocks.setdefault(rid, ids))
+    stage = LoadStage(LoadParams(**params), kv, store, lambda request, ids: failed_blocks.setdefault(request.request_id, ids))
     try:
         await stage.process_batch(batch)
     finally:  # its seal memory is unregistered: the store outlives the stage
@@ -343,7 +343,7 @@ async def test_the_default_load_graph_loads_and_ends_each_job_with_its_outcome()
     assert store.remove(object_key(source.kv.shards[0].namespace, 1, saved.block_hashes[2])) == 0
     target = make_kv(TWO_GROUPS, shards=2, seed=1)
     failed: dict[str, frozenset[int]] = {}
-    graph = default_load_graph(target.kv, store, lambda rid, ids: failed.update({rid: ids}))
+    graph = default_load_graph(target.kv, store, lambda request, ids: failed.update({request.request_id: ids}))
 
     async with Pipeline(graph) as pipeline:
         whole = await pipeline.submit(_load_request(saved, end=32, request_id="whole"))

@@ -71,8 +71,8 @@ def test_a_bad_flag_names_the_field_and_the_value() -> None:
 
 
 def test_sleep_and_wake_up_reach_the_workers_registrations() -> None:
-    """vLLM 0.33 calls unregister_kv_caches before sleep frees the KV caches, restore_kv_caches after."""
-    worker = connector({"store": {"kind": "memory", "capacity": "8MB"}, "staging_blocks": 2})
+    """vLLM 0.33 calls unregister_kv_caches before sleep frees the KV caches, restore_kv_caches after (loads in place)."""
+    worker = connector({"store": {"kind": "memory", "capacity": "8MB"}, "staging_blocks": 2, "load_via_staging": False})
     layer = torch.zeros(8, 4, 16, 64, dtype=torch.bfloat16)
     worker.register_kv_caches({"layer.0": layer})
     memory = worker.store.inner.inner

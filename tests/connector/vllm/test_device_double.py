@@ -102,7 +102,7 @@ def worker(store: MemoryStore, double: DeviceDouble | None = None) -> WorkerSide
     layers = tuple(f"layer.{layer}" for layer in range(SHAPE["L"]))
     cache = engine_cache(layers, block_size=BLOCK, num_blocks=SHAPE["B"], layout_name="LBHNC")
     settings = settings_from({"store": {"kind": "memory"}, "staging_blocks": 8})
-    return WorkerSide(cache, settings, store, load_via_staging=double is not None, staging_device=double)
+    return WorkerSide(cache, settings, store, staging_device=double)
 
 
 HASHES = chain_hashes(2, salt="double")

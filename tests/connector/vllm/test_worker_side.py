@@ -33,10 +33,10 @@ HASHES = chain_hashes(3, salt="w")
 BITS = torch.int16  # random bytes make NaNs of bfloat16: compare the bits
 
 
-def worker(store: MemoryStore, layout: KVCacheLayout, **kwargs) -> WorkerSide:
+def worker(store: MemoryStore, layout: KVCacheLayout, settings: dict | None = None, **kwargs) -> WorkerSide:
     cache = engine_cache(LAYERS, num_blocks=NUM_BLOCKS, layout_name=layout.name)
-    settings = settings_from({"store": {"kind": "memory"}, "staging_blocks": 8})
-    return WorkerSide(cache, settings, store, **kwargs)
+    connector = settings_from({"store": {"kind": "memory"}, "staging_blocks": 8, **(settings or {})})
+    return WorkerSide(cache, connector, store, **kwargs)
 
 
 def wait_finished(side: WorkerSide, timeout_s: float = 10.0) -> set[str]:
@@ -65,7 +65,7 @@ def test_saved_blocks_load_into_another_cache_byte_for_byte(layout: KVCacheLayou
     store = MemoryStore(16 << 20)
     source = save_three_blocks(store, layout)
     target = engine_views(layout)
-    loader = worker(store, layout, load_via_staging=via_staging)
+    loader = worker(store, layout, {"load_via_staging": via_staging})
     loader.register_kv_caches(target)
     loader.start_load_kv(KVPipeMetadata(loads=[LoadRequest("l", HASHES, ((0, 2, 3),), 0, 3 * BLOCK)]))
     assert wait_finished(loader) == {"l"}
@@ -79,7 +79,7 @@ def test_saved_blocks_load_into_another_cache_byte_for_byte(layout: KVCacheLayou
 @pytest.mark.parametrize("via_staging", [False, True], ids=["into-blocks", "via-staging"])
 def test_a_load_of_missing_objects_reports_its_blocks_failed_and_finishes(via_staging: bool) -> None:
     store = MemoryStore(16 << 20)
-    loader = worker(store, KVCacheLayout.LBHNC, load_via_staging=via_staging)
+    loader = worker(store, KVCacheLayout.LBHNC, {"load_via_staging": via_staging})
     loader.register_kv_caches(engine_views(KVCacheLayout.LBHNC))
     loader.start_load_kv(KVPipeMetadata(loads=[LoadRequest("l", HASHES, ((0, 2, 3),), 0, 2 * BLOCK)]))
     assert wait_finished(loader) == {"l"}
@@ -88,14 +88,131 @@ def test_a_load_of_missing_objects_reports_its_blocks_failed_and_finishes(via_st
     loader.shutdown(owns_store=False)
 
 
-def loader_after_three_saves() -> tuple[WorkerSide, dict[str, torch.Tensor], dict[str, torch.Tensor]]:
+def loader_after_three_saves(
+    settings: dict | None = None, store: MemoryStore | None = None
+) -> tuple[WorkerSide, dict[str, torch.Tensor], dict[str, torch.Tensor]]:
     """A started worker over an empty cache, three blocks saved by another: (loader, source, target)."""
-    store = MemoryStore(16 << 20)
+    store = MemoryStore(16 << 20) if store is None else store
     source = save_three_blocks(store, KVCacheLayout.LBHNC)
     target = engine_views(KVCacheLayout.LBHNC)
-    loader = worker(store, KVCacheLayout.LBHNC)
+    loader = worker(store, KVCacheLayout.LBHNC, settings)
     loader.register_kv_caches(target)
     return loader, source, target
+
+
+class StalledGets(MemoryStore):
+    """A store whose first ``stalled`` gets hang until let go: a store node cut off by the network."""
+
+    def __init__(self, stalled: int = 1) -> None:
+        super().__init__(16 << 20)
+        self.let_go = threading.Event()
+        self.hanging = 0  # gets waiting now
+        self._stalled = stalled
+        self._lock = threading.Lock()
+
+    def batch_get_into_multi_buffers(self, *args, **kwargs):
+        with self._lock:
+            stall = self._stalled > 0
+            self._stalled -= stall
+            self.hanging += stall
+        if stall:
+            self.let_go.wait(60.0)
+            with self._lock:
+                self.hanging -= 1
+        return super().batch_get_into_multi_buffers(*args, **kwargs)
+
+
+IN_PLACE = {"load_via_staging": False}  # loads land in the engine's blocks, registered with the store
+#: a given-up load's blocks: those of its whole range
+GIVEN_UP = {0, 2, 3}
+QUICK_DEADLINE = {"load_deadline_s": 1.0}  # a later load starts well within it
+
+
+def given_up_blocks(target: dict[str, torch.Tensor]) -> list[torch.Tensor]:
+    """A copy of what the blocks of a given-up load hold, per layer."""
+    return [target[name][list(GIVEN_UP)].clone() for name in LAYERS]
+
+
+def unchanged(target: dict[str, torch.Tensor], before: list[torch.Tensor]) -> bool:
+    return all(torch.equal(now.view(BITS), then.view(BITS)) for now, then in zip(given_up_blocks(target), before, strict=True))
+
+
+def test_a_sync_load_past_its_deadline_is_given_up_while_its_store_call_still_runs() -> None:
+    store = StalledGets()
+    loader, _, target = loader_after_three_saves(QUICK_DEADLINE, store)
+    before = given_up_blocks(target)
+    stalled = LoadRequest("l", HASHES, ((0, 2, 3),), 0, 3 * BLOCK)
+    loader.start_load_kv(KVPipeMetadata(loads=[stalled], sync_loads={"l"}))
+    assert store.hanging == 1  # the engine went on: it did not wait for the call
+    assert loader.get_block_ids_with_load_errors() == GIVEN_UP  # recomputed
+    assert loader.stats["loads_given_up"] == 1
+    assert unchanged(target, before)
+    store.let_go.set()
+    loader.shutdown(owns_store=False)
+
+
+def test_an_async_load_past_its_deadline_is_reported_finished_with_every_block_failed() -> None:
+    store = StalledGets()
+    loader, _, target = loader_after_three_saves(QUICK_DEADLINE, store)
+    before = given_up_blocks(target)
+    loader.start_load_kv(KVPipeMetadata(loads=[LoadRequest("l", HASHES, ((0, 2, 3),), 0, 3 * BLOCK)]))
+    assert wait_finished(loader) == {"l"}
+    assert store.hanging == 1
+    assert loader.get_block_ids_with_load_errors() == GIVEN_UP
+    assert unchanged(target, before)
+    store.let_go.set()
+    loader.shutdown(owns_store=False)
+
+
+def test_a_given_up_loads_late_bytes_stay_in_its_slots_which_come_back_when_its_call_ends() -> None:
+    store = StalledGets()
+    loader, _, target = loader_after_three_saves(QUICK_DEADLINE, store)
+    before = given_up_blocks(target)
+    loader.start_load_kv(KVPipeMetadata(loads=[LoadRequest("l", HASHES, ((0, 2, 3),), 0, 3 * BLOCK)]))
+    assert wait_finished(loader) == {"l"}
+    assert loader._staging.free == 8 - 3  # its call may still write them
+    store.let_go.set()
+    deadline = time.monotonic() + 10.0
+    while loader._staging.free < 8 and time.monotonic() < deadline:
+        loader.get_finished()  # each step reaps
+        time.sleep(0.005)
+    assert loader._staging.free == 8
+    assert unchanged(target, before)  # the late bytes were never copied in
+    assert loader.get_block_ids_with_load_errors() == GIVEN_UP  # told once, at its deadline
+    assert loader.get_finished() == set()
+    loader.shutdown(owns_store=False)
+
+
+def test_a_given_up_loads_late_answer_never_settles_a_later_load_of_the_same_request() -> None:
+    store = StalledGets()
+    loader, source, target = loader_after_three_saves(QUICK_DEADLINE, store)
+    loader.start_load_kv(KVPipeMetadata(loads=[LoadRequest("l", HASHES, ((0, 2, 3),), 0, 3 * BLOCK)]))
+    given_up = loader._loads["l"].job
+    assert wait_finished(loader) == {"l"} and loader.get_block_ids_with_load_errors() == GIVEN_UP
+    store.let_go.set()
+    assert given_up.wait(10.0)  # its answer (every block loaded) is in, unreaped
+    again = LoadRequest("l", (HASHES[0], chain_hashes(1, salt="never stored")[0]), ((1, 4),), 0, 2 * BLOCK)
+    loader.start_load_kv(KVPipeMetadata(loads=[again]))
+    assert loader._loads["l"].job.wait(10.0)
+    assert loader.get_finished() == {"l"}  # reaps the given-up load, then settles this one
+    assert loader.get_block_ids_with_load_errors() == {4}
+    assert torch.equal(target[LAYERS[0]][1].view(BITS), source[LAYERS[0]][4].view(BITS))
+    loader.shutdown(owns_store=False)
+
+
+def test_a_load_in_place_is_not_given_up_while_its_call_may_write_the_engines_blocks() -> None:
+    store = StalledGets()
+    loader, source, target = loader_after_three_saves({**QUICK_DEADLINE, "load_via_staging": False}, store)
+    loader.start_load_kv(KVPipeMetadata(loads=[LoadRequest("l", HASHES, ((0, 2, 3),), 0, 3 * BLOCK)]))
+    job = loader._loads["l"].job
+    while not job.expired:
+        time.sleep(0.01)
+    assert loader.get_finished() == set()
+    store.let_go.set()
+    assert wait_finished(loader) == {"l"}
+    assert loader.get_block_ids_with_load_errors() == set()
+    assert torch.equal(target[LAYERS[0]][0].view(BITS), source[LAYERS[0]][4].view(BITS))
+    loader.shutdown(owns_store=False)
 
 
 def test_a_sync_load_has_landed_when_start_load_kv_returns() -> None:
@@ -192,7 +309,7 @@ def test_loads_start_when_the_steps_metadata_is_bound_and_go_out_once() -> None:
 
 def test_sleep_lets_go_of_the_engines_memory_and_wake_up_takes_it_back() -> None:
     """vLLM 0.33's sleep mode: the KV caches' registrations go before sleep frees them, and come back."""
-    loader, source, target = loader_after_three_saves()
+    loader, source, target = loader_after_three_saves(IN_PLACE)
     store = loader.store
     engine_storage = target[LAYERS[0]].untyped_storage().data_ptr()
     arena = loader._staging.arena.data_ptr()
@@ -210,10 +327,17 @@ def test_sleep_lets_go_of_the_engines_memory_and_wake_up_takes_it_back() -> None
 
 
 def test_sleep_waits_for_loads_in_flight_to_end() -> None:
-    loader, _, _ = loader_after_three_saves()
+    loader, _, _ = loader_after_three_saves(IN_PLACE)
     loader.start_load_kv(KVPipeMetadata(loads=[LoadRequest("l", HASHES, ((0, 2, 3),), 0, 3 * BLOCK)]))
     loader.release_kv_caches()
     assert loader._loads["l"].done  # nothing writes into the engine's memory once sleep frees it
+    loader.shutdown(owns_store=False)
+
+
+def test_loads_via_staging_leave_the_engines_memory_unregistered() -> None:
+    loader, _, target = loader_after_three_saves()
+    assert set(loader.store._registered) == {loader._staging.arena.data_ptr()}
+    assert target[LAYERS[0]].untyped_storage().data_ptr() not in loader.store._registered
     loader.shutdown(owns_store=False)
 
 
