@@ -109,7 +109,11 @@ class HostDevice:
         torch.index_select(source, 1, index, out=out)
 
     def scatter(self, target: torch.Tensor, index: torch.Tensor, source: torch.Tensor) -> None:
-        target.index_copy_(1, index, source)
+        # On CPU, index_copy_ along the block dimension copies element by element: 161 MB
+        # (77 blocks of 16 regions of 128 KiB) took 68 ms, against 13 ms as one copy_ per
+        # block, which moves whole rows (index_select, the gather, takes 12 ms).
+        for position, block in enumerate(index.tolist()):
+            target[:, block].copy_(source[:, position])
 
     def transfer(self, target: torch.Tensor, source: torch.Tensor) -> None:
         target.copy_(source)

@@ -137,12 +137,18 @@ def unchanged(target: dict[str, torch.Tensor], before: list[torch.Tensor]) -> bo
     return all(torch.equal(now.view(BITS), then.view(BITS)) for now, then in zip(given_up_blocks(target), before, strict=True))
 
 
-def test_a_sync_load_past_its_deadline_is_given_up_while_its_store_call_still_runs() -> None:
+def stalled_load(sync: bool) -> tuple[StalledGets, WorkerSide, dict[str, torch.Tensor], list[torch.Tensor]]:
+    """A load of three stored blocks whose store call hangs: (store, loader, target, the blocks before it)."""
     store = StalledGets()
     loader, _, target = loader_after_three_saves(QUICK_DEADLINE, store)
     before = given_up_blocks(target)
-    stalled = LoadRequest("l", HASHES, ((0, 2, 3),), 0, 3 * BLOCK)
-    loader.start_load_kv(KVPipeMetadata(loads=[stalled], sync_loads={"l"}))
+    load = LoadRequest("l", HASHES, ((0, 2, 3),), 0, 3 * BLOCK)
+    loader.start_load_kv(KVPipeMetadata(loads=[load], sync_loads={"l"} if sync else set()))
+    return store, loader, target, before
+
+
+def test_a_sync_load_past_its_deadline_is_given_up_while_its_store_call_still_runs() -> None:
+    store, loader, target, before = stalled_load(sync=True)
     assert store.hanging == 1  # the engine went on: it did not wait for the call
     assert loader.get_block_ids_with_load_errors() == GIVEN_UP  # recomputed
     assert loader.stats["loads_given_up"] == 1
@@ -152,10 +158,7 @@ def test_a_sync_load_past_its_deadline_is_given_up_while_its_store_call_still_ru
 
 
 def test_an_async_load_past_its_deadline_is_reported_finished_with_every_block_failed() -> None:
-    store = StalledGets()
-    loader, _, target = loader_after_three_saves(QUICK_DEADLINE, store)
-    before = given_up_blocks(target)
-    loader.start_load_kv(KVPipeMetadata(loads=[LoadRequest("l", HASHES, ((0, 2, 3),), 0, 3 * BLOCK)]))
+    store, loader, target, before = stalled_load(sync=False)
     assert wait_finished(loader) == {"l"}
     assert store.hanging == 1
     assert loader.get_block_ids_with_load_errors() == GIVEN_UP
@@ -165,10 +168,7 @@ def test_an_async_load_past_its_deadline_is_reported_finished_with_every_block_f
 
 
 def test_a_given_up_loads_late_bytes_stay_in_its_slots_which_come_back_when_its_call_ends() -> None:
-    store = StalledGets()
-    loader, _, target = loader_after_three_saves(QUICK_DEADLINE, store)
-    before = given_up_blocks(target)
-    loader.start_load_kv(KVPipeMetadata(loads=[LoadRequest("l", HASHES, ((0, 2, 3),), 0, 3 * BLOCK)]))
+    store, loader, target, before = stalled_load(sync=False)
     assert wait_finished(loader) == {"l"}
     assert loader._staging.free == 8 - 3  # its call may still write them
     store.let_go.set()
