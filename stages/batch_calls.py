@@ -33,6 +33,11 @@ async def call_per_key(
     return list(results)
 
 
+def sizes_of(keys: Sequence[str], store: LoadingStore) -> list[int]:
+    """Each of ``keys``' stored size (blocking; per key bytes or negative)."""
+    return [store.get_size(key) for key in keys]
+
+
 def remove_each(keys: Sequence[str], store: SavingStore | LoadingStore, force: bool) -> list[int]:
     """Remove each of ``keys`` (blocking; per key 0 or negative); unless ``force``, not a leased one.
 

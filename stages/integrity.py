@@ -176,6 +176,13 @@ class Seal(NamedTuple):
         )
         return cls(fingerprint_, entries)
 
+    @staticmethod
+    def of_another_version(data: bytes) -> bool:
+        """Whether ``data`` begins as a kvpipe seal of another format version (an older or newer kvpipe's)."""
+        return len(data) >= _HEADER.size and data[: len(SEAL_MAGIC)] == SEAL_MAGIC and (
+            _HEADER.unpack_from(data)[1] != SEAL_VERSION
+        )
+
 
 def key_id(key: str) -> int:
     """The id a seal's entry names an object by: xxh3-64 of its whole key."""

@@ -32,7 +32,7 @@ from pydantic import BaseModel, ConfigDict, Field
 
 from kvpipe.pipeline.stage import BatchEntry, BatchStage, Emit
 
-from .batch_calls import StoreCallError, call_per_key, remove_each
+from .batch_calls import StoreCallError, call_per_key, remove_each, sizes_of
 from .chunks import chunk_hash_at, is_recurrent
 from .integrity import (
     REFUSED,
@@ -52,7 +52,7 @@ from .put import MAX_BUFFERS_PER_CALL, split_into_calls
 from .retention import LoadedKeys
 from .seal import SealMemory
 from .storable import storable_groups
-from .store import EXISTS, LoadingStore, describe
+from .store import EXISTS, Code, LoadingStore, describe
 from .vouching import DAMAGED, SealPlace, Vouchers, Witness
 
 log = structlog.get_logger(__name__)
@@ -366,9 +366,13 @@ class LoadStage(BatchStage):
             verdicts: list[Verdict | None] = [None] * len(records)
             if slab is not None:
                 vouchers = Vouchers()
+                stored = await self._stored_sizes(
+                    [key for slot, (key, _) in enumerate(readable) if results[len(records) + slot] == Code.TRANSFER_FAILED]
+                )
                 for slot, (key, place) in enumerate(readable):
                     result = results[len(records) + slot]
-                    vouchers.add(key, place, result, slab.read(slot) if result == SEAL_SIZE else None)
+                    data = slab.read(slot) if result == SEAL_SIZE else None
+                    vouchers.add(key, place, result, data, stored.get(key))
                 witnesses = [vouchers.witness(record) for record in records]
                 verdicts = await self._judged(records, results, witnesses)
         finally:
@@ -402,6 +406,15 @@ class LoadStage(BatchStage):
                 await call_per_key(self, remove_each, sorted(damaged), self._store, True)
             except StoreCallError as error:
                 log.warning("removing damaged objects failed", keys=sorted(damaged), error=str(error))
+
+    async def _stored_sizes(self, seals: list[str]) -> dict[str, int]:
+        """The stored sizes of ``seals`` (reads that failed as a transfer: a seal of another, smaller size?)."""
+        if not seals:
+            return {}
+        try:
+            return dict(zip(seals, await call_per_key(self, sizes_of, seals, self._store), strict=True))
+        except StoreCallError:
+            return {}
 
     @staticmethod
     def _doomed(record: StoreObject, witness: Witness) -> list[str]:

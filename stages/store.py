@@ -128,6 +128,10 @@ class LoadingStore(Protocol):
         """Delete one object (a damaged one a load found): 0 or negative, as :meth:`SavingStore.remove`."""
         ...
 
+    def get_size(self, key: str) -> int:
+        """The object's size in bytes, or negative (``NOT_FOUND``); asked only of seals whose read failed."""
+        ...
+
     def register_buffer(self, addr: int, nbytes: int) -> int:
         """Make ``nbytes`` at ``addr`` usable by gets (seal memory). 0 or negative."""
         ...

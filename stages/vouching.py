@@ -8,6 +8,13 @@ and, where none does, whether a seal that may have could not be read, as a seal
 (damaged: the object is as suspect as its seal) or at all (a failed transfer:
 nothing is known of the object). :class:`Vouchers` holds that, built on the
 loop from the call's answers, read from the worker threads that judge.
+
+A seal key that holds another size, or a seal of another format version, was
+written by another kvpipe (one upgraded, or not yet) or another tool: it says
+nothing of the bytes, as a missing seal says nothing, so its objects load
+unverified (refused under ``integrity: required``) and nothing is removed for it.
+Mooncake answers a destination larger than the object as a failed transfer
+(-800), so for a seal read that failed so the reader asks the object's size.
 """
 
 from __future__ import annotations
@@ -22,6 +29,15 @@ __all__ = ["DAMAGED", "SealPlace", "Vouchers", "Witness"]
 
 #: what :attr:`Witness.problem` says of a seal that is there but no seal of ours
 DAMAGED = "damaged"
+
+
+def _another_format(result: int, data: bytes | None, stored_size: int | None) -> bool:
+    """Whether a seal read found another size (larger: ``INVALID_PARAMS``; smaller: ``stored_size``) or version."""
+    if result == SEAL_SIZE:
+        return data is not None and Seal.of_another_version(data)
+    if result == Code.INVALID_PARAMS or 0 <= result:
+        return True
+    return stored_size is not None and stored_size >= 0 and stored_size != SEAL_SIZE
 
 
 class SealPlace(NamedTuple):
@@ -54,15 +70,17 @@ class Vouchers:
         self._vouches: dict[int, tuple[Vouch, str, int]] = {}
         self._unreadable: dict[str, list[tuple[int, str, str]]] = {}  # stem -> (anchor index, seal key, why)
 
-    def add(self, key: str, place: SealPlace, result: int, data: bytes | None) -> str | None:
+    def add(
+        self, key: str, place: SealPlace, result: int, data: bytes | None, stored_size: int | None = None
+    ) -> str | None:
         """One seal read: ``result`` is the store's answer for ``key``, ``data`` its bytes when it read whole.
 
-        Returns None for a seal read or a missing one (it says nothing), else the
-        problem: :data:`DAMAGED` for bytes that are no seal of ours, and for a seal
-        of another size (the store answers a destination smaller than the object
-        with ``INVALID_PARAMS``), or why the read failed.
+        ``stored_size``: the object's size, where the reader asked (a read that failed
+        as a transfer). Returns None for a seal read, a missing one or one of another
+        format (they say nothing), else the problem: :data:`DAMAGED` for bytes of a
+        seal's size that are no seal of ours, or why the read failed.
         """
-        if result == Code.NOT_FOUND:
+        if result == Code.NOT_FOUND or _another_format(result, data, stored_size):
             return None
         seal = Seal.unpack(data) if result == SEAL_SIZE and data is not None else None
         if seal is not None:
@@ -71,7 +89,7 @@ class Vouchers:
                 if held is None or place.anchor_index > held[2]:
                     self._vouches[entry.key_id] = (Vouch(seal.fingerprint, entry), key, place.anchor_index)
             return None
-        why = DAMAGED if result >= 0 or result == Code.INVALID_PARAMS else describe(result)
+        why = DAMAGED if result >= 0 else describe(result)
         self._unreadable.setdefault(place.stem, []).append((place.anchor_index, key, why))
         return why
 

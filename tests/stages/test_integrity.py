@@ -53,10 +53,18 @@ def _kv(seed: int = 0, byte_facts=FLOAT16, num_blocks: int = 16):
     return fixture
 
 
-async def _saved(*, sealed: bool = True):
+class SealReadsFail(MemoryStore):
+    """Every read of a seal fails as a transfer (-800), as from a node cut off by the network."""
+
+    def batch_get_into_multi_buffers(self, keys, ptrs, sizes):
+        results = super().batch_get_into_multi_buffers(keys, ptrs, sizes)
+        return [Code.TRANSFER_FAILED if is_seal_key(key) else got for key, got in zip(keys, results, strict=True)]
+
+
+async def _saved(*, sealed: bool = True, store: MemoryStore | None = None):
     """A source cache, a store holding its 3 chunks (sealed unless told otherwise), the request."""
     source = _kv()
-    store = MemoryStore(lease_ttl_s=0)
+    store = MemoryStore(lease_ttl_s=0) if store is None else store
     saved = make_request(source.kv, 48)
     await run_save_path(source.kv, store, [saved], sealed=sealed)
     return source, store, saved
@@ -151,22 +159,54 @@ async def test_a_damaged_seal_fails_every_block_of_its_span_and_goes_with_their_
     assert store.batch_is_exist([*keys, seal_key(keys[0])]) == [0, 0, 0, 0]
 
 
-async def test_a_seal_larger_than_a_seal_is_a_damaged_seal():
-    """(One smaller reads as a failed transfer, -800, which says nothing of the bytes: a failed
-    block, recomputed, nothing removed.)"""
+def _of_version(version: int) -> bytes:
+    """A seal's bytes under another format version (an older or newer kvpipe's), magic and size as ours."""
+    header = bytearray(SEAL_SIZE)
+    header[:8] = b"KVPSEAL\x00"
+    header[8:10] = version.to_bytes(2, "little")
+    return bytes(header)
+
+
+#: what another kvpipe may have put under a seal key: another size (1: a 48-byte seal), another version
+OTHER_FORMATS = {
+    "larger": lambda: os.urandom(2 * SEAL_SIZE),  # read as INVALID_PARAMS
+    "smaller": lambda: os.urandom(48),  # read as a failed transfer (-800), so its size is asked
+    "version 1": lambda: _of_version(1),
+    "version 3": lambda: _of_version(3),
+}
+
+
+@pytest.mark.parametrize("written", OTHER_FORMATS.values(), ids=OTHER_FORMATS.keys())
+async def test_a_seal_of_another_format_loads_its_objects_unverified_and_removes_nothing(written):
+    """A deployment upgraded in place keeps its hits: another kvpipe's seal says nothing, as a missing one."""
+    source, store, saved = await _saved()
+    keys = [_key(source, saved, chunk) for chunk in range(3)]
+    _write(store, seal_key(keys[0]), written())
+    target = _kv(seed=1)
+
+    emit, failed = await _load(target.kv, store, saved)
+
+    assert failed == frozenset() and emit.counts["integrity_unverified"] == 3
+    assert target.block_bytes(0, 0, TARGET_BLOCKS[0]) == source.block_bytes(0, 0, 1)
+    assert store.batch_is_exist([*keys, seal_key(keys[0])]) == [1, 1, 1, 1]
+
+
+@pytest.mark.parametrize("written", OTHER_FORMATS.values(), ids=OTHER_FORMATS.keys())
+async def test_under_integrity_required_a_seal_of_another_format_is_no_seal(written):
     source, store, saved = await _saved()
     key = _key(source, saved, 0)
-    _write(store, seal_key(key), os.urandom(2 * SEAL_SIZE))
+    _write(store, seal_key(key), written())
 
-    emit, failed = await _load(_kv(seed=1).kv, store, saved)
+    emit, failed = await _load(_kv(seed=1).kv, store, saved, integrity="required")
 
-    assert failed == set(TARGET_BLOCKS) and emit.counts["integrity_corrupt"] == 3
+    assert failed == set(TARGET_BLOCKS) and emit.counts["integrity_unsealed"] == 3
+    assert store.batch_is_exist([key, seal_key(key)]) == [1, 1]
 
 
-async def test_a_seal_smaller_than_a_seal_fails_its_blocks_and_removes_nothing():
-    source, store, saved = await _saved()
+async def test_a_seal_read_that_fails_as_a_transfer_fails_its_blocks_and_removes_nothing():
+    """A seal of a seal's size whose read fails (a node cut off) says nothing of the bytes."""
+    source, store, saved = await _saved(store=SealReadsFail(lease_ttl_s=0))
     key = _key(source, saved, 0)
-    _write(store, seal_key(key), b"short")
 
     emit, failed = await _load(_kv(seed=1).kv, store, saved)
 

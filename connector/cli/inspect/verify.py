@@ -158,6 +158,7 @@ def _read_seals(store: Store, seals: Sequence[str], base: int) -> tuple[Vouchers
 
     The second holds, per seal key, :data:`~kvpipe.stages.vouching.DAMAGED` (no seal
     of ours: its anchor object is corrupt, as a load judges it) or why it could not be read.
+    A seal of another format (another kvpipe's) is neither: its objects are unverified.
     """
     vouchers = Vouchers()
     unreadable: dict[str, str] = {}
@@ -169,7 +170,8 @@ def _read_seals(store: Store, seals: Sequence[str], base: int) -> tuple[Vouchers
         )
         for key, address, result in zip(call, addresses, results, strict=True):
             data = ctypes.string_at(address, SEAL_SIZE) if result == SEAL_SIZE else None
-            if (problem := vouchers.add(key, SealPlace(key, 0), result, data)) is not None:
+            stored = store.get_size(key) if result == Code.TRANSFER_FAILED else None  # a smaller seal?
+            if (problem := vouchers.add(key, SealPlace(key, 0), result, data, stored)) is not None:
                 unreadable[key] = problem
     return vouchers, unreadable
 

@@ -712,6 +712,21 @@ def test_a_damaged_seal_makes_its_anchor_corrupt_and_the_rest_of_its_span_unveri
     assert verify["corrupt_keys"] == [anchor]
 
 
+@pytest.mark.parametrize("size", [48, 2 * SEAL_SIZE], ids=["smaller", "larger"])
+def test_a_seal_of_another_size_is_another_kvpipes_its_span_unverified_and_repair_removes_nothing(
+    sealed: Sealed, capsys: pytest.CaptureFixture[str], size: int
+) -> None:
+    anchor = object_key(KeyNamespace("gamma", tp_rank=0), 0, GAMMA_HASHES[0])
+    assert sealed.writer.remove(seal_key(anchor), force=True) == 0
+    _put(sealed.writer, {seal_key(anchor): random.Random(2).randbytes(size)})
+
+    report, _ = _scrubbed(capsys, sealed, "--repair")
+
+    verify = report["verify"]
+    assert (verify["ok"], verify["corrupt"], verify["unverified"]) == (3, 0, 3)
+    assert verify["repair"] == {"removed": 0, "failed": 0}
+
+
 def test_sample_reads_that_many_objects(sealed: Sealed, capsys: pytest.CaptureFixture[str]) -> None:
     report, _ = _scrubbed(capsys, sealed, "--sample", "2")
 
