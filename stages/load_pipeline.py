@@ -27,6 +27,9 @@ DEFAULT_LOAD_PIPELINE: dict[str, Any] = {
             "name": "load",
             "type": "load",
             "batch": {"max_items": 64, "max_wait_ms": 0},
+            # a store call that hangs (a read from a node cut off by the network waits for the
+            # kernel's connect) holds one worker; later loads go on in the other
+            "workers": 2,
             "threads": 2,  # seals are judged in both: a sync load's engine waits for them
             "params": {"max_buffers_per_call": MAX_BUFFERS_PER_CALL, "integrity": "verify"},
         },

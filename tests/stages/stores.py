@@ -1,17 +1,21 @@
-"""Store doubles for the stage tests: a recorder around any store, and a scripted store.
+"""Store doubles for the stage tests: a recorder around any store, a scripted store, stalled gets.
 
 The recorder keeps every put call's parallel lists exactly as the stage built
 them, which is what the alignment tests inspect. The scripted store answers each
 key with a code chosen by the test, for cases a real store cannot be made to
 produce on demand (a given key erroring on exist, any code mix in one call).
+:class:`StalledGets` hangs its first gets until let go, as a read from a store
+node cut off by the network does.
 """
 
 from __future__ import annotations
 
+import threading
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
+from kvpipe.connector.store.memory import MemoryStore
 from kvpipe.connector.store.protocol import ForwardingStore
 from kvpipe.stages import Buffer, StoreObject
 
@@ -130,3 +134,27 @@ def fake_record(
         group_id=group_id,
         reuse=reuse,
     )
+
+
+class StalledGets(MemoryStore):
+    """A store whose first ``stalled`` gets hang until :attr:`let_go` is set (60 s at most)."""
+
+    def __init__(self, stalled: int = 1) -> None:
+        super().__init__(16 << 20)
+        self.let_go = threading.Event()
+        self.hanging = 0  # gets waiting now
+        self._stalled = stalled
+        self._lock = threading.Lock()
+
+    def batch_get_into_multi_buffers(
+        self, keys: Sequence[str], ptrs: Sequence[Sequence[int]], sizes: Sequence[Sequence[int]]
+    ) -> list[int]:
+        with self._lock:
+            stall = self._stalled > 0
+            self._stalled -= stall
+            self.hanging += stall
+        if stall:
+            self.let_go.wait(60.0)
+            with self._lock:
+                self.hanging -= 1
+        return super().batch_get_into_multi_buffers(keys, ptrs, sizes)

@@ -6,6 +6,7 @@ memory), so a loaded block can only hold the saved bytes if the load put them
 there.
 """
 
+import anyio
 import pytest
 from pydantic import ValidationError
 
@@ -26,7 +27,7 @@ from kvpipe.stages.retention import LoadedKeys
 
 from .kv_fixtures import FULL, MAMBA_ALIGN, RING, bytes_of, make_kv, make_request
 from .save_path import run_save_path
-from .stores import ScriptedStore
+from .stores import ScriptedStore, StalledGets
 
 HYBRID = (FULL, RING, MAMBA_ALIGN)
 TWO_GROUPS = (FULL, RING, FULL)  # two stored groups around one that is not
@@ -57,10 +58,10 @@ class GetRecorder:
         return [sum(len(s) for s in sizes) for _, sizes in self.calls]
 
 
-async def _saved(groups=TWO_GROUPS, *, shards=2, tokens=48):
+async def _saved(groups=TWO_GROUPS, *, shards=2, tokens=48, store=None):
     """The source cache, a store holding ``tokens`` of its request, and the request."""
     source = make_kv(groups, shards=shards, seed=0)
-    store = MemoryStore(lease_ttl_s=0)
+    store = MemoryStore(lease_ttl_s=0) if store is None else store
     saved = make_request(source.kv, tokens)
     await run_save_path(source.kv, store, [saved])
     return source, store, saved
@@ -355,6 +356,26 @@ async def test_the_default_load_graph_loads_and_ends_each_job_with_its_outcome()
         (Outcome.PARTIAL, 11, 1),
     ]
     assert failed == {"whole": frozenset(), "holed": frozenset({15})}
+
+
+async def test_a_load_whose_store_call_hangs_holds_no_later_load():
+    """A read from a node cut off by the network hangs (Mooncake bounds no connect): one worker waits, not all."""
+    source, store, saved = await _saved(TWO_GROUPS, shards=2, store=StalledGets())
+    target = make_kv(TWO_GROUPS, shards=2, seed=1)
+
+    async with Pipeline(default_load_graph(target.kv, store)) as pipeline:
+        try:
+            with anyio.fail_after(10):
+                stuck = await pipeline.submit(_load_request(saved, request_id="stuck"))
+                while not store.hanging:
+                    await anyio.sleep(0.01)
+                later = await pipeline.submit(_load_request(saved, blocks=(13, 14, 15), request_id="later"))
+                done = await later.finished()
+            assert not stuck.done
+        finally:
+            store.let_go.set()
+
+    assert (done.outcome, done.counts["loaded"], done.counts["failed"]) == (Outcome.OK, 12, 0)
 
 
 def test_load_params_refuse_unknown_fields_and_a_budget_below_1():

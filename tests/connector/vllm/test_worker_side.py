@@ -22,6 +22,7 @@ from kvpipe.connector.vllm.worker import WorkerSide
 from kvpipe.stages import LoadRequest, SaveRequest
 
 from ...stages.kv_fixtures import chain_hashes
+from ...stages.stores import StalledGets
 from .caches import engine_cache
 from .test_kv_layout import LAYERS, NUM_BLOCKS, engine_views
 
@@ -98,28 +99,6 @@ def loader_after_three_saves(
     loader = worker(store, KVCacheLayout.LBHNC, settings)
     loader.register_kv_caches(target)
     return loader, source, target
-
-
-class StalledGets(MemoryStore):
-    """A store whose first ``stalled`` gets hang until let go: a store node cut off by the network."""
-
-    def __init__(self, stalled: int = 1) -> None:
-        super().__init__(16 << 20)
-        self.let_go = threading.Event()
-        self.hanging = 0  # gets waiting now
-        self._stalled = stalled
-        self._lock = threading.Lock()
-
-    def batch_get_into_multi_buffers(self, *args, **kwargs):
-        with self._lock:
-            stall = self._stalled > 0
-            self._stalled -= stall
-            self.hanging += stall
-        if stall:
-            self.let_go.wait(60.0)
-            with self._lock:
-                self.hanging -= 1
-        return super().batch_get_into_multi_buffers(*args, **kwargs)
 
 
 IN_PLACE = {"load_via_staging": False}  # loads land in the engine's blocks, registered with the store
