@@ -142,7 +142,7 @@ class _SlotCopy(NamedTuple):
 
 @dataclass
 class _Load:
-    """A load in flight: its job (None: it could not start), and the slots it lands in first (device caches)."""
+    """A load in flight: its job (None: it could not start), and the slots it lands in first (unless in place)."""
 
     request: LoadRequest  # over engine block ids
     job: Job | None  # its item is the request over the slots it lands in
@@ -510,7 +510,8 @@ class WorkerSide:
             return
         for load in waited:
             if load.job is not None and not load.job.wait(load.wait_s()):
-                log.warning("load timed out", request_id=load.request.request_id)
+                what = "load given up at its deadline" if load.via_slots else "load timed out"
+                log.warning(what, request_id=load.request.request_id)
         self._settle_loads(waited, reported=False)
         if waited:
             self._load_pipeline.completed()  # their completions: nothing waits for them now
