@@ -52,8 +52,8 @@ from .put import MAX_BUFFERS_PER_CALL, split_into_calls
 from .retention import LoadedKeys
 from .seal import SealMemory
 from .storable import storable_groups
-from .store import EXISTS, Code, LoadingStore, describe
-from .vouching import DAMAGED, SealPlace, Vouchers, Witness
+from .store import EXISTS, LoadingStore, describe
+from .vouching import DAMAGED, SealPlace, Vouchers, Witness, size_unknown
 
 log = structlog.get_logger(__name__)
 
@@ -366,11 +366,11 @@ class LoadStage(BatchStage):
             verdicts: list[Verdict | None] = [None] * len(records)
             if slab is not None:
                 vouchers = Vouchers()
+                seal_results = results[len(records) :]
                 stored = await self._stored_sizes(
-                    [key for slot, (key, _) in enumerate(readable) if results[len(records) + slot] == Code.TRANSFER_FAILED]
+                    [key for (key, _), result in zip(readable, seal_results, strict=True) if size_unknown(result)]
                 )
-                for slot, (key, place) in enumerate(readable):
-                    result = results[len(records) + slot]
+                for slot, ((key, place), result) in enumerate(zip(readable, seal_results, strict=True)):
                     data = slab.read(slot) if result == SEAL_SIZE else None
                     vouchers.add(key, place, result, data, stored.get(key))
                 witnesses = [vouchers.witness(record) for record in records]

@@ -25,10 +25,16 @@ from .integrity import SEAL_SIZE, SEAL_SPAN, Seal, Vouch, key_id, key_stem
 from .model import StoreObject
 from .store import Code, describe
 
-__all__ = ["DAMAGED", "SealPlace", "Vouchers", "Witness"]
+__all__ = ["DAMAGED", "SealPlace", "Vouchers", "Witness", "size_unknown"]
 
 #: what :attr:`Witness.problem` says of a seal that is there but no seal of ours
 DAMAGED = "damaged"
+
+
+def size_unknown(result: int) -> bool:
+    """Whether a seal read's answer hides the object's size, so the reader asks it (:meth:`Vouchers.add`'s
+    ``stored_size``): a seal of another, smaller format reads as a failed transfer."""
+    return result == Code.TRANSFER_FAILED
 
 
 def _another_format(result: int, data: bytes | None, stored_size: int | None) -> bool:

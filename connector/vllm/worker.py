@@ -546,8 +546,9 @@ class WorkerSide:
         home: list[_SlotCopy] = []
         slots: list[int] = []
         for load in loads:
-            failed = self._settle_load(load, reported)
-            if not load.done:
+            given_up = not load.done  # read once: its job may end on the pipeline's thread meanwhile
+            failed = self._settle_load(load, reported, given_up)
+            if given_up:
                 self._given_up.append(load)  # its call may still write its slots: they stay taken
             elif load.bounce:
                 home.extend(copy for copy in load.bounce if copy.block not in failed)
@@ -558,14 +559,14 @@ class WorkerSide:
                 self._staging.copy_out(home)
             self._staging.give_back(slots)
 
-    def _settle_load(self, load: _Load, reported: bool) -> set[int]:
+    def _settle_load(self, load: _Load, reported: bool, given_up: bool) -> set[int]:
         """A load whose job has ended: count it, record what failed; the engine blocks that failed.
 
         ``reported``: an async load, whose end ``get_finished`` reports (a sync one's is not).
         """
         job, rid = load.job, load.request.request_id
-        told = None if job is None or not job.done else self._load_failures.take_told(job.item)
-        if job is not None and not job.done:
+        told = None if job is None or given_up else self._load_failures.take_told(job.item)
+        if given_up:
             self.stats[LOADS_GIVEN_UP] += 1
         if told is None:
             # never started, given up, or refused before the stage: every block of its range

@@ -28,7 +28,7 @@ from kvpipe.stages import MAX_BUFFERS_PER_CALL
 from kvpipe.stages.integrity import SEAL_SIZE, Integrity, Verdict, judge
 from kvpipe.stages.keys import seal_key
 from kvpipe.stages.store import Code, describe
-from kvpipe.stages.vouching import DAMAGED, SealPlace, Vouchers
+from kvpipe.stages.vouching import DAMAGED, SealPlace, Vouchers, size_unknown
 
 from .errors import InspectError
 from .figures import SCRUB_VERDICTS, NodeFigures, Verification
@@ -170,7 +170,7 @@ def _read_seals(store: Store, seals: Sequence[str], base: int) -> tuple[Vouchers
         )
         for key, address, result in zip(call, addresses, results, strict=True):
             data = ctypes.string_at(address, SEAL_SIZE) if result == SEAL_SIZE else None
-            stored = store.get_size(key) if result == Code.TRANSFER_FAILED else None  # a smaller seal?
+            stored = store.get_size(key) if size_unknown(result) else None
             if (problem := vouchers.add(key, SealPlace(key, 0), result, data, stored)) is not None:
                 unreadable[key] = problem
     return vouchers, unreadable
