@@ -46,9 +46,9 @@ class Outcome(StrEnum):
 
 
 _job_ids = itertools.count(1)  # next() on a count is atomic under the GIL
-# Guards the lazy creation of a job's threading.Event against its completion:
+# Guards the lazy creation of a job's threading.Event between waiting threads:
 # most jobs are never waited on by a thread, and an Event per job costs more than
-# the rest of a job's bookkeeping.
+# the rest of a job's bookkeeping. Completion takes no lock (see Job.wait).
 _waiters_lock = threading.Lock()
 
 
@@ -113,7 +113,7 @@ class Job:
         self._async_finished: anyio.Event | None = None
         self.borrowing = 0
         self.released_at: float | None = None
-        self._release_callbacks: list[Callable[[Job], None]] = []
+        self._release_callbacks: list[Callable[[Job], None]] | None = None  # most jobs have none
 
     def __repr__(self) -> str:
         state = self.outcome.value if self.outcome else f"pending={self.pending}"
@@ -139,12 +139,12 @@ class Job:
         (``failed``, ``partial``) and :attr:`first_error`, not an exception here.
         """
         with _waiters_lock:
-            if self.done:
-                return True
             if self._finished is None:
                 self._finished = threading.Event()
             finished = self._finished
-        return finished.wait(timeout)
+        # complete() sets the outcome, then reads _finished: had it read it before the
+        # event was stored, the outcome is set by now (the GIL orders the two threads).
+        return self.done or finished.wait(timeout)
 
     async def finished(self) -> Job:
         """Wait on the pipeline's event loop until the job is done; returns the job.
@@ -167,19 +167,22 @@ class Job:
         """Run ``callback(job)`` on the loop thread once released (at once if it is)."""
         if self.released:
             callback(self)
+        elif self._release_callbacks is None:
+            self._release_callbacks = [callback]
         else:
             self._release_callbacks.append(callback)
 
     # -- bookkeeping, called by the runtime on the loop thread ---------------
 
-    def release(self) -> None:
-        """Mark the submitter's memory free (once); the runtime calls it."""
+    def release(self, now: float | None = None) -> None:
+        """Mark the submitter's memory free (once), at ``now`` if given; the runtime calls it."""
         if self.released_at is not None:
             return
-        self.released_at = time.monotonic()
-        callbacks, self._release_callbacks = self._release_callbacks, []
-        for callback in callbacks:
-            callback(self)
+        self.released_at = time.monotonic() if now is None else now
+        callbacks, self._release_callbacks = self._release_callbacks, None
+        if callbacks is not None:
+            for callback in callbacks:
+                callback(self)
 
     def record_failure(self, error: str | BaseException, units: int = 1) -> None:
         self.failed_units += units
@@ -188,9 +191,10 @@ class Job:
 
     def complete(self, outcome: Outcome | None = None) -> None:
         """End the job; the outcome follows from its units unless given."""
-        if self.done:
+        if self.outcome is not None:
             return
-        self.release()  # nothing derived from the item runs any more
+        now = time.monotonic()
+        self.release(now)  # nothing derived from the item runs any more
         if outcome is None:
             if self.failed_units == 0:
                 outcome = Outcome.OK
@@ -198,10 +202,9 @@ class Job:
                 outcome = Outcome.PARTIAL
             else:
                 outcome = Outcome.FAILED
-        self.finished_at = time.monotonic()
-        with _waiters_lock:
-            self.outcome = outcome
-            finished = self._finished
+        self.finished_at = now
+        self.outcome = outcome
+        finished = self._finished  # read after the outcome is set: Job.wait relies on the order
         if finished is not None:
             finished.set()
         if self._async_finished is not None:
@@ -214,10 +217,21 @@ class JobTracker:
     def __init__(self, on_complete: Callable[[Job], None] | None = None) -> None:
         self._open: dict[int, Job] = {}
         self._on_complete = on_complete
-        self.outcomes: Counter[Outcome] = Counter()
+        # Most jobs end ok: a plain int for those, since hashing an Outcome (a str
+        # subclass) to count it cost a tenth of a job's bookkeeping.
+        self._ok = 0
+        self._not_ok: Counter[Outcome] = Counter()
 
     def __len__(self) -> int:
         return len(self._open)
+
+    @property
+    def outcomes(self) -> Counter[Outcome]:
+        """How many jobs ended with each outcome (outcomes no job had are absent)."""
+        ended = Counter(self._not_ok)
+        if self._ok:
+            ended[Outcome.OK] = self._ok
+        return ended
 
     def open(self, job: Job) -> Job:
         job.pending = 1
@@ -257,6 +271,9 @@ class JobTracker:
         self._open.pop(job.id, None)
         job.complete(outcome)
         assert job.outcome is not None  # complete() set it (or had, for a job already done)
-        self.outcomes[job.outcome] += 1
+        if job.outcome is Outcome.OK:
+            self._ok += 1
+        else:
+            self._not_ok[job.outcome] += 1
         if self._on_complete is not None:
             self._on_complete(job)
