@@ -189,6 +189,28 @@ def load_chunks(
     return tuple(chunk for _, _, chunk in chunks)
 
 
+def longest_load(groups: Sequence[StoreGroup], slots: int) -> int | None:
+    """The most tokens one load from a block boundary may span when it has ``slots`` slots, a chunk each.
+
+    A load takes, as :func:`load_chunks` counts them, a chunk per block of every
+    non-recurrent group and one state of each recurrent group. None: no length
+    outgrows the slots (every group is recurrent).
+    """
+    spans = [group.spec.block_size for group in groups if not is_recurrent(group)]
+    room = slots - (len(groups) - len(spans))
+    if not spans:
+        return None if room >= 0 else 0
+
+    def fits(tokens: int) -> bool:
+        return sum(-(-tokens // span) for span in spans) <= room
+
+    fit, past = 0, room * max(spans) + 1  # fits(fit); not fits(past): at least a chunk a slot
+    while past - fit > 1:
+        middle = (fit + past) // 2
+        fit, past = (middle, past) if fits(middle) else (fit, middle)
+    return fit
+
+
 def load_targets(
     groups: Sequence[StoreGroup], shards: Sequence[Shard], hash_block_size: int, request: LoadRequest
 ) -> tuple[LoadTarget, ...]:

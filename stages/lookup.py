@@ -45,13 +45,17 @@ class LookupRequest:
     ``block_hashes`` are the engine's chained hashes (one per complete hash
     block); ``num_tokens`` is the request's length; ``num_computed_tokens`` is
     what the engine already has locally. Chunks wholly below it are taken as
-    present and not asked for.
+    present and not asked for. ``max_load_tokens`` bounds what one load may
+    bring past ``num_computed_tokens`` (the loader's staging room): a hit stops
+    there rather than become a load that finds no room, and nothing past it is
+    asked for.
     """
 
     request_id: str
     block_hashes: tuple[bytes, ...]
     num_tokens: int
     num_computed_tokens: int = 0
+    max_load_tokens: int | None = None
 
     def __post_init__(self) -> None:
         if self.num_tokens < 0:
@@ -62,6 +66,11 @@ class LookupRequest:
             raise ValueError(
                 f"LookupRequest {self.request_id!r}: num_computed_tokens must be >= 0, "
                 f"got {self.num_computed_tokens}"
+            )
+        if self.max_load_tokens is not None and self.max_load_tokens < 0:
+            raise ValueError(
+                f"LookupRequest {self.request_id!r}: max_load_tokens must be >= 0 or None, "
+                f"got {self.max_load_tokens}"
             )
 
 
@@ -76,8 +85,10 @@ def _grain(groups: Sequence[StoreGroup], alignment: int | None) -> int:
 
 
 def _hit_limit(hash_block_size: int, request: LookupRequest, grain: int) -> int:
-    """The longest hit the request allows: hashed, below ``num_tokens``, whole grains."""
+    """The longest hit the request allows: hashed, below ``num_tokens``, one load long at most, whole grains."""
     longest = min(request.num_tokens - 1, len(request.block_hashes) * hash_block_size)
+    if request.max_load_tokens is not None:
+        longest = min(longest, request.num_computed_tokens + request.max_load_tokens)
     return max(0, longest // grain * grain)
 
 

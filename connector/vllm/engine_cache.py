@@ -200,6 +200,11 @@ class EngineCache:
         )
 
     @property
+    def store_block_sizes(self) -> list[int]:
+        """The block size of each stored group (what its staging slots are counted in)."""
+        return [group.spec.block_size for group in self.store_groups]
+
+    @property
     def chunk_namespaces(self) -> tuple[KeyNamespace, ...]:
         """Every object's namespace of one chunk and store group: what a hit needs (vLLM's lookup prefixes).
 

@@ -54,6 +54,7 @@ from kvpipe.stages import (
     lookup_keys,
 )
 from kvpipe.stages.keys import deployment_key_pattern, key_chunk_hex
+from kvpipe.stages.load import longest_load
 from kvpipe.stages.retention import ReuseCounter
 from kvpipe.stages.store import EXISTS
 
@@ -164,6 +165,13 @@ class SchedulerSide:
         self._loading: dict[bytes, str] = {}  # async loads: the hash blocks being loaded, and who loads them
         self._failed_chunks: dict[str, float] = {}  # chunk hash (hex) -> until when it is a miss
         self._sync_when_idle = settings.load_sync_when_idle and len(cache.groups) == 1
+        # A load lands in the worker's staging slots: a hit longer than they hold would be a
+        # load that fails whole, so a hit stops there and the engine computes the rest.
+        self._max_load_tokens = (
+            longest_load(cache.store_groups, settings.staging_slots(cache.store_block_sizes))
+            if settings.load_via_staging
+            else None
+        )
         self.announcer = announcer
         # requests per chunk: the chunks they keep asking for are saved soft-pinned
         self._reuse = ReuseCounter(settings.retention_min_requests) if settings.retention else None
@@ -221,7 +229,11 @@ class SchedulerSide:
             self.stats[LOOKUPS_MISSED_AFTER_FAILED_LOAD] += 1
             return 0, False
         lookup = LookupRequest(
-            request.request_id, tuple(request.block_hashes), request.num_tokens, num_computed_tokens
+            request.request_id,
+            tuple(request.block_hashes),
+            request.num_tokens,
+            num_computed_tokens,
+            self._max_load_tokens,
         )
         cache = self.cache
         keys = self._lookup_keys(lookup)
@@ -303,7 +315,12 @@ class SchedulerSide:
         for waiting in (state.request for state in self._requests.values() if state.waiting):
             if len(wanted) >= LOOKUP_BATCH_KEYS:
                 break
-            ahead = LookupRequest(waiting.request_id, tuple(waiting.block_hashes), waiting.num_tokens)
+            ahead = LookupRequest(
+                waiting.request_id,
+                tuple(waiting.block_hashes),
+                waiting.num_tokens,
+                max_load_tokens=self._max_load_tokens,
+            )
             keys_ahead = self._lookup_keys(ahead)
             wanted.update(dict.fromkeys(key for key in keys_ahead if key not in self._exists))
         asked = list(wanted)

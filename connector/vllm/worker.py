@@ -311,7 +311,7 @@ class WorkerSide:
         facts = layer_facts(layers, cache.shards_per_rank)
         byte_facts = (*cache.byte_facts, *engine_facts({"layers": facts}))
         self.layouts = {group.engine_group: shards for group in cache.store_groups}
-        slots = self.settings.staging_slots([group.spec.block_size for group in cache.store_groups])
+        slots = self.settings.staging_slots(cache.store_block_sizes)
         staging = self._staging = StagingArea(self.layouts, slots, options.staging_device)
         on_cpu = staging.device.type == "cpu"
         self._load_via_staging = not on_cpu or self.settings.load_via_staging

@@ -16,13 +16,17 @@ from kvpipe.pipeline.registry import Resources
 from kvpipe.pipeline.testing import batch_of
 from kvpipe.stages import (
     KV_STAGES,
+    GroupKind,
+    GroupSpec,
     LoadParams,
     LoadRequest,
     LoadStage,
     default_load_graph,
     is_seal_key,
     object_key,
+    storable_groups,
 )
+from kvpipe.stages.load import load_chunks, longest_load
 from kvpipe.stages.retention import LoadedKeys
 
 from .kv_fixtures import FULL, MAMBA_ALIGN, RING, bytes_of, make_kv, make_request
@@ -322,6 +326,25 @@ async def test_a_range_that_does_not_fit_the_cache_fails_the_request_and_reports
     assert recording.calls == []
     assert message in str(emit.failures[0])
     assert failed["req-1"] <= frozenset(TARGET_BLOCKS) and failed["req-1"]
+
+
+def test_the_longest_load_takes_a_slot_per_block_of_each_group_and_one_per_recurrent_state():
+    hybrid = storable_groups(make_kv([FULL, RING, MAMBA_ALIGN]).kv)  # 16-token blocks; a ring is not stored
+    mixed = storable_groups(make_kv([FULL, GroupSpec(GroupKind.FULL_ATTENTION, block_size=32)]).kv)
+
+    assert longest_load(hybrid, 5) == 64  # four blocks and the state at their end
+    assert longest_load(mixed, 6) == 64  # four 16-token blocks and two 32-token ones
+    assert longest_load(mixed, 1) == 0
+
+
+def test_a_load_as_long_as_the_longest_has_one_chunk_per_slot():
+    kv = make_kv([FULL, RING, MAMBA_ALIGN]).kv
+    groups, request = storable_groups(kv), make_request(kv, 96)
+    longest = longest_load(groups, 5)
+    assert longest is not None
+    load = LoadRequest("r", request.block_hashes, request.block_ids, 0, longest)
+
+    assert len(load_chunks(groups, kv.hash_block_size, load)) == 5
 
 
 def test_a_load_request_refuses_a_range_that_ends_before_it_starts():

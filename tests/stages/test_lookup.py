@@ -155,6 +155,24 @@ async def test_the_hit_always_leaves_the_last_token_to_compute():
     assert hits == [48, 64, 48, 0, 0]
 
 
+async def test_a_hit_stops_at_what_one_load_may_bring_and_nothing_past_it_is_asked_for():
+    kv = make_kv([FULL]).kv
+    store, saved = await _saved(kv, 64)
+    request = LookupRequest(saved.request_id, saved.block_hashes, 100, 16, max_load_tokens=40)
+
+    assert _keys(kv, request) == (_key(kv, 1), _key(kv, 2))  # up to 16 + 40, whole chunks
+    assert _hit(kv, store, request) == 48
+
+
+async def test_a_hit_bounded_by_the_load_ends_where_the_mamba_state_is_stored_within_it():
+    kv = make_kv([FULL, RING, MAMBA_ALIGN]).kv
+    store, saved = await _saved_in_steps(kv, 32, 64)  # states at 32 and 64
+
+    bounded = LookupRequest(saved.request_id, saved.block_hashes, 100, max_load_tokens=63)
+
+    assert _hit(kv, store, bounded) == 32
+
+
 async def test_chunks_the_engine_has_locally_are_not_asked_for_but_count_in_the_hit():
     kv = make_kv([FULL]).kv
     store, saved = await _saved(kv, 64)

@@ -162,6 +162,20 @@ def test_a_request_may_load_what_lies_past_another_requests_load(harness: Harnes
     assert harness.side.get_num_new_matched_tokens(second, 2 * BLOCK) == (2 * BLOCK, True)
 
 
+def test_a_hit_stops_at_what_the_worker_s_staging_slots_hold() -> None:
+    harness = make_harness(load_sync_when_idle=False, staging_blocks=3)
+    harness.store_chunks(4)
+
+    assert harness.side.get_num_new_matched_tokens(harness.request("a"), 0) == (3 * BLOCK, True)
+
+
+def test_loading_in_place_a_hit_is_not_bounded_by_the_staging_slots() -> None:
+    harness = make_harness(load_sync_when_idle=False, staging_blocks=3, load_via_staging=False)
+    harness.store_chunks(4)
+
+    assert harness.side.get_num_new_matched_tokens(harness.request("a"), 0) == (4 * BLOCK, True)
+
+
 def test_a_failed_load_makes_the_next_lookup_of_its_request_a_miss_once(harness: Harness) -> None:
     harness.store_chunks(4)
     request = harness.request("a")
