@@ -245,13 +245,13 @@ class JobTracker:
         ``borrowed``: the item was at a stage that may read the submitter's
         memory; the job is released when the last such item is finished.
         """
+        job.pending -= 1
         if borrowed:
             job.borrowing -= 1
-            if job.borrowing == 0:
-                job.release()
-        job.pending -= 1
         if job.pending == 0:
-            self._finish(job, None)
+            self._finish(job, None)  # which releases it too: nothing borrows when nothing is pending
+        elif borrowed and job.borrowing == 0:
+            job.release()
 
     def end(self, job: Job, outcome: Outcome, error: str | None = None) -> None:
         """End a job whatever is pending (cancellation, refusal at the entry)."""
