@@ -138,13 +138,15 @@ class Job:
         Never raises: what went wrong in the stages is the job's :attr:`outcome`
         (``failed``, ``partial``) and :attr:`first_error`, not an exception here.
         """
+        if self.done:
+            return True  # no Event: most waits come after the end
         with _waiters_lock:
             if self._finished is None:
                 self._finished = threading.Event()
             finished = self._finished
         # complete() sets the outcome, then reads _finished: had it read it before the
         # event was stored, the outcome is set by now (the GIL orders the two threads).
-        return self.done or finished.wait(timeout)
+        return self.outcome is not None or finished.wait(timeout)
 
     async def finished(self) -> Job:
         """Wait on the pipeline's event loop until the job is done; returns the job.
