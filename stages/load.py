@@ -20,6 +20,7 @@ from the first block that did not load (vLLM's ``get_block_ids_with_load_errors`
 
 from __future__ import annotations
 
+import functools
 import itertools
 from collections import Counter, OrderedDict
 from collections.abc import Sequence
@@ -189,25 +190,33 @@ def load_chunks(
     return tuple(chunk for _, _, chunk in chunks)
 
 
-def longest_load(groups: Sequence[StoreGroup], slots: int) -> int | None:
-    """The most tokens one load from a block boundary may span when it has ``slots`` slots, a chunk each.
+def load_slots(groups: Sequence[StoreGroup], start_tokens: int, end_tokens: int) -> int:
+    """The chunks :func:`load_chunks` makes of ``[start_tokens, end_tokens)``, counted without making them.
 
-    A load takes, as :func:`load_chunks` counts them, a chunk per block of every
-    non-recurrent group and one state of each recurrent group. None: no length
-    outgrows the slots (every group is recurrent).
+    A chunk per block of every non-recurrent group the range touches, one state
+    of each recurrent group: what a load through staging takes in slots.
     """
-    spans = [group.spec.block_size for group in groups if not is_recurrent(group)]
-    room = slots - (len(groups) - len(spans))
-    if not spans:
-        return None if room >= 0 else 0
+    if end_tokens <= start_tokens:
+        return 0
+    return sum(
+        1 if is_recurrent(group) else -(-end_tokens // group.spec.block_size) - start_tokens // group.spec.block_size
+        for group in groups
+    )
 
-    def fits(tokens: int) -> bool:
-        return sum(-(-tokens // span) for span in spans) <= room
 
-    fit, past = 0, room * max(spans) + 1  # fits(fit); not fits(past): at least a chunk a slot
+@functools.lru_cache(maxsize=64)  # asked at every lookup, for a few slot counts
+def longest_load(groups: tuple[StoreGroup, ...], slots: int) -> int | None:
+    """The most tokens one load from a block boundary may span in ``slots`` slots (:func:`load_slots`).
+
+    None: no length outgrows the slots (every group is recurrent, and they have a slot each).
+    """
+    if all(is_recurrent(group) for group in groups):
+        return None if slots >= len(groups) else 0
+    widest = max(group.spec.block_size for group in groups)
+    fit, past = 0, slots * widest + 1  # fits; does not (a slot holds a block at most)
     while past - fit > 1:
         middle = (fit + past) // 2
-        fit, past = (middle, past) if fits(middle) else (fit, middle)
+        fit, past = (middle, past) if load_slots(groups, 0, middle) <= slots else (fit, middle)
     return fit
 
 

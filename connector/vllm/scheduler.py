@@ -54,7 +54,7 @@ from kvpipe.stages import (
     lookup_keys,
 )
 from kvpipe.stages.keys import deployment_key_pattern, key_chunk_hex
-from kvpipe.stages.load import longest_load
+from kvpipe.stages.load import load_slots, longest_load
 from kvpipe.stages.retention import ReuseCounter
 from kvpipe.stages.store import EXISTS
 
@@ -132,6 +132,11 @@ class _Request:
     sync_load: LoadRequest | None = None  # out with the last step, until the output on that step
     progress: _SaveProgress | None = None  # its saves; None until it is allocated
 
+    def loads_out(self) -> list[LoadRequest]:
+        """Its loads that hold (or will hold) staging slots: planned, or out and not reported."""
+        planned = [] if self.planned is None else [self.planned.request]
+        return planned + [load for load in (self.async_load, self.sync_load) if load is not None]
+
 
 class SchedulerSide:
     """Lookups, load planning and save planning for one engine (see the module docstring)."""
@@ -165,13 +170,11 @@ class SchedulerSide:
         self._loading: dict[bytes, str] = {}  # async loads: the hash blocks being loaded, and who loads them
         self._failed_chunks: dict[str, float] = {}  # chunk hash (hex) -> until when it is a miss
         self._sync_when_idle = settings.load_sync_when_idle and len(cache.groups) == 1
-        # A load lands in the worker's staging slots: a hit longer than they hold would be a
-        # load that fails whole, so a hit stops there and the engine computes the rest.
-        self._max_load_tokens = (
-            longest_load(cache.store_groups, settings.staging_slots(cache.store_block_sizes))
-            if settings.load_via_staging
-            else None
+        # the worker's staging slots, where loads land (None: they load in place)
+        self._staging_slots = (
+            settings.staging_slots(cache.store_block_sizes) if settings.load_via_staging else None
         )
+        self._slots_loading: int | None = None  # of loads planned or out; None: to reckon (once a step)
         self.announcer = announcer
         # requests per chunk: the chunks they keep asking for are saved soft-pinned
         self._reuse = ReuseCounter(settings.retention_min_requests) if settings.retention else None
@@ -233,7 +236,7 @@ class SchedulerSide:
             tuple(request.block_hashes),
             request.num_tokens,
             num_computed_tokens,
-            self._max_load_tokens,
+            self._load_room(),
         )
         cache = self.cache
         keys = self._lookup_keys(lookup)
@@ -261,6 +264,25 @@ class SchedulerSide:
         self.stats[LOOKUP_HIT_TOKENS] += new
         state.load_async = bool(new) and self._loads_async()
         return new, state.load_async
+
+    def _load_room(self) -> int | None:
+        """The tokens one more load may bring: what the staging slots hold less the loads planned or out.
+
+        A load lands in the worker's staging slots, and one that finds too few free
+        fails whole: a hit stops at the room instead, and the engine computes the
+        rest. None: loads do not go through the slots (``load_via_staging`` off).
+        Saves hold slots too, briefly: a load that meets them fails, counted by the worker.
+        """
+        if self._staging_slots is None:
+            return None
+        if self._slots_loading is None:  # walks every request: once a step, then kept up to date
+            self._slots_loading = sum(
+                self._slots_of(load) for state in self._requests.values() for load in state.loads_out()
+            )
+        return longest_load(self.cache.store_groups, max(0, self._staging_slots - self._slots_loading))
+
+    def _slots_of(self, load: LoadRequest) -> int:
+        return load_slots(self.cache.store_groups, load.start_tokens, load.end_tokens)
 
     @property
     def _sealed(self) -> bool:
@@ -319,7 +341,7 @@ class SchedulerSide:
                 waiting.request_id,
                 tuple(waiting.block_hashes),
                 waiting.num_tokens,
-                max_load_tokens=self._max_load_tokens,
+                max_load_tokens=self._load_room(),
             )
             keys_ahead = self._lookup_keys(ahead)
             wanted.update(dict.fromkeys(key for key in keys_ahead if key not in self._exists))
@@ -359,6 +381,9 @@ class SchedulerSide:
             )
             if state.planned is None:  # last: loads go out in the order they were planned
                 self._requests[rid] = self._requests.pop(rid)
+            if self._slots_loading is not None:
+                replaced = 0 if state.planned is None else self._slots_of(state.planned.request)
+                self._slots_loading += self._slots_of(load) - replaced
             state.planned = _Load(load, load_async)
             if load_async:
                 self._loading.update(
@@ -371,6 +396,7 @@ class SchedulerSide:
         so = scheduler_output
         meta = KVPipeMetadata()
         self._exists.clear()  # the step is planned: the next one asks again
+        self._slots_loading = None  # what went out is counted as out: reckoned again at the next lookup
         for rid in so.finished_req_ids:
             self._finish(rid)  # request_finished did it already, in vLLM
         for new in so.scheduled_new_reqs:
@@ -475,6 +501,7 @@ class SchedulerSide:
         """Loads that ended (well or not): async ones release their prefix; failed ones are remembered."""
         failed_requests = set(connector_output.failed_recving or ())
         failed_blocks = set(connector_output.invalid_block_ids or ())
+        self._slots_loading = None  # loads ended: their slots are free again
         if self.announcer is not None and isinstance(connector_output.kv_cache_events, KVPipeKVEvents):
             self.announcer.reported(connector_output.kv_cache_events.reports)
         for rid in connector_output.finished_recving or ():

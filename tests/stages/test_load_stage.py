@@ -26,7 +26,7 @@ from kvpipe.stages import (
     object_key,
     storable_groups,
 )
-from kvpipe.stages.load import load_chunks, longest_load
+from kvpipe.stages.load import load_chunks, load_slots, longest_load
 from kvpipe.stages.retention import LoadedKeys
 
 from .kv_fixtures import FULL, MAMBA_ALIGN, RING, bytes_of, make_kv, make_request
@@ -337,14 +337,13 @@ def test_the_longest_load_takes_a_slot_per_block_of_each_group_and_one_per_recur
     assert longest_load(mixed, 1) == 0
 
 
-def test_a_load_as_long_as_the_longest_has_one_chunk_per_slot():
-    kv = make_kv([FULL, RING, MAMBA_ALIGN]).kv
+def test_a_load_takes_a_slot_per_chunk_it_loads():
+    kv = make_kv([FULL, RING, MAMBA_ALIGN, GroupSpec(GroupKind.FULL_ATTENTION, block_size=32)]).kv
     groups, request = storable_groups(kv), make_request(kv, 96)
-    longest = longest_load(groups, 5)
-    assert longest is not None
-    load = LoadRequest("r", request.block_hashes, request.block_ids, 0, longest)
 
-    assert len(load_chunks(groups, kv.hash_block_size, load)) == 5
+    for start, end in [(0, 96), (32, 96), (0, 80), (64, 80), (0, 16)]:
+        load = LoadRequest("r", request.block_hashes, request.block_ids, start, end)
+        assert load_slots(groups, start, end) == len(load_chunks(groups, kv.hash_block_size, load))
 
 
 def test_a_load_request_refuses_a_range_that_ends_before_it_starts():

@@ -101,15 +101,12 @@ def test_a_prefix_longer_than_the_staging_slots_loads_what_they_hold_and_compute
     """An engine whose staging holds 3 chunks finds 4 stored: a hit of 3, not a load that fails whole."""
     batch = engine.prompts(9)[:1]
     first, _ = engine.stored_by(llm, batch)
-    small = engine.make_llm(kvpipe_transfer({"store": store_section, "staging_blocks": 3}))
-    try:
-        again = engine.generate(small, batch)
-        stats = engine.worker(small).stats
-        assert again["connector_hits"] == 3 * engine.BLOCK
-        assert stats["chunks_loaded"] == 3 and stats["loads_failed_no_staging"] == 0
-        assert again["tokens"] == first["tokens"]
-    finally:
-        close_llm(small)
+    small = kvpipe_transfer({"store": store_section, "staging_blocks": 3})
+
+    (again,) = engine.run_engine_process(small, [{"generate": batch, "max_tokens": engine.MAX_TOKENS}])
+
+    assert again["connector_hits"] == 3 * engine.BLOCK
+    assert again["tokens"] == first["tokens"]
 
 
 def test_on_an_idle_engine_a_reload_loads_before_the_forward_and_once_per_shared_prefix(llm: Any) -> None:

@@ -169,6 +169,35 @@ def test_a_hit_stops_at_what_the_worker_s_staging_slots_hold() -> None:
     assert harness.side.get_num_new_matched_tokens(harness.request("a"), 0) == (3 * BLOCK, True)
 
 
+def _two_stored_prompts(harness: Harness) -> tuple[Request, Request]:
+    """Two requests of four stored chunks each, of prompts that share nothing."""
+    harness.store_chunks(4)
+    first = harness.request("a")
+    harness.hashes = chain_hashes(PROMPT // BLOCK, salt="other")
+    harness.store_chunks(4)
+    return first, harness.request("b")
+
+
+def test_a_hit_stops_at_the_slots_the_loads_planned_before_it_leave() -> None:
+    harness = make_harness(load_sync_when_idle=False, staging_blocks=6)
+    first, second = _two_stored_prompts(harness)
+
+    assert harness.admit(first) == 4 * BLOCK
+    assert harness.side.get_num_new_matched_tokens(second, 0) == (2 * BLOCK, True)
+
+
+def test_the_slots_of_a_load_count_again_once_it_is_reported_finished() -> None:
+    harness = make_harness(load_sync_when_idle=False, staging_blocks=6)
+    first, second = _two_stored_prompts(harness)
+    harness.admit(first)
+    harness.step()
+    assert harness.side.get_num_new_matched_tokens(second, 0) == (2 * BLOCK, True)  # still out
+
+    harness.loads_ended({"a"})
+
+    assert harness.side.get_num_new_matched_tokens(second, 0) == (4 * BLOCK, True)
+
+
 def test_loading_in_place_a_hit_is_not_bounded_by_the_staging_slots() -> None:
     harness = make_harness(load_sync_when_idle=False, staging_blocks=3, load_via_staging=False)
     harness.store_chunks(4)
