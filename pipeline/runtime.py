@@ -266,7 +266,10 @@ class Pipeline:
         as failed). A cancellation while waiting for room ends the job as failed too,
         and propagates.
         """
-        job = self._open(item)
+        if self._closing:
+            raise PipelineClosed(f"{self.name} is closing; no new items")
+        job = Job(item, self.job_deadline_s)
+        self._adopt(job)
         try:
             try:
                 # No checkpoint when there is room: a burst of submits fills the
@@ -303,13 +306,6 @@ class Pipeline:
                 await self._entry.send((job, job.item, True))
         except (anyio.ClosedResourceError, anyio.BrokenResourceError):
             self.jobs.end(job, Outcome.FAILED, "pipeline closed")
-
-    def _open(self, item: Any) -> Job:
-        if self._closing:
-            raise PipelineClosed(f"{self.name} is closing; no new items")
-        job = Job(item, self.job_deadline_s)
-        self._adopt(job)
-        return job
 
     # -- observability ------------------------------------------------------
 
@@ -427,6 +423,7 @@ class Pipeline:
     async def _run_worker(self, node: _Node, inbox: ReceiveStream, outs: Outs) -> None:
         stage = node.spec.stage
         assert isinstance(stage, Stage)
+        settle = self.jobs.settle
         with inbox, _closing_all(outs):
             since_yield = 0
             until_timed = 0
@@ -452,7 +449,7 @@ class Pipeline:
                 except Exception as exc:
                     _item_raised(node, job, exc)
                 emit.close()
-                self.jobs.settle(job, borrows)
+                settle(job, borrows)
 
     async def _run_batch_worker(self, node: _Node, inbox: ReceiveStream, outs: Outs) -> None:
         stage = node.spec.stage
