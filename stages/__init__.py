@@ -20,6 +20,7 @@ from .load_pipeline import (
     default_load_graph,
 )
 from .lookup import (
+    LookupPlan,
     LookupRequest,
     longest_stored_prefix,
     lookup_keys,
@@ -124,6 +125,7 @@ __all__ = [
     "is_seal_key",
     "key_model_name",
     "load_targets",
+    "LookupPlan",
     "longest_stored_prefix",
     "lookup_keys",
     "object_key",

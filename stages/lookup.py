@@ -18,8 +18,9 @@ of ``L`` tokens needs every other group's chunks up to ``L`` and, of each
 recurrent group, the one state at ``L``; the hit is the longest such ``L``, as in
 vLLM's own prefix cache and its connector.
 
-The rule is pure: :func:`lookup_keys` says which objects decide a hit, and
-:func:`longest_stored_prefix` reads the hit off the store's answers for them. The
+The rule is pure: a :class:`LookupPlan` says which objects decide a hit and
+reads the hit off the store's answers for them (:func:`lookup_keys` and
+:func:`longest_stored_prefix` do one half each). The
 caller makes the store call (the vLLM connector's scheduler side: one
 ``batch_is_exist`` per scheduling step, across requests), so a lookup costs no
 pipeline hop on the engine's critical path.
@@ -27,6 +28,7 @@ pipeline hop on the engine's critical path.
 
 from __future__ import annotations
 
+import functools
 import math
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
@@ -154,6 +156,79 @@ def _ends(
     return per_group
 
 
+class LookupPlan:
+    """One request's lookup, worked out once: the keys to ask (:attr:`keys`) and the hit the answers give (:meth:`hit`).
+
+    Both need every chunk's keys, which cost ~2 us a chunk to make: a lookup on
+    the engine's thread makes them once. ``sealed`` (``integrity: required``):
+    the seals that may vouch for each object are asked for and needed too, so a
+    chunk no seal can vouch for is a miss rather than a load that is refused.
+    """
+
+    def __init__(
+        self,
+        groups: Sequence[StoreGroup],
+        shards: Sequence[Shard],
+        hash_block_size: int,
+        request: LookupRequest,
+        alignment: int | None = None,
+        sealed: bool = False,
+    ) -> None:
+        self._request = request
+        self._grain = _grain(groups, alignment)
+        self._limit = _hit_limit(hash_block_size, request, self._grain)
+        self._ends = _ends(groups, shards, hash_block_size, request, self._grain, sealed)
+
+    @functools.cached_property
+    def keys(self) -> tuple[str, ...]:
+        """The keys whose existence decides the hit, in prefix order, each once."""
+        ends = [
+            (end, index, key)
+            for index, (_, keys) in enumerate(self._ends)
+            for end, chunk in keys.items()
+            if chunk is not None
+            for key in chunk.keys()
+        ]
+        return tuple(dict.fromkeys(key for _, _, key in sorted(ends, key=lambda item: item[:2])))
+
+    def hit(self, exists: Mapping[str, bool]) -> int:
+        """The tokens, from 0, that the store and the engine together hold for every group and shard.
+
+        ``exists`` answers for :attr:`keys`; a key it does not hold counts as
+        missing, and what lies wholly below ``num_computed_tokens`` counts as
+        present (the engine has it). A hit of ``L`` tokens (a whole number of
+        grains: ``alignment``, or a prefix unit) needs, of every non-recurrent
+        group, every chunk up to its last block end within ``L`` and, when ``L``
+        ends inside a block, the tail stored at ``L``; of every recurrent group,
+        the state at ``L``. The hit is the longest such ``L``; it never reaches
+        ``num_tokens``. Sealed, an object counts only with a seal that may vouch
+        for it; whether it does, its load tells.
+        """
+        present: list[tuple[StoreGroup, dict[int, bool], int]] = []
+        for group, keys in self._ends:
+            stored = {end: chunk is None or chunk.stored(exists) for end, chunk in keys.items()}
+            run = 0  # the end of the group's run of whole chunks from token 0
+            while stored.get(run + group.spec.block_size, False):
+                run += group.spec.block_size
+            present.append((group, stored, run))
+
+        def holds(hit: int) -> bool:
+            for group, stored, run in present:
+                if is_recurrent(group):
+                    if not stored[hit]:
+                        return False
+                elif hit // group.spec.block_size * group.spec.block_size > run or (
+                    hit % group.spec.block_size and not stored[hit]
+                ):
+                    return False
+            return True
+
+        for hit in range(self._limit, 0, -self._grain):
+            if hit <= self._request.num_computed_tokens or holds(hit):
+                return hit
+        return 0
+
+
 def lookup_keys(
     groups: Sequence[StoreGroup],
     shards: Sequence[Shard],
@@ -162,21 +237,8 @@ def lookup_keys(
     alignment: int | None = None,
     sealed: bool = False,
 ) -> tuple[str, ...]:
-    """The keys whose existence decides ``request``'s hit, in prefix order, each once.
-
-    ``sealed`` (``integrity: required``): the seals that may vouch for each
-    object too, so a chunk no seal can vouch for is a miss rather than a load
-    that is refused.
-    """
-    grain = _grain(groups, alignment)
-    ends = [
-        (end, index, key)
-        for index, (_, keys) in enumerate(_ends(groups, shards, hash_block_size, request, grain, sealed))
-        for end, chunk in keys.items()
-        if chunk is not None
-        for key in chunk.keys()
-    ]
-    return tuple(dict.fromkeys(key for _, _, key in sorted(ends, key=lambda item: item[:2])))
+    """The keys whose existence decides ``request``'s hit (:attr:`LookupPlan.keys`)."""
+    return LookupPlan(groups, shards, hash_block_size, request, alignment, sealed).keys
 
 
 def longest_stored_prefix(
@@ -188,40 +250,5 @@ def longest_stored_prefix(
     alignment: int | None = None,
     sealed: bool = False,
 ) -> int:
-    """The tokens, from 0, that the store and the engine together hold for every group and shard.
-
-    ``exists`` answers for the keys of :func:`lookup_keys`; a key it does not
-    hold counts as missing, and what lies wholly below ``num_computed_tokens``
-    counts as present (the engine has it). A hit of ``L`` tokens (a whole number
-    of grains: ``alignment``, or a prefix unit) needs, of every non-recurrent
-    group, every chunk up to its last block end within ``L`` and, when ``L``
-    ends inside a block, the tail stored at ``L``; of every recurrent group, the
-    state at ``L``. The hit is the longest such ``L``; it never reaches ``num_tokens``.
-    ``sealed``: an object counts only with a seal that may vouch for it (as
-    :func:`lookup_keys` asks); whether it does, its load tells.
-    """
-    grain = _grain(groups, alignment)
-    limit = _hit_limit(hash_block_size, request, grain)
-    present: list[tuple[StoreGroup, dict[int, bool], int]] = []
-    for group, keys in _ends(groups, shards, hash_block_size, request, grain, sealed):
-        stored = {end: chunk is None or chunk.stored(exists) for end, chunk in keys.items()}
-        run = 0  # the end of the group's run of whole chunks from token 0
-        while stored.get(run + group.spec.block_size, False):
-            run += group.spec.block_size
-        present.append((group, stored, run))
-
-    def holds(hit: int) -> bool:
-        for group, stored, run in present:
-            if is_recurrent(group):
-                if not stored[hit]:
-                    return False
-            elif hit // group.spec.block_size * group.spec.block_size > run or (
-                hit % group.spec.block_size and not stored[hit]
-            ):
-                return False
-        return True
-
-    for hit in range(limit, 0, -grain):
-        if hit <= request.num_computed_tokens or holds(hit):
-            return hit
-    return 0
+    """``request``'s hit given the store's answers for its :func:`lookup_keys` (:meth:`LookupPlan.hit`)."""
+    return LookupPlan(groups, shards, hash_block_size, request, alignment, sealed).hit(exists)

@@ -2,7 +2,7 @@
 
 It runs in vLLM's scheduler (the engine-core process) and asks the store only
 ``batch_is_exist``. What counts as a hit is the stages' rule
-(:func:`~kvpipe.stages.longest_stored_prefix`: every storable group, every
+(:class:`~kvpipe.stages.LookupPlan`: every storable group, every
 rank); this module decides *when* to ask and *what to do with the answer*:
 
 - **one store call per scheduling step**: the first lookup of a step also asks
@@ -48,10 +48,9 @@ from kvpipe.connector.store.protocol import Store
 from kvpipe.stages import (
     Integrity,
     LoadRequest,
+    LookupPlan,
     LookupRequest,
     SaveRequest,
-    longest_stored_prefix,
-    lookup_keys,
 )
 from kvpipe.stages.keys import deployment_key_pattern, key_chunk_hex
 from kvpipe.stages.load import load_slots, longest_load
@@ -238,8 +237,8 @@ class SchedulerSide:
             num_computed_tokens,
             self._load_room(),
         )
-        cache = self.cache
-        keys = self._lookup_keys(lookup)
+        plan = self._plan(lookup)
+        keys = plan.keys
         if not keys:
             return 0, False
         if any(key not in self._exists for key in keys):
@@ -247,15 +246,7 @@ class SchedulerSide:
         failed = self._failed_recently()
         # unanswered: a miss; a chunk whose load just failed: a miss too, whatever the master says
         exists = {key: self._exists.get(key, False) and key_chunk_hex(key) not in failed for key in keys}
-        hit = longest_stored_prefix(
-            cache.store_groups,
-            cache.lookup_shards,
-            cache.hash_block_size,
-            lookup,
-            exists,
-            cache.hit_alignment,
-            self._sealed,
-        )
+        hit = plan.hit(exists)
         new = max(0, hit - num_computed_tokens)
         if new and self._loaded_by_another(lookup, hit):
             self.stats[LOOKUPS_DEFERRED] += 1
@@ -289,9 +280,9 @@ class SchedulerSide:
         """Whether a hit needs every object's seal too (``integrity: required``)."""
         return self.settings.integrity is Integrity.REQUIRED
 
-    def _lookup_keys(self, lookup: LookupRequest) -> tuple[str, ...]:
+    def _plan(self, lookup: LookupRequest) -> LookupPlan:
         cache = self.cache
-        return lookup_keys(
+        return LookupPlan(
             cache.store_groups,
             cache.lookup_shards,
             cache.hash_block_size,
@@ -343,7 +334,7 @@ class SchedulerSide:
                 waiting.num_tokens,
                 max_load_tokens=self._load_room(),
             )
-            keys_ahead = self._lookup_keys(ahead)
+            keys_ahead = self._plan(ahead).keys
             wanted.update(dict.fromkeys(key for key in keys_ahead if key not in self._exists))
         asked = list(wanted)
         self.stats[LOOKUP_CALLS] += 1
