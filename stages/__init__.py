@@ -22,8 +22,6 @@ from .load_pipeline import (
 from .lookup import (
     LookupPlan,
     LookupRequest,
-    longest_stored_prefix,
-    lookup_keys,
     prefix_unit,
 )
 from .model import (
@@ -126,8 +124,6 @@ __all__ = [
     "key_model_name",
     "load_targets",
     "LookupPlan",
-    "longest_stored_prefix",
-    "lookup_keys",
     "object_key",
     "parse_flag",
     "prefix_unit",

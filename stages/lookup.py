@@ -18,9 +18,9 @@ of ``L`` tokens needs every other group's chunks up to ``L`` and, of each
 recurrent group, the one state at ``L``; the hit is the longest such ``L``, as in
 vLLM's own prefix cache and its connector.
 
-The rule is pure: a :class:`LookupPlan` says which objects decide a hit and
-reads the hit off the store's answers for them (:func:`lookup_keys` and
-:func:`longest_stored_prefix` do one half each). The
+The rule is pure: a :class:`LookupPlan` says which objects decide a hit
+(:attr:`~LookupPlan.keys`) and reads the hit off the store's answers for them
+(:meth:`~LookupPlan.hit`). The
 caller makes the store call (the vLLM connector's scheduler side: one
 ``batch_is_exist`` per scheduling step, across requests), so a lookup costs no
 pipeline hop on the engine's critical path.
@@ -228,27 +228,3 @@ class LookupPlan:
                 return hit
         return 0
 
-
-def lookup_keys(
-    groups: Sequence[StoreGroup],
-    shards: Sequence[Shard],
-    hash_block_size: int,
-    request: LookupRequest,
-    alignment: int | None = None,
-    sealed: bool = False,
-) -> tuple[str, ...]:
-    """The keys whose existence decides ``request``'s hit (:attr:`LookupPlan.keys`)."""
-    return LookupPlan(groups, shards, hash_block_size, request, alignment, sealed).keys
-
-
-def longest_stored_prefix(
-    groups: Sequence[StoreGroup],
-    shards: Sequence[Shard],
-    hash_block_size: int,
-    request: LookupRequest,
-    exists: Mapping[str, bool],
-    alignment: int | None = None,
-    sealed: bool = False,
-) -> int:
-    """``request``'s hit given the store's answers for its :func:`lookup_keys` (:meth:`LookupPlan.hit`)."""
-    return LookupPlan(groups, shards, hash_block_size, request, alignment, sealed).hit(exists)

@@ -6,7 +6,7 @@ evicted), how it names and groups them, and what else it writes. So each
 contender here makes exactly its connector's store calls, request by request:
 
 - :class:`KvpipeReplay` runs kvpipe's own pieces: the scheduler's lookup rule
-  (:func:`~kvpipe.stages.lookup_keys`, one ``batch_is_exist`` per scheduling step
+  (:class:`~kvpipe.stages.LookupPlan`, one ``batch_is_exist`` per scheduling step
   over every waiting request), the default load graph (seals checked) and the
   default save graph (filter, seals, group ids as configured), through the sync
   bridge a connector uses; with retention, the scheduler's count of requests per
@@ -38,12 +38,11 @@ from kvpipe.pipeline import SyncPipeline
 from kvpipe.stages import (
     EXISTS,
     LoadRequest,
+    LookupPlan,
     LookupRequest,
     SaveRequest,
     default_load_graph,
     default_save_graph,
-    longest_stored_prefix,
-    lookup_keys,
     object_key,
 )
 from kvpipe.stages.retention import LoadedKeys, ReuseCounter
@@ -200,23 +199,20 @@ class KvpipeReplay(AbstractContextManager["KvpipeReplay"]):
     def _lookup(self, prompt: Prompt) -> LookupRequest:
         return LookupRequest(prompt.request_id, prompt.block_hashes, prompt.tokens)
 
-    def _keys(self, prompt: Prompt) -> tuple[str, ...]:
+    def _plan(self, prompt: Prompt) -> LookupPlan:
         cache = self._cache
-        return lookup_keys(
-            cache.store_groups, cache.kv.shards, cache.kv.hash_block_size, self._lookup(prompt)
-        )
+        return LookupPlan(cache.store_groups, cache.kv.shards, cache.kv.hash_block_size, self._lookup(prompt))
 
     def step(self, serving: Prompt, waiting: Sequence[Prompt]) -> None:
         # the scheduler's one batch_is_exist of the step asks for every waiting request too
-        asked = list(dict.fromkeys(key for prompt in (serving, *waiting) for key in self._keys(prompt)))
+        plan = self._plan(serving)
+        ahead = (self._plan(prompt).keys for prompt in waiting)
+        asked = list(dict.fromkeys(key for keys in (plan.keys, *ahead) for key in keys))
         exists = {
             key: answer == EXISTS
             for key, answer in zip(asked, self._store.batch_is_exist(asked), strict=True)
         }
-        cache = self._cache
-        hit = longest_stored_prefix(
-            cache.store_groups, cache.kv.shards, cache.kv.hash_block_size, self._lookup(serving), exists
-        )
+        hit = plan.hit(exists)
         loaded = self._load_hit(serving, hit)
         job = self._save.submit(
             SaveRequest(

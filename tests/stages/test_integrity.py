@@ -23,6 +23,7 @@ from kvpipe.stages import (
     LoadParams,
     LoadRequest,
     LoadStage,
+    LookupPlan,
     LookupRequest,
     Seal,
     SealEntry,
@@ -30,8 +31,6 @@ from kvpipe.stages import (
     Verdict,
     fingerprint,
     is_seal_key,
-    longest_stored_prefix,
-    lookup_keys,
     object_key,
     seal_key,
     storable_groups,
@@ -356,9 +355,9 @@ async def test_an_object_beside_another_writer_s_seal_costs_one_recompute_then_h
 def _lookup(store, fixture, saved, sealed):
     groups = storable_groups(fixture.kv)
     request = LookupRequest("r", saved.block_hashes, 49)
-    keys = lookup_keys(groups, fixture.kv.shards, 16, request, sealed=sealed)
-    exists = dict(zip(keys, (code == 1 for code in store.batch_is_exist(list(keys))), strict=True))
-    return keys, longest_stored_prefix(groups, fixture.kv.shards, 16, request, exists, sealed=sealed)
+    plan = LookupPlan(groups, fixture.kv.shards, 16, request, sealed=sealed)
+    exists = dict(zip(plan.keys, (code == 1 for code in store.batch_is_exist(list(plan.keys))), strict=True))
+    return plan.keys, plan.hit(exists)
 
 
 async def test_a_lookup_under_required_asks_for_seals_and_misses_a_chunk_no_seal_can_vouch_for():

@@ -1,8 +1,8 @@
 """A lookup's hit is the prefix whose chunks are stored for every group and shard.
 
 Requests are saved with the real save stages into a MemoryStore, then looked up
-as the scheduler looks them up (:func:`lookup_keys`, the store's answers,
-:func:`longest_stored_prefix`); objects are taken away with ``store.remove`` to
+as the scheduler looks them up (a :class:`LookupPlan`'s keys, the store's
+answers, the plan's hit); objects are taken away with ``store.remove`` to
 make holes.
 """
 
@@ -14,9 +14,8 @@ from kvpipe.stages import (
     EXISTS,
     GroupKind,
     GroupSpec,
+    LookupPlan,
     LookupRequest,
-    longest_stored_prefix,
-    lookup_keys,
     object_key,
     storable_groups,
 )
@@ -51,14 +50,18 @@ def _answers(store, keys):
     return {key: answer == EXISTS for key, answer in zip(keys, store.batch_is_exist(list(keys)), strict=True)}
 
 
+def _plan(kv, request):
+    return LookupPlan(storable_groups(kv), kv.shards, kv.hash_block_size, request, kv.hit_alignment)
+
+
 def _keys(kv, request):
-    return lookup_keys(storable_groups(kv), kv.shards, kv.hash_block_size, request, kv.hit_alignment)
+    return _plan(kv, request).keys
 
 
 def _hit(kv, store, request):
     """The hit of ``request``: the longest prefix the store's answers for its lookup keys hold."""
-    groups, exists = storable_groups(kv), _answers(store, _keys(kv, request))
-    return longest_stored_prefix(groups, kv.shards, kv.hash_block_size, request, exists, kv.hit_alignment)
+    plan = _plan(kv, request)
+    return plan.hit(_answers(store, plan.keys))
 
 
 async def test_the_hit_is_the_stored_prefix_counted_from_token_0():
@@ -189,9 +192,10 @@ def test_groups_of_different_block_sizes_hit_only_where_both_groups_have_whole_c
     request = LookupRequest("r", hashes, num_tokens=200)
     stored = {object_key(kv.shards[0].namespace, 0, h) for h in hashes[:3]}  # 16-token chunks to 48
     stored |= {object_key(kv.shards[0].namespace, 1, h) for h in (hashes[1], hashes[3])}  # 32-token, to 64
-    exists = {key: key in stored for key in lookup_keys(groups, kv.shards, kv.hash_block_size, request)}
+    plan = LookupPlan(groups, kv.shards, kv.hash_block_size, request)
+    exists = {key: key in stored for key in plan.keys}
 
-    hit = longest_stored_prefix(groups, kv.shards, kv.hash_block_size, request, exists)
+    hit = plan.hit(exists)
 
     assert hit == 32  # both groups reach 48, but 48 would end inside a 32-token chunk
 
@@ -214,10 +218,10 @@ def test_the_hit_is_the_longest_prefix_of_whole_units_stored_everywhere(
 ):
     hashes = make_request(PROPERTY_KV, 16 * hashed_blocks).block_hashes
     request = LookupRequest("r", hashes, num_tokens, num_computed)
-    keys = lookup_keys(PROPERTY_GROUPS, PROPERTY_KV.shards, 16, request)
-    exists = {key: data.draw(st.booleans(), label=key) for key in keys}
+    plan = LookupPlan(PROPERTY_GROUPS, PROPERTY_KV.shards, 16, request)
+    exists = {key: data.draw(st.booleans(), label=key) for key in plan.keys}
 
-    hit = longest_stored_prefix(PROPERTY_GROUPS, PROPERTY_KV.shards, 16, request, exists)
+    hit = plan.hit(exists)
 
     def whole(tokens):
         """Every chunk of every group below ``tokens`` is local or stored by every shard."""
@@ -252,10 +256,11 @@ async def test_with_partial_hits_a_hit_may_end_inside_a_block_where_its_tail_is_
     saved = make_request(kv, 40, finished=True)  # chunks 0-1, and the tail 32-40 of block 2
     await run_save_path(kv, store, [saved])
     groups, request = storable_groups(kv), _asking(saved, num_tokens=100)
-    exists = _answers(store, lookup_keys(groups, kv.shards, 8, request, 8))
+    partial = LookupPlan(groups, kv.shards, 8, request, alignment=8)
+    exists = _answers(store, partial.keys)
 
-    assert longest_stored_prefix(groups, kv.shards, 8, request, exists, alignment=8) == 40
-    assert longest_stored_prefix(groups, kv.shards, 8, request, exists) == 32  # whole blocks only
+    assert partial.hit(exists) == 40
+    assert LookupPlan(groups, kv.shards, 8, request).hit(exists) == 32  # whole blocks only
 
 
 async def test_a_partial_hit_of_a_hybrid_needs_the_mamba_state_where_it_ends():
@@ -265,9 +270,9 @@ async def test_a_partial_hit_of_a_hybrid_needs_the_mamba_state_where_it_ends():
     saved = make_request(kv, 40, saved=32, finished=True)  # the next at 40: the state at 40, the tail
     await run_save_path(kv, store, [saved])
     groups, request = storable_groups(kv), _asking(saved, num_tokens=100)
-    keys = lookup_keys(groups, kv.shards, 8, request, 8)
+    plan = LookupPlan(groups, kv.shards, 8, request, alignment=8)
 
-    assert longest_stored_prefix(groups, kv.shards, 8, request, _answers(store, keys), alignment=8) == 40
+    assert plan.hit(_answers(store, plan.keys)) == 40
     assert store.remove(object_key(kv.shards[0].namespace, 1, saved.block_hashes[4])) == 0  # the state at 40
-    exists = _answers(store, keys)
-    assert longest_stored_prefix(groups, kv.shards, 8, request, exists, alignment=8) == 32  # the state at 32
+    exists = _answers(store, plan.keys)
+    assert plan.hit(exists) == 32  # the state at 32

@@ -15,10 +15,9 @@ from kvpipe.connector.store.protocol import Store
 from kvpipe.pipeline import Outcome, Pipeline
 from kvpipe.stages import (
     KVCache,
+    LookupPlan,
     LookupRequest,
     default_save_graph,
-    longest_stored_prefix,
-    lookup_keys,
     storable_groups,
 )
 
@@ -74,9 +73,10 @@ def hit_tokens(kv: KVCache, store: Store, request_id: str) -> int:
     saved = make_request(kv, TOKENS, request_id=request_id)
     request = LookupRequest(request_id, saved.block_hashes, num_tokens=TOKENS + 1)
     groups = storable_groups(kv)
-    keys = lookup_keys(groups, kv.shards, kv.hash_block_size, request)
+    plan = LookupPlan(groups, kv.shards, kv.hash_block_size, request)
+    keys = plan.keys
     exists = {key: code == 1 for key, code in zip(keys, store.batch_is_exist(list(keys)), strict=True)}
-    return longest_stored_prefix(groups, kv.shards, kv.hash_block_size, request, exists)
+    return plan.hit(exists)
 
 
 @pytest.fixture
