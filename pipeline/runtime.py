@@ -66,25 +66,34 @@ _TIME_EVERY = 8
 
 
 class _Emit:
-    """The :class:`~kvpipe.pipeline.stage.Emit` handle for one input item at one stage.
+    """The :class:`~kvpipe.pipeline.stage.Emit` handle of one stage, bound to one input item at a time.
 
-    Made as the stage is handed the item (which counts it in) and closed when the
-    stage returns. A fused chain makes one per stage per item, so this is the
-    runtime's hottest code: profile before adding to it.
+    Bound as the stage is handed the item (:meth:`begin`, which counts it in) and
+    closed when the stage returns. A fused chain binds one per stage per item, so
+    this is the runtime's hottest code: profile before adding to it.
     """
 
     __slots__ = ("_node", "_job", "_outs", "_borrows", "_timed", "_started", "acted", "inline_s")
 
-    def __init__(self, node: _Node, job: Job, outs: Outs, borrows: bool, timed: bool) -> None:
-        node.metrics.items_in += 1
+    def __init__(self, node: _Node, outs: Outs) -> None:
         self._node = node
-        self._job = job
         self._outs = outs
+
+    def begin(self, job: Job, borrows: bool, timed: bool) -> _Emit:
+        """Hand the stage an item of ``job`` (which counts it in); returns the handle.
+
+        A worker and a fused stage reuse one handle for every item they process, one
+        at a time (a batch makes one per entry): making one per stage per item cost a
+        sixth of a fused chain's time, and the allocations ran the garbage collector.
+        """
+        self._node.metrics.items_in += 1
+        self._job = job
         self._borrows = borrows
         self._timed = timed  # the item is one its worker times: so are its fused consumers' calls
         self._started = time.perf_counter() if timed else 0.0
         self.acted = False  # emitted, dropped, failed or succeeded anything
         self.inline_s = 0.0  # time fused consumers took inside this item's emits
+        return self
 
     async def __call__(self, item: Any, port: str = DEFAULT_PORT, *, released: bool = False) -> None:
         try:
@@ -100,7 +109,7 @@ class _Emit:
                 # its borrow outlasts the consumer's: the job's counts need no update.
                 # What a worker does per item, written out: a call to a shared
                 # coroutine here cost a tenth of a fused chain's time per item.
-                emit = _Emit(send.node, job, send.outs, borrows, self._timed)
+                emit = send.emit.begin(job, borrows, self._timed)
                 try:
                     await send.stage.process(item, emit)
                 except Exception as exc:
@@ -427,6 +436,7 @@ class Pipeline:
         with inbox, _closing_all(outs):
             since_yield = 0
             until_timed = 0
+            handle = _Emit(node, outs)
             while True:
                 try:
                     job, item, borrows = inbox.receive_nowait()
@@ -443,7 +453,7 @@ class Pipeline:
                     return
                 timed = not until_timed  # the first item, then one in _TIME_EVERY
                 until_timed = until_timed - 1 if until_timed else _TIME_EVERY - 1
-                emit = _Emit(node, job, outs, borrows, timed)
+                emit = handle.begin(job, borrows, timed)
                 try:
                     await stage.process(item, emit)
                 except Exception as exc:
@@ -464,7 +474,7 @@ class Pipeline:
                     return
                 await _gather(inbox, batch, policy.max_items, policy.max_wait_s)
                 # Untimed: the batch's call is timed as one.
-                emits = [_Emit(node, job, outs, borrows, timed=False) for job, _, borrows in batch]
+                emits = [_Emit(node, outs).begin(job, borrows, timed=False) for job, _, borrows in batch]
                 started = time.perf_counter()
                 try:
                     await stage.process_batch(
@@ -511,7 +521,7 @@ async def _gather(inbox: ReceiveStream, batch: list[Envelope], max_items: int, m
 class _Fused:
     """A stage run inline by its producer's task (a fused chain): the target of an emit, like an inbox."""
 
-    __slots__ = ("node", "stage", "outs")
+    __slots__ = ("node", "stage", "outs", "emit")
 
     def __init__(self, node: _Node, outs: Outs) -> None:
         stage = node.spec.stage
@@ -519,6 +529,7 @@ class _Fused:
         self.node = node
         self.stage = stage
         self.outs = outs
+        self.emit = _Emit(node, outs)  # its producer's task runs it one item at a time
 
 
 def _runs_alone(spec: StageSpec) -> bool:

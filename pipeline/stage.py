@@ -25,7 +25,9 @@ sees queues or jobs. Everything it does to the outside world goes through the
 
 The runtime binds each handle to the job of the input it belongs to, so job
 accounting needs nothing from stage code. In a batch each entry carries its own
-handle, because a batch mixes items of several jobs.
+handle, because a batch mixes items of several jobs. A handle is good only until
+the call it came with returns: the runtime hands the same object, bound anew, to
+the stage's next item.
 
 Blocking work (a store call that waits on the network) goes through
 ``await self.run_blocking(fn, *args)``: it runs in a worker thread under the

@@ -132,6 +132,23 @@ async def test_a_fused_stage_that_raises_fails_only_its_item() -> None:
     assert pipeline.metrics()["s1"].errors == 3
 
 
+async def test_a_stage_handed_its_next_item_starts_afresh() -> None:
+    """The runtime reuses a stage's emit handle: what it recorded of one item must not touch the next."""
+
+    class FusedFailOdd(Stage):
+        fuses = True
+        ports = ()
+
+        async def process(self, item: int, emit: Emit) -> None:
+            if item % 2:
+                emit.fail(f"odd {item}")  # a sink that takes an item without complaint succeeds a unit
+
+    async with Pipeline(linear(AddOne(), FusedAddOne(), FusedFailOdd())) as pipeline:
+        jobs = [await pipeline.submit(i) for i in range(6)]
+    assert [job.outcome for job in jobs] == [Outcome.OK, Outcome.FAILED] * 3
+    assert [(job.succeeded_units, job.failed_units) for job in jobs] == [(1, 0), (0, 1)] * 3
+
+
 async def test_a_fused_stage_counts_its_items_and_has_no_queue() -> None:
     async with Pipeline(linear(AddOne(), FusedAddOne(), FusedCollect())) as pipeline:
         for i in range(20):
