@@ -96,8 +96,8 @@ SEAL_SPAN = 16
 _HEADER = struct.Struct("<8sHHHH16s")
 _ENTRY = struct.Struct("<QQQ")
 SEAL_SIZE = _HEADER.size + SEAL_SPAN * _ENTRY.size  # 416
-#: per entry count, the whole seal as one struct, its unused entries as zero padding: a seal
-#: packed in one call took a seventh of the time of a header, each entry and a zero fill apart
+#: per entry count, the whole seal as one struct, its unused entries as zero padding: packed in
+#: one call, a 2-entry seal took 0.65 us against 1.05 for a header, each entry and a zero fill apart
 _SEALS = tuple(
     struct.Struct(_HEADER.format + _ENTRY.format[1:] * count + f"{(SEAL_SPAN - count) * _ENTRY.size}x")
     for count in range(SEAL_SPAN + 1)
