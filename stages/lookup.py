@@ -30,13 +30,13 @@ from __future__ import annotations
 
 import functools
 import math
-from collections.abc import Mapping, Sequence
+from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import NamedTuple
 
 from .chunks import chunk_hash_at, is_recurrent
 from .integrity import seal_candidates
-from .keys import object_key
+from .keys import object_key_prefix
 from .model import Shard, StoreGroup
 
 
@@ -126,19 +126,23 @@ def _ends(
     block, the tail at that end); a recurrent group only the state where a hit ends.
     """
     limit = _hit_limit(hash_block_size, request, grain)
+    computed = request.num_computed_tokens
     per_group = []
     for group in groups:
         block_size = group.spec.block_size
-        ends = set(range(grain, limit + 1, grain))
+        ends: Iterable[int] = range(grain, limit + 1, grain)
         if not is_recurrent(group):
             ends = {end for end in ends if end % block_size} | set(range(block_size, limit + 1, block_size))
+        # a chunk's keys differ only in their prefix (per shard): made once, not per chunk
+        prefixes = [object_key_prefix(shard.namespace, group.store_group) for shard in shards]
         keys: dict[int, _Chunk | None] = {}
         for end in sorted(ends):
-            if end <= request.num_computed_tokens:
+            if end <= computed:
                 keys[end] = None  # the engine has it already
                 continue
             chunk_hash = chunk_hash_at(request.block_hashes, end, hash_block_size)
-            objects = tuple(object_key(shard.namespace, group.store_group, chunk_hash) for shard in shards)
+            hex_hash = chunk_hash.hex()
+            objects = tuple([prefix + hex_hash for prefix in prefixes])
             seals = (
                 tuple(
                     tuple(
@@ -179,9 +183,17 @@ class LookupPlan:
         self._limit = _hit_limit(hash_block_size, request, self._grain)
         self._ends = _ends(groups, shards, hash_block_size, request, self._grain, sealed)
 
+    @property
+    def request(self) -> LookupRequest:
+        """The lookup this plan answers."""
+        return self._request
+
     @functools.cached_property
     def keys(self) -> tuple[str, ...]:
         """The keys whose existence decides the hit, in prefix order, each once."""
+        if len(self._ends) == 1:  # one group: its ends are in order already
+            chunks = self._ends[0][1].values()
+            return tuple(dict.fromkeys(key for chunk in chunks if chunk is not None for key in chunk.keys()))
         ends = [
             (end, index, key)
             for index, (_, keys) in enumerate(self._ends)
@@ -203,27 +215,41 @@ class LookupPlan:
         the state at ``L``. The hit is the longest such ``L``; it never reaches
         ``num_tokens``. Sealed, an object counts only with a seal that may vouch
         for it; whether it does, its load tells.
+
+        Chunks are judged only as the answer needs them: a non-recurrent group's
+        run of whole chunks from token 0 bounds the hit (past the block after the
+        run nothing holds), so a prompt that misses early costs a few chunks, not
+        all of them.
         """
-        present: list[tuple[StoreGroup, dict[int, bool], int]] = []
-        for group, keys in self._ends:
-            stored = {end: chunk is None or chunk.stored(exists) for end, chunk in keys.items()}
-            run = 0  # the end of the group's run of whole chunks from token 0
-            while stored.get(run + group.spec.block_size, False):
-                run += group.spec.block_size
-            present.append((group, stored, run))
+
+        def stored(chunks: dict[int, _Chunk | None], end: int) -> bool:
+            if end not in chunks:  # past the limit
+                return False
+            chunk = chunks[end]
+            return chunk is None or chunk.stored(exists)
+
+        longest = self._limit
+        runs: list[int] = []  # per group: the end of its run of whole chunks (recurrent: unused)
+        for group, chunks in self._ends:
+            block_size = group.spec.block_size
+            run = 0
+            if not is_recurrent(group):
+                while stored(chunks, run + block_size):
+                    run += block_size
+                longest = min(longest, run + block_size - 1)
+            runs.append(run)
 
         def holds(hit: int) -> bool:
-            for group, stored, run in present:
+            for (group, chunks), run in zip(self._ends, runs, strict=True):
+                block_size = group.spec.block_size
                 if is_recurrent(group):
-                    if not stored[hit]:
+                    if not stored(chunks, hit):
                         return False
-                elif hit // group.spec.block_size * group.spec.block_size > run or (
-                    hit % group.spec.block_size and not stored[hit]
-                ):
+                elif hit // block_size * block_size > run or (hit % block_size and not stored(chunks, hit)):
                     return False
             return True
 
-        for hit in range(self._limit, 0, -self._grain):
+        for hit in range(longest // self._grain * self._grain, 0, -self._grain):
             if hit <= self._request.num_computed_tokens or holds(hit):
                 return hit
         return 0

@@ -38,7 +38,7 @@ from __future__ import annotations
 import time
 from collections import Counter
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
 import structlog
@@ -86,6 +86,9 @@ log = structlog.get_logger("kvpipe.connector.vllm")
 #: keys one lookup call asks at most when it takes the waiting requests along
 #: (batch_is_exist: ~0.05 ms for 32 keys, ~0.5-1 ms for 2048)
 LOOKUP_BATCH_KEYS = 4096
+#: lookup plans kept per waiting request: its own ask and the look-ahead's differ by the
+#: local hit, and the load room moves as loads are planned
+MEMO_PLANS = 4
 #: how long a chunk whose load failed is a miss for every request: long enough for
 #: the requests waiting on that load to recompute instead of repeating it
 FAILED_CHUNK_TTL_S = 10.0
@@ -130,6 +133,8 @@ class _Request:
     async_load: LoadRequest | None = None  # out, until finished_recving reports it
     sync_load: LoadRequest | None = None  # out with the last step, until the output on that step
     progress: _SaveProgress | None = None  # its saves; None until it is allocated
+    # while it waits: its lookup plans, by what else they depend on (SchedulerSide._plan)
+    plans: dict[tuple[int, int, int, int | None], LookupPlan] = field(default_factory=dict)
 
     def loads_out(self) -> list[LoadRequest]:
         """Its loads that hold (or will hold) staging slots: planned, or out and not reported."""
@@ -185,7 +190,9 @@ class SchedulerSide:
 
     def _state(self, request: Request) -> _Request:
         """The state of ``request``, new if it has none."""
-        return self._requests.setdefault(request.request_id, _Request(request))
+        if (state := self._requests.get(request.request_id)) is None:
+            state = self._requests[request.request_id] = _Request(request)
+        return state
 
     def _finish(self, rid: str) -> None:
         """vLLM has finished ``rid``: it waits no more, and a sync load not out yet never goes.
@@ -230,15 +237,8 @@ class SchedulerSide:
             state.miss_once = False
             self.stats[LOOKUPS_MISSED_AFTER_FAILED_LOAD] += 1
             return 0, False
-        lookup = LookupRequest(
-            request.request_id,
-            tuple(request.block_hashes),
-            request.num_tokens,
-            num_computed_tokens,
-            self._load_room(),
-        )
-        plan = self._plan(lookup)
-        keys = plan.keys
+        plan = self._plan(state, num_computed_tokens, self._load_room())
+        lookup, keys = plan.request, plan.keys
         if not keys:
             return 0, False
         if any(key not in self._exists for key in keys):
@@ -280,16 +280,37 @@ class SchedulerSide:
         """Whether a hit needs every object's seal too (``integrity: required``)."""
         return self.settings.integrity is Integrity.REQUIRED
 
-    def _plan(self, lookup: LookupRequest) -> LookupPlan:
-        cache = self.cache
-        return LookupPlan(
-            cache.store_groups,
-            cache.lookup_shards,
-            cache.hash_block_size,
-            lookup,
-            cache.hit_alignment,
-            self._sealed,
-        )
+    def _plan(self, state: _Request, num_computed_tokens: int, max_load_tokens: int | None) -> LookupPlan:
+        """The lookup plan of ``state``'s request, made once while it waits.
+
+        vLLM asks about a waiting request at every step until it is allocated, and
+        every step's first lookup asks for the requests waiting behind it too: one
+        plan (its keys cost ~0.7 us a chunk to make) serves all of those asks. A
+        plan depends on the request's hashes, which only grow (hence their count in
+        the memo's key), its length, the engine's local hit and the load room.
+        """
+        request = state.request
+        inputs = (len(request.block_hashes), request.num_tokens, num_computed_tokens, max_load_tokens)
+        if (plan := state.plans.get(inputs)) is None:
+            if len(state.plans) >= MEMO_PLANS:  # inputs moved on (a local hit, the room): the old ones are done
+                state.plans.clear()
+            lookup = LookupRequest(
+                request.request_id,
+                tuple(request.block_hashes),
+                request.num_tokens,
+                num_computed_tokens,
+                max_load_tokens,
+            )
+            cache = self.cache
+            plan = state.plans[inputs] = LookupPlan(
+                cache.store_groups,
+                cache.lookup_shards,
+                cache.hash_block_size,
+                lookup,
+                cache.hit_alignment,
+                self._sealed,
+            )
+        return plan
 
     def _loads_async(self) -> bool:
         """Whether a hit found now loads beside the steps (see "async only when it spares someone")."""
@@ -325,16 +346,10 @@ class SchedulerSide:
         machine stretches to milliseconds. The answers hold for this step only.
         """
         wanted = dict.fromkeys(key for key in keys if key not in self._exists)
-        for waiting in (state.request for state in self._requests.values() if state.waiting):
+        for waiting in (state for state in self._requests.values() if state.waiting):
             if len(wanted) >= LOOKUP_BATCH_KEYS:
                 break
-            ahead = LookupRequest(
-                waiting.request_id,
-                tuple(waiting.block_hashes),
-                waiting.num_tokens,
-                max_load_tokens=self._load_room(),
-            )
-            keys_ahead = self._plan(ahead).keys
+            keys_ahead = self._plan(waiting, 0, self._load_room()).keys
             wanted.update(dict.fromkeys(key for key in keys_ahead if key not in self._exists))
         asked = list(wanted)
         self.stats[LOOKUP_CALLS] += 1
@@ -360,6 +375,7 @@ class SchedulerSide:
         rid = request.request_id
         state = self._state(request)
         state.waiting = False
+        state.plans.clear()  # allocated: it is not looked up again until it waits again
         state.progress = state.progress or _SaveProgress()
         local, load_async, deferred = state.local_hit, state.load_async, state.deferred
         state.local_hit, state.load_async, state.deferred = 0, False, False  # taken

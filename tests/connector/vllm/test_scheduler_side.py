@@ -162,6 +162,26 @@ def test_a_request_may_load_what_lies_past_another_requests_load(harness: Harnes
     assert harness.side.get_num_new_matched_tokens(second, 2 * BLOCK) == (2 * BLOCK, True)
 
 
+def test_a_request_still_waiting_is_answered_from_the_store_as_it_is_at_each_step(harness: Harness) -> None:
+    request = harness.request("a")
+    assert harness.side.get_num_new_matched_tokens(request, 0) == (0, False)
+    harness.store_chunks(4)
+    harness.step()
+
+    assert harness.side.get_num_new_matched_tokens(request, 0) == (4 * BLOCK, True)
+
+
+def test_a_waiting_request_whose_hashes_grew_is_looked_up_over_all_of_them(harness: Harness) -> None:
+    harness.store_chunks(4)
+    request = Request("a", harness.hashes[:2], num_tokens=2 * BLOCK + 1)
+    harness.side.on_new_request(request)
+    assert harness.side.get_num_new_matched_tokens(request, 0) == (2 * BLOCK, True)
+    harness.step()
+    request.block_hashes, request.num_tokens = harness.hashes, PROMPT
+
+    assert harness.side.get_num_new_matched_tokens(request, 0) == (4 * BLOCK, True)
+
+
 def test_a_hit_stops_at_what_the_worker_s_staging_slots_hold() -> None:
     harness = make_harness(load_sync_when_idle=False, staging_blocks=3)
     harness.store_chunks(4)
