@@ -95,6 +95,7 @@ LOADS_SYNC: Final = "loads_sync"
 LOADS: Final = "loads"
 LOADS_FAILED: Final = "loads_failed"
 LOADS_FAILED_NO_STAGING: Final = "loads_failed_no_staging"
+LOADS_WAITED_FOR_STAGING: Final = "loads_waited_for_staging"
 LOADS_GIVEN_UP: Final = "loads_given_up"
 LOADS_SPARED: Final = "loads_spared"
 CHUNKS_LOADED: Final = "chunks_loaded"
@@ -298,7 +299,14 @@ CATALOGUE: Final = (
         LOADS_FAILED_NO_STAGING,
         Kind.COUNTER,
         Side.WORKER,
-        "Loads failed at once for want of free staging slots.",
+        "Loads failed for want of free staging slots: more than the saves in flight hold, "
+        "or not given back by the load's deadline.",
+    ),
+    Metric(
+        LOADS_WAITED_FOR_STAGING,
+        Kind.COUNTER,
+        Side.WORKER,
+        "Loads that waited for saves to give staging slots back before they started.",
     ),
     Metric(
         LOADS_GIVEN_UP,

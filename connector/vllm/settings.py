@@ -80,8 +80,8 @@ class ConnectorSettings(BaseModel):
             "(a count of blocks would hold 8x fewer tokens at 16-token blocks than at 128). "
             "A step's saves that do not fit are dropped and counted; a load lands in them too "
             "(`load_via_staging`): a hit stops at what they hold less the loads already planned "
-            "or in flight (the engine computes the rest), and a load that still finds too few free "
-            "(saves hold some) is a miss, counted."
+            "or in flight (the engine computes the rest), and a load that finds saves holding "
+            "some waits for them, by its `load_deadline_s`."
         ),
     )
     staging_blocks: int | None = Field(

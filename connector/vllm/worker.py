@@ -20,7 +20,9 @@ step it runs the loads the scheduler planned and stages the saves:
   block ids back then), and are recomputed under ``kv_load_failure_policy:
   recompute``. A load lands in staging slots (host memory, checked there) and is
   copied into the engine's blocks on the engine's thread, ordered before the next
-  forward. So a load can be given up: past its deadline its blocks fail (vLLM
+  forward; one that finds saves holding the slots it needs waits for them (by its
+  deadline: an async one starts at a later hook, a sync one before the forward).
+  So a load can be given up: past its deadline its blocks fail (vLLM
   recomputes them) and its request waits no longer, while the store call that
   may still write its slots keeps them taken until it ends. A native call cannot
   be cancelled, and one to a store node cut off by the network was measured to
@@ -73,6 +75,7 @@ from .metrics import (
     LOADS,
     LOADS_FAILED_NO_STAGING,
     LOADS_GIVEN_UP,
+    LOADS_WAITED_FOR_STAGING,
     OBJECTS_BY_STATUS,
     SAVE_JOBS_BY_OUTCOME,
     SAVES_DROPPED_NO_STAGING,
@@ -142,16 +145,28 @@ class _SlotCopy(NamedTuple):
 
 @dataclass
 class _Load:
-    """A load in flight: its job (None: it could not start), and the slots it lands in first (unless in place)."""
+    """A load: its job (None: not started), and the slots it lands in first (unless in place).
+
+    A load that found the staging slots held by saves waits for them
+    (``slots_wanted``, until ``waits_until``) before its job starts; one whose job
+    never starts fails whole.
+    """
 
     request: LoadRequest  # over engine block ids
     job: Job | None  # its item is the request over the slots it lands in
     bounce: list[_SlotCopy] = field(default_factory=list)
     via_slots: bool = False  # nothing it writes reaches the engine before it is settled
+    slots_wanted: list[_Placement] | None = None  # waiting for free slots: where its chunks go
+    waits_until: float = math.inf  # when a load waiting for slots fails instead
+
+    @property
+    def waiting(self) -> bool:
+        """It waits for saves to give staging slots back; its job has not started."""
+        return self.slots_wanted is not None
 
     @property
     def done(self) -> bool:
-        return self.job is None or self.job.done
+        return not self.waiting if self.job is None else self.job.done
 
     @property
     def over(self) -> bool:
@@ -160,6 +175,8 @@ class _Load:
 
     def wait_s(self) -> float:
         """How long the engine may wait for it: to its deadline when it can be given up, else for its call."""
+        if self.waiting:
+            return min(LOAD_TIMEOUT_S, max(0.0, self.waits_until - time.monotonic()))
         if self.via_slots and self.job is not None and self.job.deadline < math.inf:
             return min(LOAD_TIMEOUT_S, max(0.0, self.job.deadline - time.monotonic()))
         return LOAD_TIMEOUT_S
@@ -275,6 +292,7 @@ class WorkerSide:
         self._loads: dict[str, _Load] = {}  # async loads in flight
         self._sync_loads: list[_Load] = []  # this step's, submitted, waited for in start_load_kv
         self._given_up: list[_Load] = []  # settled past their deadlines, their calls still running
+        self._waiting_loads: deque[_Load] = deque()  # for saves to give slots back, first come first served
         self._submitted: KVPipeMetadata | None = None  # the step whose loads went out
         self._load_failures = _LoadFailures()
         self.reporter = ChunkReporter((cache.writer(tp_rank), cache.pp_rank)) if kv_events else None
@@ -370,6 +388,8 @@ class WorkerSide:
         """
         if self._memory.released:
             return
+        while self._waiting_loads:  # one that started now would be copied into memory being freed
+            self._fail_waiting(self._waiting_loads.popleft())
         for load in [*self._loads.values(), *self._sync_loads]:
             if load.job is not None and not load.job.wait(LOAD_TIMEOUT_S):
                 log.warning("a load outlived its wait before sleep", request_id=load.request.request_id)
@@ -405,6 +425,8 @@ class WorkerSide:
     def wait_for_save(self, meta: KVPipeMetadata) -> None:
         """Copy this step's saves into staging slots, then hand them to the save pipeline."""
         self._reap()
+        if self._waiting_loads:  # slots the saves gave back go to the loads waiting for them first
+            self._start_waiting_loads()
         if self._save_pipeline is None or self._staging is None or not meta.saves:
             return
         if not self.cache.puts_from(self.tp_rank):
@@ -509,6 +531,7 @@ class WorkerSide:
         if self._load_pipeline is None:
             return
         for load in waited:
+            self._wait_for_slots(load)
             if load.job is not None and not load.job.wait(load.wait_s()):
                 what = "load given up at its deadline" if load.via_slots else "load timed out"
                 log.warning(what, request_id=load.request.request_id)
@@ -517,17 +540,71 @@ class WorkerSide:
             self._load_pipeline.completed()  # their completions: nothing waits for them now
 
     def _submit_load(self, load: LoadRequest) -> _Load:
-        """Submit one load (into staging slots first, for a device cache); no free slot: it fails whole."""
+        """Submit one load (into staging slots first, unless in place).
+
+        The scheduler plans no more loads than the slots hold, but saves hold slots
+        too, for the few milliseconds of their puts: a load that finds too few free
+        waits for the saves in flight to give theirs back (its job starts at a later
+        hook, in arrival order, by its deadline); one that they could not make room
+        for fails whole at once.
+        """
         assert self._load_pipeline is not None and self._staging is not None
         self.stats[LOADS] += 1
         if not self._load_via_staging:
             return _Load(load, self._load_pipeline.submit(load))
         plan = self._load_plan(load)
-        if len(plan) > self._staging.free:
-            self.stats[LOADS_FAILED_NO_STAGING] += 1
-            return _Load(load, None)
-        copies, ids = self._into_slots(plan, load.block_ids)
-        return _Load(load, self._load_pipeline.submit(replace(load, block_ids=ids)), copies, via_slots=True)
+        submitted = _Load(load, None, slots_wanted=plan)
+        if not self._waiting_loads and len(plan) <= self._staging.free:
+            self._start(submitted)
+        elif len(plan) <= self._staging.free + self._slots_held_by_saves():
+            submitted.waits_until = time.monotonic() + self.settings.load_deadline_s
+            self._waiting_loads.append(submitted)
+            self.stats[LOADS_WAITED_FOR_STAGING] += 1
+        else:
+            self._fail_waiting(submitted)
+        return submitted
+
+    def _start(self, load: _Load) -> None:
+        """Start a load's job into free slots (it has waited for them, or found them free)."""
+        assert self._load_pipeline is not None and load.slots_wanted is not None
+        copies, ids = self._into_slots(load.slots_wanted, load.request.block_ids)
+        load.job = self._load_pipeline.submit(replace(load.request, block_ids=ids))
+        load.bounce, load.via_slots, load.slots_wanted = copies, True, None
+
+    def _fail_waiting(self, load: _Load) -> None:
+        """A load that never starts: it fails whole (its request's blocks are recomputed)."""
+        load.slots_wanted = None
+        self.stats[LOADS_FAILED_NO_STAGING] += 1
+
+    def _slots_held_by_saves(self) -> int:
+        return sum(len(slots) for slots in self._job_slots.values())
+
+    def _start_waiting_loads(self) -> None:
+        """Start the loads waiting for slots that the saves have given back, in order; fail the expired."""
+        assert self._staging is not None
+        now = time.monotonic()
+        while self._waiting_loads:
+            load = self._waiting_loads[0]
+            assert load.slots_wanted is not None
+            if len(load.slots_wanted) <= self._staging.free:
+                self._start(self._waiting_loads.popleft())
+            elif now >= load.waits_until or len(load.slots_wanted) > self._staging.free + self._slots_held_by_saves():
+                self._fail_waiting(self._waiting_loads.popleft())
+            else:
+                return
+
+    def _wait_for_slots(self, load: _Load) -> None:
+        """Before the forward: until a sync load waiting for slots has them, or its deadline has passed."""
+        while load.waiting:
+            left = load.waits_until - time.monotonic()
+            pipeline = self._save_pipeline
+            job = pipeline.next_completed(left) if pipeline is not None and left > 0 else None
+            if job is not None:
+                self._reaped(job)
+            self._start_waiting_loads()
+            if job is None and load.waiting:  # no save ended by its deadline
+                self._waiting_loads.remove(load)
+                self._fail_waiting(load)
 
     def _load_plan(self, load: LoadRequest) -> list[_Placement]:
         """Where every chunk the load fills lies in the engine (none if the load is invalid)."""
@@ -601,6 +678,7 @@ class WorkerSide:
         self._reap()
         if self._load_pipeline is None or not self._loads:
             return set()
+        self._start_waiting_loads()
         self._load_pipeline.completed()
         finished = {rid for rid, load in self._loads.items() if load.over}
         self._settle_loads([self._loads.pop(rid) for rid in finished], reported=True)

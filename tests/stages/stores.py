@@ -136,25 +136,42 @@ def fake_record(
     )
 
 
-class StalledGets(MemoryStore):
-    """A store whose first ``stalled`` gets hang until :attr:`let_go` is set (60 s at most)."""
+class _Stalling(MemoryStore):
+    """A store whose next ``stalled`` calls of one kind hang until :attr:`let_go` is set (60 s at most)."""
 
     def __init__(self, stalled: int = 1) -> None:
         super().__init__(16 << 20)
         self.let_go = threading.Event()
-        self.hanging = 0  # gets waiting now
-        self._stalled = stalled
+        self.hanging = 0  # calls waiting now
+        self.stalled = stalled  # calls still to hang
         self._lock = threading.Lock()
 
-    def batch_get_into_multi_buffers(
-        self, keys: Sequence[str], ptrs: Sequence[Sequence[int]], sizes: Sequence[Sequence[int]]
-    ) -> list[int]:
+    def _hang_if_stalled(self) -> None:
         with self._lock:
-            stall = self._stalled > 0
-            self._stalled -= stall
+            stall = self.stalled > 0
+            self.stalled -= stall
             self.hanging += stall
         if stall:
             self.let_go.wait(60.0)
             with self._lock:
                 self.hanging -= 1
+
+
+class StalledGets(_Stalling):
+    """A store whose first ``stalled`` gets hang until :attr:`let_go` is set."""
+
+    def batch_get_into_multi_buffers(
+        self, keys: Sequence[str], ptrs: Sequence[Sequence[int]], sizes: Sequence[Sequence[int]]
+    ) -> list[int]:
+        self._hang_if_stalled()
         return super().batch_get_into_multi_buffers(keys, ptrs, sizes)
+
+
+class StalledPuts(_Stalling):
+    """A store whose next ``stalled`` puts hang until :attr:`let_go` is set."""
+
+    def batch_put_from_multi_buffers(
+        self, keys: Sequence[str], ptrs: Sequence[Sequence[int]], sizes: Sequence[Sequence[int]], config: Any
+    ) -> list[int]:
+        self._hang_if_stalled()
+        return super().batch_put_from_multi_buffers(keys, ptrs, sizes, config)

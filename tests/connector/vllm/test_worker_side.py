@@ -22,7 +22,7 @@ from kvpipe.connector.vllm.worker import WorkerSide
 from kvpipe.stages import LoadRequest, SaveRequest
 
 from ...stages.kv_fixtures import chain_hashes
-from ...stages.stores import StalledGets
+from ...stages.stores import StalledGets, StalledPuts
 from .caches import engine_cache
 from .test_kv_layout import LAYERS, NUM_BLOCKS, engine_views
 
@@ -193,6 +193,97 @@ def test_a_load_in_place_is_not_given_up_while_its_call_may_write_the_engines_bl
     assert wait_finished(loader) == {"l"}
     assert loader.get_block_ids_with_load_errors() == set()
     assert torch.equal(target[LAYERS[0]][0].view(BITS), source[LAYERS[0]][4].view(BITS))
+    loader.shutdown(owns_store=False)
+
+
+#: slots for a load of three blocks only once a stalled save of two gives its slots back
+FOUR_SLOTS = {"staging_blocks": 4}
+OTHER_HASHES = chain_hashes(2, salt="other")
+
+
+def slots_held_by_a_save(
+    settings: dict | None = None,
+) -> tuple[StalledPuts, WorkerSide, dict[str, torch.Tensor], dict[str, torch.Tensor]]:
+    """Three blocks stored; a worker over four slots whose own save of two more hangs in its put.
+
+    Returns (store, worker, the three blocks' source views, the worker's views).
+    """
+    store = StalledPuts(stalled=0)
+    loader, source, target = loader_after_three_saves({**FOUR_SLOTS, **(settings or {})}, store)
+    store.stalled = 1
+    loader.wait_for_save(KVPipeMetadata(saves=[SaveRequest("s", OTHER_HASHES, ((1, 4),), 2 * BLOCK)]))
+    assert loader._staging.free == 2
+    return store, loader, source, target
+
+
+THREE_BLOCKS = LoadRequest("l", HASHES, ((0, 2, 3),), 0, 3 * BLOCK)
+
+
+def test_an_async_load_meeting_saves_that_hold_its_slots_starts_once_they_give_them_back() -> None:
+    store, loader, source, target = slots_held_by_a_save(ROOMY_DEADLINE)
+    loader.start_load_kv(KVPipeMetadata(loads=[THREE_BLOCKS]))
+    assert loader.get_finished() == set()  # still waiting: the save's put hangs
+    assert loader.stats["loads_waited_for_staging"] == 1
+
+    store.let_go.set()
+
+    assert wait_finished(loader) == {"l"}
+    assert loader.get_block_ids_with_load_errors() == set()
+    assert loader.stats["loads_failed_no_staging"] == 0
+    assert torch.equal(target[LAYERS[0]][3].view(BITS), source[LAYERS[0]][5].view(BITS))
+    loader.shutdown(owns_store=False)
+
+
+def test_a_sync_load_meeting_saves_that_hold_its_slots_has_landed_when_start_load_kv_returns() -> None:
+    store, loader, source, target = slots_held_by_a_save(ROOMY_DEADLINE)
+    threading.Timer(0.2, store.let_go.set).start()
+
+    loader.start_load_kv(KVPipeMetadata(loads=[THREE_BLOCKS], sync_loads={"l"}))
+
+    assert loader.get_block_ids_with_load_errors() == set()
+    assert loader.stats["loads_waited_for_staging"] == 1
+    assert torch.equal(target[LAYERS[0]][3].view(BITS), source[LAYERS[0]][5].view(BITS))
+    loader.shutdown(owns_store=False)
+
+
+def test_slots_a_save_gives_back_go_to_the_load_waiting_for_them_before_the_next_save() -> None:
+    store, loader, _, _ = slots_held_by_a_save(ROOMY_DEADLINE)
+    loader.start_load_kv(KVPipeMetadata(loads=[THREE_BLOCKS]))
+    store.let_go.set()
+    assert loader.drain(10.0)  # the save ended and gave its slots back; the load has not started
+
+    loader.wait_for_save(KVPipeMetadata(saves=[SaveRequest("t", OTHER_HASHES, ((1, 4),), 2 * BLOCK)]))
+
+    assert loader.stats["saves_dropped_no_staging"] == 1  # one slot left once the load started
+    assert wait_finished(loader) == {"l"}
+    assert loader.get_block_ids_with_load_errors() == set()
+    loader.shutdown(owns_store=False)
+
+
+def test_a_load_still_waiting_for_slots_at_its_deadline_fails_whole() -> None:
+    store, loader, _, _ = slots_held_by_a_save(QUICK_DEADLINE)
+    loader.start_load_kv(KVPipeMetadata(loads=[THREE_BLOCKS]))
+
+    assert wait_finished(loader) == {"l"}
+
+    assert loader.get_block_ids_with_load_errors() == GIVEN_UP
+    assert loader.stats["loads_failed_no_staging"] == 1
+    store.let_go.set()
+    loader.shutdown(owns_store=False)
+
+
+def test_a_load_that_saves_could_not_make_room_for_fails_at_once() -> None:
+    store = StalledGets()
+    loader, _, _ = loader_after_three_saves({**FOUR_SLOTS, **ROOMY_DEADLINE}, store)
+    loader.start_load_kv(KVPipeMetadata(loads=[THREE_BLOCKS]))  # its get hangs: three slots held
+    other = LoadRequest("m", HASHES, ((1, 4, 5),), 0, 3 * BLOCK)
+
+    loader.start_load_kv(KVPipeMetadata(loads=[other], sync_loads={"m"}))
+
+    assert loader.get_block_ids_with_load_errors() == {1, 4, 5}
+    assert loader.stats["loads_failed_no_staging"] == 1
+    assert loader.stats["loads_waited_for_staging"] == 0
+    store.let_go.set()
     loader.shutdown(owns_store=False)
 
 
