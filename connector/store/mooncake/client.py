@@ -365,6 +365,7 @@ class MooncakeStore:
             if self._shared_as is not None:
                 REGISTRY.forget(self._shared_as, self)
             drained = self._state.wait_for(lambda: self._in_flight == 0, timeout=self._drain_timeout_s)
+        self._liveness.close()
         if drained:
             self._client = None  # the finalizer's is then the last reference: _release ends the client
             self._release()

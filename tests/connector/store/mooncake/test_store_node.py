@@ -7,6 +7,7 @@ import json
 import signal
 import subprocess
 import sys
+import threading
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -92,12 +93,45 @@ class _Probes:
 def test_an_endpoint_is_probed_once_per_ttl() -> None:
     now = [0.0]
     probes = _Probes(alive=False)
-    liveness = SegmentLiveness(ttl_s=1.0, probe=probes, clock=lambda: now[0])
+    liveness = SegmentLiveness(ttl_s=1.0, probe=probes, clock=lambda: now[0], renew=lambda probe: probe())
     assert [liveness.alive("10.0.0.2:15000") for _ in range(3)] == [False] * 3
     now[0] = 1.5
     probes.alive = True
+    liveness.alive("10.0.0.2:15000")  # expired: answered as it stood, probed again
+
     assert liveness.alive("10.0.0.2:15000") is True
     assert probes.calls == [("10.0.0.2", 15000)] * 2
+
+
+def test_an_expired_answer_is_given_at_once_while_one_probe_renews_it_elsewhere() -> None:
+    now = [0.0]
+    probes = _Probes(alive=True)
+    renewals: list = []
+    liveness = SegmentLiveness(ttl_s=1.0, probe=probes, clock=lambda: now[0], renew=renewals.append)
+    assert liveness.alive("10.0.0.2:15000") is True  # never seen: probed on the caller's thread
+    now[0] = 1.5
+    probes.alive = False  # the node is gone
+
+    assert [liveness.alive("10.0.0.2:15000") for _ in range(3)] == [True] * 3  # nobody waited
+    assert len(renewals) == 1 and len(probes.calls) == 1  # one probe on its way, not run here
+    renewals[0]()
+    assert liveness.alive("10.0.0.2:15000") is False
+
+
+def test_closing_ends_the_thread_that_renews_answers() -> None:
+    now = [0.0]
+    liveness = SegmentLiveness(ttl_s=1.0, probe=_Probes(alive=True), clock=lambda: now[0])
+    liveness.alive("10.0.0.2:15000")
+    now[0] = 1.5
+    liveness.alive("10.0.0.2:15000")  # renewed in its thread
+    renewers = [t for t in threading.enumerate() if t.name == "kvpipe-liveness"]
+    assert renewers
+
+    liveness.close()
+
+    for thread in renewers:
+        thread.join(10.0)
+    assert not any(thread.is_alive() for thread in renewers)
 
 
 def test_an_endpoint_that_cannot_be_probed_counts_as_alive() -> None:
