@@ -36,7 +36,7 @@ from typing import NamedTuple
 
 from .chunks import chunk_hash_at, is_recurrent
 from .integrity import seal_candidates
-from .keys import object_key_prefix
+from .keys import key_chunk_hex, object_key_prefix
 from .model import Shard, StoreGroup
 
 
@@ -202,6 +202,11 @@ class LookupPlan:
             for key in chunk.keys()
         ]
         return tuple(dict.fromkeys(key for _, _, key in sorted(ends, key=lambda item: item[:2])))
+
+    @functools.cached_property
+    def chunk_hexes(self) -> frozenset[str]:
+        """The chunks its keys name (their hashes, hex), seals' anchors included."""
+        return frozenset(key_chunk_hex(key) for key in self.keys)
 
     def hit(self, exists: Mapping[str, bool]) -> int:
         """The tokens, from 0, that the store and the engine together hold for every group and shard.

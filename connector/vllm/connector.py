@@ -110,13 +110,8 @@ class KVPipeConnector(KVConnectorBase_V1, SupportsHMA):
             announcer = None
             if self.kv_events:
                 cache = self.cache
-                ranks = [
-                    (rank, pp)
-                    for rank in cache.writers
-                    for pp in range(int(vllm_config.parallel_config.pipeline_parallel_size))
-                ]
                 pool = shared_pool_id(cache.namespace(0))
-                announcer = ChunkAnnouncer(cache.store_groups, cache.hash_block_size, ranks, pool)
+                announcer = ChunkAnnouncer(cache.store_groups, cache.hash_block_size, cache.putting_ranks, pool)
             self.scheduler = SchedulerSide(self.cache, self.settings, store, announcer=announcer, saves=saves)
             self._source = "scheduler"
         else:
@@ -318,12 +313,12 @@ class KVPipeConnector(KVConnectorBase_V1, SupportsHMA):
         return KVPipeStats(data=data) if data else None
 
     def get_kv_connector_kv_cache_events(self) -> KVPipeKVEvents | None:
-        """This rank's chunk reports for the scheduler's KV events (None when events are off).
+        """This rank's chunk reports for the scheduler: its KV events and its lookups waiting for saves.
 
-        Always a container when they are on, empty or not: vLLM combines the
-        workers' containers and expects every worker's to be of one type.
+        None when neither wants them; else always a container, empty or not: vLLM
+        combines the workers' containers and expects every worker's to be of one type.
         """
-        if not self.kv_events or self.worker is None:
+        if self.worker is None or self.worker.reporter is None:
             return None
         return KVPipeKVEvents(self.worker.take_chunk_reports())
 

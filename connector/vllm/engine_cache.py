@@ -263,6 +263,11 @@ class EngineCache:
         """Every rank that puts, as :meth:`writer` names it."""
         return range(self.pcp_size * self._writers_per_pcp)
 
+    @property
+    def putting_ranks(self) -> list[tuple[int, int]]:
+        """Every (writer, pp rank) whose chunk reports together say a chunk is stored whole."""
+        return [(writer, pp) for writer in self.writers for pp in range(self.pp_size)]
+
     def puts_from(self, tp_rank: int) -> bool:
         """Whether rank ``tp_rank`` puts its objects: of ranks with identical bytes, the first does.
 

@@ -90,6 +90,7 @@ LOOKUP_CALLS: Final = "lookup_calls"
 LOOKUP_HIT_TOKENS: Final = "lookup_hit_tokens"
 LOOKUPS_DEFERRED: Final = "lookups_deferred"
 LOOKUPS_MISSED_AFTER_FAILED_LOAD: Final = "lookups_missed_after_failed_load"
+LOOKUPS_WAITED_FOR_SAVES: Final = "lookups_waited_for_saves"
 LOADS_PLANNED: Final = "loads_planned"
 LOADS_SYNC: Final = "loads_sync"
 LOADS: Final = "loads"
@@ -257,6 +258,12 @@ CATALOGUE: Final = (
         Kind.COUNTER,
         Side.SCHEDULER,
         "Lookups told to ask again because another request was loading the same prefix.",
+    ),
+    Metric(
+        LOOKUPS_WAITED_FOR_SAVES,
+        Kind.COUNTER,
+        Side.SCHEDULER,
+        "Lookups told to ask again because chunks this engine is still saving would extend the hit.",
     ),
     Metric(
         LOADS_SPARED,

@@ -21,6 +21,11 @@ rank); this module decides *when* to ask and *what to do with the answer*:
   burst of arrivals) runs before this step's forward instead, and its request
   computes in this very step. Only for one KV-cache group: vLLM 0.32 takes a
   failed load of a hybrid model only from an async load;
+- **a prefix being saved is waited for**: a request whose hit a chunk this
+  engine is still saving would extend (it computed the prefix a moment ago and
+  has lost it from its own cache since: a reset, an eviction, a preemption) is
+  told "ask again" until every rank has reported the chunk, for at most
+  ``lookup_wait_for_saves_s`` (:mod:`.saves_in_flight`);
 - **a stale hit recomputes once**: when a load fails (the objects vanished
   between lookup and load: evicted, or a master restarted), the request's next
   lookup is a miss, and the chunks that failed are misses for every request for
@@ -51,6 +56,7 @@ from kvpipe.stages import (
     LookupPlan,
     LookupRequest,
     SaveRequest,
+    chunks_to_save,
 )
 from kvpipe.stages.keys import deployment_key_pattern, key_chunk_hex
 from kvpipe.stages.load import load_slots, longest_load
@@ -71,8 +77,10 @@ from .metrics import (
     LOOKUP_HIT_TOKENS,
     LOOKUPS_DEFERRED,
     LOOKUPS_MISSED_AFTER_FAILED_LOAD,
+    LOOKUPS_WAITED_FOR_SAVES,
     SAVES_PLANNED,
 )
+from .saves_in_flight import SavesInFlight
 from .settings import ConnectorSettings
 
 if TYPE_CHECKING:
@@ -180,6 +188,11 @@ class SchedulerSide:
         )
         self._slots_loading: int | None = None  # of loads planned or out; None: to reckon (once a step)
         self.announcer = announcer
+        self._saving = (
+            SavesInFlight(cache.putting_ranks, settings.lookup_wait_for_saves_s, clock)
+            if saves and settings.waits_for_saves
+            else None
+        )
         # requests per chunk: the chunks they keep asking for are saved soft-pinned
         self._reuse = ReuseCounter(settings.retention_min_requests) if settings.retention else None
 
@@ -225,7 +238,7 @@ class SchedulerSide:
         """Tokens past ``num_computed_tokens`` the store can give, and whether they load asynchronously.
 
         ``(None, False)`` asks vLLM to ask again next step: the prefix is being
-        loaded by another request. This call has no lasting effect on what is
+        loaded by another request, or saved by this engine. This call has no lasting effect on what is
         loaded (vLLM may still trim or drop the hit): that is decided in
         :meth:`update_state_after_alloc`.
         """
@@ -247,6 +260,9 @@ class SchedulerSide:
         # unanswered: a miss; a chunk whose load just failed: a miss too, whatever the master says
         exists = {key: self._exists.get(key, False) and key_chunk_hex(key) not in failed for key in keys}
         hit = plan.hit(exists)
+        if self._saving is not None and self._landing_extends(plan, exists, hit):
+            self.stats[LOOKUPS_WAITED_FOR_SAVES] += 1
+            return None, False
         new = max(0, hit - num_computed_tokens)
         if new and self._loaded_by_another(lookup, hit):
             self.stats[LOOKUPS_DEFERRED] += 1
@@ -255,6 +271,17 @@ class SchedulerSide:
         self.stats[LOOKUP_HIT_TOKENS] += new
         state.load_async = bool(new) and self._loads_async()
         return new, state.load_async
+
+    def _landing_extends(self, plan: LookupPlan, exists: dict[str, bool], hit: int) -> bool:
+        """Whether chunks this engine is saving, once landed, would give ``plan`` more than ``hit``."""
+        assert self._saving is not None
+        awaited = self._saving.awaited_among(plan.chunk_hexes)  # a plan's hexes are made once
+        if not awaited:
+            return False
+        landing = dict.fromkeys(
+            (key for key, found in exists.items() if not found and key_chunk_hex(key) in awaited), True
+        )
+        return bool(landing) and plan.hit(exists | landing) > hit
 
     def _load_room(self) -> int | None:
         """The tokens one more load may bring: what the staging slots hold less the loads planned or out.
@@ -464,6 +491,11 @@ class SchedulerSide:
                     rid, hashes, block_ids, end, saved, finished, state_tokens=state, reused_chunks=reused
                 )
                 meta.saves.append(save)
+                if self._saving is not None:
+                    self._saving.planned(
+                        chunk.chunk_hash
+                        for chunk in chunks_to_save(save, self.cache.store_groups, self.cache.hash_block_size)
+                    )
                 if self.announcer is not None:
                     self.announcer.expect(request, save)
                     self.stats[EVENTS_DROPPED] = self.announcer.given_up  # monotonic: reported as growth
@@ -505,12 +537,18 @@ class SchedulerSide:
         return tail if any(tail % g.spec.block_size for g in self.cache.store_groups) else None
 
     def update_connector_output(self, connector_output: KVConnectorOutput) -> None:
-        """Loads that ended (well or not): async ones release their prefix; failed ones are remembered."""
+        """Loads that ended (well or not): async ones release their prefix; failed ones are remembered.
+
+        And the workers' chunk reports: saves that ended, for the lookups waiting on them and for KV events.
+        """
         failed_requests = set(connector_output.failed_recving or ())
         failed_blocks = set(connector_output.invalid_block_ids or ())
         self._slots_loading = None  # loads ended: their slots are free again
-        if self.announcer is not None and isinstance(connector_output.kv_cache_events, KVPipeKVEvents):
-            self.announcer.reported(connector_output.kv_cache_events.reports)
+        if isinstance(reports := connector_output.kv_cache_events, KVPipeKVEvents):
+            if self._saving is not None:
+                self._saving.reported(reports.reports)
+            if self.announcer is not None:
+                self.announcer.reported(reports.reports)
         for rid in connector_output.finished_recving or ():
             state = self._requests.get(rid)
             if state is None or (load := state.async_load) is None:
@@ -565,6 +603,8 @@ class SchedulerSide:
         removed = self.store.remove_by_regex(pattern, force=True)
         self._exists.clear()
         self._failed_chunks.clear()
+        if self._saving is not None:
+            self._saving.forget()
         if self.announcer is not None:
             self.announcer.forget()
         if removed < 0:

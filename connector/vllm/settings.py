@@ -100,6 +100,18 @@ class ConnectorSettings(BaseModel):
             "call in flight does (with `load_via_staging`), and the job starts no new store call."
         ),
     )
+    lookup_wait_for_saves_s: float = Field(
+        1.0,
+        ge=0,
+        description=(
+            "How long a lookup may wait for this engine's own saves: a waiting request whose hit a "
+            "chunk still being saved would extend (the engine computed it a moment ago and lost it "
+            "from its own cache since: a prefix-cache reset, an eviction, a preemption) is told to ask "
+            "again next step until every rank has reported the chunk, stored or not, or this long after "
+            "its save was planned; it then loads instead of computing again. About a busy engine's "
+            "save-to-visible p99 (`kvpipe bench save-visible`). 0: never wait, a miss."
+        ),
+    )
     load_via_staging: StrictFlag = Field(
         True,
         description=(
@@ -122,7 +134,8 @@ class ConnectorSettings(BaseModel):
             "to 1024, so saves get ~10% of it and land while the engine stays busy. At 19 (a weight of "
             "15) an engine that kept both cores busy left them nothing: the demo's second pass, right "
             "after the first, found none of its saves (0 of 1,792 tokens; all of them at 10 and at 5, "
-            "pass 1 as fast within noise). On an engine kept busy (`kvpipe bench save-visible`), another "
+            "pass 1 as fast within noise), until its lookups waited for the engine's own saves "
+            "(`lookup_wait_for_saves_s`): now all of them at 0, 10 and 19. On an engine kept busy (`kvpipe bench save-visible`), another "
             "process found a save's objects within 0.21-0.57 s at p99 at 10 (0: 0.18-0.26 s; 19: 0.34-0.38 s). "
             "0: the engine's weight."
         ),
@@ -235,6 +248,11 @@ class ConnectorSettings(BaseModel):
         the store its segment (vLLM's "capacity-only" mode).
         """
         return kv_role != "kv_consumer" or self.save_decode_cache
+
+    @property
+    def waits_for_saves(self) -> bool:
+        """Whether lookups wait for the engine's own saves in flight (so its workers report each save's end)."""
+        return self.enable_lookup and self.lookup_wait_for_saves_s > 0
 
     def requested_store_tp_size(self) -> int | None:
         """The store TP size asked for: the lcm of ``prefill_tp_sizes`` or ``store_tp_size``; None: not asked."""

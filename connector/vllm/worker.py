@@ -267,7 +267,8 @@ class WorkerSide:
         looks up nor saves): it lends the store its segment and touches no KV cache.
 
         ``kv_events``: report each saved chunk's outcome for the scheduler's KV events
-        (:meth:`take_chunk_reports`). ``max_pinned_bytes``: what the saves may hold
+        (:meth:`take_chunk_reports`); reported too where lookups wait for saves
+        (``lookup_wait_for_saves_s``). ``max_pinned_bytes``: what the saves may hold
         soft-pinned (the chunks the scheduler marks as reused; 0: none).
         ``staging_device``: where the staging copies run (None: the cache's device; a test's double).
         """
@@ -295,7 +296,8 @@ class WorkerSide:
         self._waiting_loads: deque[_Load] = deque()  # for saves to give slots back, first come first served
         self._submitted: KVPipeMetadata | None = None  # the step whose loads went out
         self._load_failures = _LoadFailures()
-        self.reporter = ChunkReporter((cache.writer(tp_rank), cache.pp_rank)) if kv_events else None
+        reports = kv_events or settings.waits_for_saves
+        self.reporter = ChunkReporter((cache.writer(tp_rank), cache.pp_rank)) if reports else None
 
     @property
     def started(self) -> bool:
@@ -693,7 +695,7 @@ class WorkerSide:
     # -- telemetry -----------------------------------------------------------------------
 
     def take_chunk_reports(self) -> list[ChunkReport]:
-        """Chunks whose saves ended since the last call, stored whole or not (empty without ``kv_events``)."""
+        """Chunks whose saves ended since the last call, stored whole or not (empty when nobody wants them)."""
         self._reap()
         return [] if self.reporter is None else self.reporter.take()
 

@@ -69,7 +69,7 @@ def reference() -> dict[int, list[list[int]]]:
     """Greedy outputs of an engine WITHOUT a connector, per prompt seed."""
     llm = engine.make_llm(None)
     try:
-        seeds = (*range(1, 8), *range(61, 67))  # 61-66: the integrity tests'
+        seeds = (*range(1, 8), 11, *range(61, 67))  # 11: test_saves_in_flight's; 61-66: the integrity tests'
         return {seed: engine.generate(llm, engine.prompts(seed))["tokens"] for seed in seeds}
     finally:
         launch.close_llm(llm)

@@ -14,6 +14,7 @@ from typing import Any
 import pytest
 
 from kvpipe.connector.store.memory import MemoryStore
+from kvpipe.connector.vllm.messages import KVPipeKVEvents
 from kvpipe.connector.vllm.scheduler import FAILED_CHUNK_TTL_S, SchedulerSide
 from kvpipe.connector.vllm.settings import settings_from
 from kvpipe.stages import GroupKind, GroupSpec, object_key
@@ -85,7 +86,19 @@ class Harness:
     ) -> None:
         self.side.update_connector_output(
             SimpleNamespace(
-                finished_recving=finished, failed_recving=set(failed), invalid_block_ids=set(blocks)
+                finished_recving=finished,
+                failed_recving=set(failed),
+                invalid_block_ids=set(blocks),
+                kv_cache_events=None,
+            )
+        )
+
+    def saves_reported(self, count: int, stored: bool = True) -> None:
+        """The worker's word on the first ``count`` chunks of the shared prefix (one rank puts)."""
+        reports = KVPipeKVEvents([(0, 0, chunk_hash, stored) for chunk_hash in self.hashes[:count]])
+        self.side.update_connector_output(
+            SimpleNamespace(
+                finished_recving=set(), failed_recving=set(), invalid_block_ids=set(), kv_cache_events=reports
             )
         )
 
@@ -409,7 +422,9 @@ def test_a_failed_sync_load_is_counted_and_what_the_engine_recomputes_is_saved_a
     assert plan_saves(idle.side, request, PROMPT - 4 * BLOCK) == []  # nothing new to save yet
 
     idle.side.update_connector_output(
-        SimpleNamespace(finished_recving=set(), failed_recving=set(), invalid_block_ids={10})
+        SimpleNamespace(
+            finished_recving=set(), failed_recving=set(), invalid_block_ids={10}, kv_cache_events=None
+        )
     )
     request.num_computed_tokens = 0  # vLLM recomputes from the first failed block
     saves = plan_saves(idle.side, request, PROMPT)
@@ -494,3 +509,80 @@ def test_with_enable_lookup_off_nothing_is_a_hit_and_the_store_is_not_asked() ->
     harness.store_chunks(4)
     assert harness.side.get_num_new_matched_tokens(harness.request("a"), 0) == (0, False)
     assert harness.side.stats["lookup_calls"] == 0
+
+
+# -- waiting for the engine's own saves ---------------------------------------------------------
+
+
+def saving_harness(**settings: Any) -> Harness:
+    """Request "a" computed the shared prompt and its four chunks' saves are planned, not landed."""
+    harness = make_harness(**settings)
+    computed = harness.request("a")
+    harness.side.update_state_after_alloc(computed, SimpleNamespace(get_block_ids=lambda: ([],)), 0)
+    assert len(plan_saves(harness.side, computed, PROMPT)) == 1
+    return harness
+
+
+def test_a_request_whose_prefix_the_engine_is_still_saving_asks_again() -> None:
+    harness = saving_harness()
+    assert harness.side.get_num_new_matched_tokens(harness.request("b"), 0) == (None, False)
+    assert harness.side.stats["lookups_waited_for_saves"] == 1
+
+
+def test_once_the_saves_are_reported_stored_the_waiting_request_hits_them() -> None:
+    harness = saving_harness()
+    waiting = harness.request("b")
+    harness.side.get_num_new_matched_tokens(waiting, 0)
+    harness.store_chunks(4)
+    harness.step()
+    harness.saves_reported(4)
+    assert harness.side.get_num_new_matched_tokens(waiting, 0) == (4 * BLOCK, False)
+
+
+def test_a_chunk_reported_not_stored_is_not_waited_for() -> None:
+    harness = saving_harness()
+    harness.saves_reported(4, stored=False)
+    assert harness.side.get_num_new_matched_tokens(harness.request("b"), 0) == (0, False)
+
+
+def test_a_save_is_waited_for_at_most_lookup_wait_for_saves_s() -> None:
+    harness = saving_harness(lookup_wait_for_saves_s=2.0)
+    waiting = harness.request("b")
+    harness.clock.now += 1.9
+    assert harness.side.get_num_new_matched_tokens(waiting, 0) == (None, False)
+    harness.step()
+    harness.clock.now += 0.1
+    assert harness.side.get_num_new_matched_tokens(waiting, 0) == (0, False)
+
+
+def test_only_the_chunks_that_would_extend_the_hit_are_waited_for() -> None:
+    """The first chunk is stored and reported, the second's save failed: the third and fourth,
+    still in flight, cannot extend a hit that stops at the second."""
+    harness = saving_harness()
+    harness.store_chunks(1)
+    harness.saves_reported(1)
+    harness.side.update_connector_output(
+        SimpleNamespace(
+            finished_recving=set(),
+            failed_recving=set(),
+            invalid_block_ids=set(),
+            kv_cache_events=KVPipeKVEvents([(0, 0, harness.hashes[1], False)]),
+        )
+    )
+    assert harness.side.get_num_new_matched_tokens(harness.request("b"), 0)[0] == BLOCK
+
+
+def test_a_request_whose_engine_holds_the_prefix_does_not_wait() -> None:
+    harness = saving_harness()
+    assert harness.side.get_num_new_matched_tokens(harness.request("b"), 4 * BLOCK) == (0, False)
+
+
+def test_with_lookup_wait_for_saves_s_0_a_save_in_flight_is_a_miss() -> None:
+    harness = saving_harness(lookup_wait_for_saves_s=0)
+    assert harness.side.get_num_new_matched_tokens(harness.request("b"), 0) == (0, False)
+
+
+def test_after_a_scoped_reset_nothing_in_flight_is_waited_for() -> None:
+    harness = saving_harness()
+    assert harness.side.reset()
+    assert harness.side.get_num_new_matched_tokens(harness.request("b"), 0) == (0, False)
