@@ -51,7 +51,7 @@ from typing import TYPE_CHECKING
 from vllm.distributed.kv_events import MEDIUM_CPU, BlockRemoved, BlockStored, KVCacheEvent
 from vllm.v1.core.kv_cache_utils import BlockHash, ExternalBlockHash, maybe_convert_block_hash
 
-from kvpipe.stages import LoadRequest, ObjectStatus, SaveRequest, StoreObject, chunk_hash_at, chunks_to_save
+from kvpipe.stages import LoadRequest, ObjectStatus, SaveRequest, StoreObject, chunk_hash_at
 from kvpipe.stages.chunks import Chunk
 from kvpipe.stages.load import load_chunks
 from kvpipe.stages.model import StoreGroup
@@ -150,11 +150,12 @@ class ChunkAnnouncer:
         self._ready: list[KVCacheEvent] = []
         self.given_up = 0  # chunks dropped from the pending set for want of room
 
-    def expect(self, request: Request, save: SaveRequest) -> None:
-        """Remember what a planned save will store, to announce it once every rank reports."""
+    def expect(self, request: Request, save: SaveRequest, chunks: Iterable[Chunk]) -> None:
+        """Remember what a planned save will store (``chunks``: its :func:`~kvpipe.stages.chunks_to_save`),
+        to announce it once every rank reports."""
         lora = request.lora_request
         hbs = self.hash_block_size
-        for chunk in chunks_to_save(save, self.groups, hbs):
+        for chunk in chunks:
             pending = self._pending.get(chunk.chunk_hash)
             if pending is None:
                 pending = self._pending[chunk.chunk_hash] = _Pending([])

@@ -491,14 +491,13 @@ class SchedulerSide:
                     rid, hashes, block_ids, end, saved, finished, state_tokens=state, reused_chunks=reused
                 )
                 meta.saves.append(save)
-                if self._saving is not None:
-                    self._saving.planned(
-                        chunk.chunk_hash
-                        for chunk in chunks_to_save(save, self.cache.store_groups, self.cache.hash_block_size)
-                    )
-                if self.announcer is not None:
-                    self.announcer.expect(request, save)
-                    self.stats[EVENTS_DROPPED] = self.announcer.given_up  # monotonic: reported as growth
+                if self._saving is not None or self.announcer is not None:  # both follow the save's chunks
+                    chunks = chunks_to_save(save, self.cache.store_groups, self.cache.hash_block_size)
+                    if self._saving is not None:
+                        self._saving.planned(chunk.chunk_hash for chunk in chunks)
+                    if self.announcer is not None:
+                        self.announcer.expect(request, save, chunks)
+                        self.stats[EVENTS_DROPPED] = self.announcer.given_up  # monotonic: reported as growth
                 saved = max(saved, reach)
                 self.stats[SAVES_PLANNED] += 1
             progress.saved_tokens = saved

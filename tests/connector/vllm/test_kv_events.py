@@ -51,13 +51,19 @@ def save(computed: int = 12) -> SaveRequest:
 POOL = "vllm-mooncake-store:tiny-llama"
 
 
+def expect_save(announce: ChunkAnnouncer) -> None:
+    """The scheduler has planned :func:`save` of :func:`request`."""
+    planned = save()
+    announce.expect(request(), planned, chunks_to_save(planned, [ATTENTION], BS))
+
+
 def announcer(limit: int = 100) -> ChunkAnnouncer:
     return ChunkAnnouncer([ATTENTION], BS, RANKS, POOL, limit=limit)
 
 
 def test_a_chunk_is_announced_once_every_rank_reported_it_stored() -> None:
     announce = announcer()
-    announce.expect(request(), save())
+    expect_save(announce)
     announce.reported([(0, 0, HASHES[0], True)])
     assert announce.take() == []
     announce.reported([(1, 0, HASHES[0], True)])
@@ -70,7 +76,7 @@ def test_a_chunk_is_announced_once_every_rank_reported_it_stored() -> None:
 
 def test_a_stored_chunk_belongs_to_the_shared_pool_not_to_the_engine() -> None:
     announce = announcer()
-    announce.expect(request(), save())
+    expect_save(announce)
     announce.reported([(rank, pp, HASHES[0], True) for rank, pp in RANKS])
     [event] = announce.take()
     assert event.ownership == POOL  # a router files it at its external tier, not as the writer's own
@@ -85,7 +91,7 @@ def test_a_removed_chunk_leaves_the_shared_pool() -> None:
 
 def test_an_announced_chunk_names_its_parent_and_its_own_tokens() -> None:
     announce = announcer()
-    announce.expect(request(), save())
+    expect_save(announce)
     announce.reported([(rank, pp, HASHES[1], True) for rank, pp in RANKS])
     [event] = announce.take()
     assert event.parent_block_hash == maybe_convert_block_hash(HASHES[0])
@@ -94,14 +100,14 @@ def test_an_announced_chunk_names_its_parent_and_its_own_tokens() -> None:
 
 def test_a_chunk_one_rank_failed_is_never_announced() -> None:
     announce = announcer()
-    announce.expect(request(), save())
+    expect_save(announce)
     announce.reported([(0, 0, HASHES[2], False), (1, 0, HASHES[2], True)])
     assert announce.take() == []
 
 
 def test_past_the_pending_limit_the_oldest_chunks_are_given_up() -> None:
     announce = announcer(limit=2)
-    announce.expect(request(), save())  # three chunks
+    expect_save(announce)  # three chunks
     assert announce.given_up == 1
     announce.reported([(rank, pp, HASHES[0], True) for rank, pp in RANKS])
     assert announce.take() == []
@@ -109,7 +115,7 @@ def test_past_the_pending_limit_the_oldest_chunks_are_given_up() -> None:
 
 def test_a_reset_forgets_what_was_planned_before_it() -> None:
     announce = announcer()
-    announce.expect(request(), save())
+    expect_save(announce)
     announce.forget()
     announce.reported([(rank, pp, HASHES[0], True) for rank, pp in RANKS])
     assert announce.take() == []
@@ -240,7 +246,7 @@ def test_a_lookup_that_finds_announced_chunks_gone_removes_them(published: dict[
 
 def test_a_lookup_that_finds_an_announced_chunk_absent_removes_it_once() -> None:
     announce = announcer()
-    announce.expect(request(), save())
+    expect_save(announce)
     announce.reported([(rank, pp, HASHES[0], True) for rank, pp in RANKS])
     announce.take()
     announce.found_absent([HASHES[0], HASHES[2]])  # HASHES[2] was never announced
