@@ -35,6 +35,7 @@ SCHEDULER_HOOKS = (
     "take_events",
 )
 WORKER_HOOKS = (
+    "handle_preemptions",  # where the engine thread waits for the last step's save copies
     "bind_connector_metadata",
     "start_load_kv",
     "wait_for_layer_load",

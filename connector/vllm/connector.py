@@ -238,10 +238,16 @@ class KVPipeConnector(KVConnectorBase_V1, SupportsHMA):
         if self.worker is not None:
             self.worker.restore_kv_caches()
 
+    def handle_preemptions(self, kv_connector_metadata: KVConnectorMetadata) -> None:
+        """A step starts: the last step's save copies finish before any block is overwritten."""
+        if self.worker is not None:
+            self.worker.before_step()
+
     def bind_connector_metadata(self, connector_metadata: KVConnectorMetadata) -> None:
         """Bind the step's metadata and start its loads (see :meth:`.WorkerSide.submit_loads`)."""
         super().bind_connector_metadata(connector_metadata)
         if self.worker is not None:
+            self.worker.before_step()  # done already where vLLM called handle_preemptions
             self.worker.submit_loads(self._metadata())
 
     def start_load_kv(self, forward_context: Any, **kwargs: Any) -> None:

@@ -14,16 +14,30 @@ Where the engine's next forward must see a copy (a load into its blocks) or must
 not overwrite a block before it was read (a save), the engine's stream waits
 on the fence on the device (``wait_event``): the CPU goes on at once.
 
+On a CPU cache the same holds with a thread for a stream: a save's gathers run on
+a copy thread of its own (:class:`HostThreadDevice`), so the engine thread goes on
+to its next step while they copy, and waits for them (:meth:`Device.before_engine`)
+only at the start of its next step, before anything there may overwrite a block
+they read, and only if they are not done by then. That thread runs torch with one
+OpenMP thread: a parallel region started off the engine's thread would give the
+process a second OpenMP pool, and every forward would then sleep at its barriers.
+
 Only device-agnostic torch is used (``torch.Stream``, ``torch.Event``,
 ``torch.accelerator``), so importing this needs no CUDA build.
 """
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+import ctypes
+import queue
+import threading
+from collections.abc import Callable, Sequence
 from typing import Protocol
 
+import structlog
 import torch
+
+log = structlog.get_logger(__name__)
 
 
 class Fence(Protocol):
@@ -42,7 +56,7 @@ class Device(Protocol):
     """The calls the staging area makes; each copy call is one launch, whatever it moves.
 
     ``host``: the cache is host memory, so slots are filled straight from (and
-    copied straight into) its blocks and every copy is done when it returns.
+    copied straight into) its blocks, with no scratch buffer or transfer between.
     Tensors are uint8; ``gather`` and ``scatter`` index dimension 1 of
     ``[regions, rows, bytes]`` views.
     """
@@ -77,6 +91,18 @@ class Device(Protocol):
         """A fence after the copies launched so far; ``engine_waits``: the engine's next work waits for it."""
         ...
 
+    def before_engine(self) -> None:
+        """Called on the engine thread before its next step's work: block until that work may run.
+
+        Only a device whose copies run on a host thread waits here (for the
+        copies recorded with ``engine_waits``); a stream orders them on the device.
+        """
+        ...
+
+    def close(self) -> None:
+        """Finish the copies under way and let go of what runs them; idempotent."""
+        ...
+
 
 class _Done:
     """The fence of copies that finished before their call returned."""
@@ -92,7 +118,7 @@ DONE: Fence = _Done()
 
 
 class HostDevice:
-    """A cache in host memory: plain torch calls, done on return."""
+    """A cache in host memory: plain torch calls on the calling thread, done on return."""
 
     host = True
 
@@ -120,6 +146,123 @@ class HostDevice:
 
     def record(self, *, engine_waits: bool) -> Fence:
         return DONE
+
+    def before_engine(self) -> None:
+        return None
+
+    def close(self) -> None:
+        return None
+
+
+#: libgomp's (torch's OpenMP) setter of the calling thread's team size, where the process has it
+_omp_set_num_threads: Callable[[int], None] | None = getattr(ctypes.CDLL(None), "omp_set_num_threads", None)
+
+
+def single_threaded_torch() -> bool:
+    """Make torch run this thread's ops without a parallel region; False where it cannot.
+
+    torch sizes a thread's parallel regions by its OpenMP team size, which
+    libgomp keeps per thread: set to 1 (after torch's own first setting of it
+    in this thread), every op here runs inline and no pool is started, while
+    the engine's thread keeps its own. A torch without libgomp in the process
+    has no per-thread size to set.
+    """
+    if _omp_set_num_threads is None:
+        return False
+    torch.get_num_threads()  # torch sets this thread's team size on its first ask: set ours after it
+    _omp_set_num_threads(1)
+    return torch.get_num_threads() == 1
+
+
+class _HostFence:
+    """A point in the copy thread's queue: done once the thread has run every copy queued before it."""
+
+    def __init__(self) -> None:
+        self._reached = threading.Event()
+        self.error: BaseException | None = None
+
+    def done(self) -> bool:
+        return self._reached.is_set()
+
+    def reach(self, error: BaseException | None) -> None:
+        self.error = error
+        self._reached.set()
+
+    def join(self) -> None:
+        """Block until it is reached, whatever the copies before it did."""
+        self._reached.wait()
+
+    def wait(self) -> None:
+        """Block until it is reached. Raises RuntimeError if a copy before it failed: its slots are not to be read."""
+        self._reached.wait()
+        if self.error is not None:
+            raise RuntimeError(f"a staging copy failed: {self.error!r}") from self.error
+
+
+class HostThreadDevice(HostDevice):
+    """A cache in host memory, a save's gathers on a copy thread of its own, as a stream would run them.
+
+    A step's gathers copy its blocks into the slots while the engine thread
+    goes on (``copy_in`` returns at once); the save pipeline waits on their fence
+    before a put reads the slots, and the engine thread waits for them in
+    :meth:`before_engine`, at its next step's start, before it may overwrite a
+    block they read. A load's scatter stays on the calling thread: the engine
+    reads its blocks right after. Only where :func:`single_threaded_torch`
+    holds (:func:`device_of` checks), so the copy thread starts no OpenMP pool.
+    """
+
+    def __init__(self) -> None:
+        self._queue: queue.SimpleQueue[Callable[[], object] | _HostFence | None] = queue.SimpleQueue()
+        self._thread: threading.Thread | None = None
+        self._engine_fence: _HostFence | None = None
+
+    def submit(self, copy: Callable[[], object]) -> None:
+        """Run ``copy`` on the copy thread, after everything queued before it."""
+        if self._thread is None:
+            self._thread = threading.Thread(target=self._run, name="kvpipe-staging-copy", daemon=True)
+            self._thread.start()
+        self._queue.put(copy)
+
+    def gather(self, out: torch.Tensor, source: torch.Tensor, index: torch.Tensor) -> None:
+        self.submit(lambda: torch.index_select(source, 1, index, out=out))
+
+    def record(self, *, engine_waits: bool) -> Fence:
+        if self._thread is None:
+            return DONE  # nothing was ever queued
+        fence = _HostFence()
+        self._queue.put(fence)
+        if engine_waits:
+            self._engine_fence = fence
+        return fence
+
+    def before_engine(self) -> None:
+        fence, self._engine_fence = self._engine_fence, None
+        if fence is not None:
+            fence.join()
+
+    def close(self) -> None:
+        thread, self._thread = self._thread, None
+        if thread is not None:
+            self._queue.put(None)
+            thread.join()
+        self._engine_fence = None
+
+    def _run(self) -> None:
+        if not single_threaded_torch():  # device_of checked it on the engine's thread; it holds per process
+            log.warning("the staging copy thread runs torch with its OpenMP team: the engine may slow down")
+        error: BaseException | None = None  # of the copies between the last fences and the next
+        fenced = False  # the last item was a fence: a copy after it starts a new stretch
+        while (item := self._queue.get()) is not None:
+            if isinstance(item, _HostFence):
+                item.reach(error)
+                fenced = True
+                continue
+            if fenced:
+                error, fenced = None, False
+            try:
+                item()
+            except Exception as exc:  # noqa: BLE001 - the fences after it carry it to the slots' reader
+                error = error or exc
 
 
 class _EventFence:
@@ -183,7 +326,15 @@ class AcceleratorDevice:
             self._engine().wait_event(event)
         return _EventFence(event)
 
+    def before_engine(self) -> None:
+        return None  # the engine's stream waits on the device (``record``)
+
+    def close(self) -> None:
+        return None  # the side stream's copies are fenced; the stream goes with the device
+
 
 def device_of(device: torch.device) -> Device:
-    """The :class:`Device` for a cache on ``device``."""
-    return HostDevice() if device.type == "cpu" else AcceleratorDevice(device)
+    """The :class:`Device` for a cache on ``device``: on CPU a copy thread, where torch can run one safely."""
+    if device.type != "cpu":
+        return AcceleratorDevice(device)
+    return HostThreadDevice() if _omp_set_num_threads is not None else HostDevice()

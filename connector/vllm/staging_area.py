@@ -31,8 +31,10 @@ before it reads the slots, and the engine's next forward waits (on the device)
 for the gathers, so it cannot overwrite a block before it was read; a load's
 copies are ordered before the next forward the same way. A slot given back
 while a copy that touches it may still run is reused only once its fence is done.
-On CPU the gathers write straight into the slots, and loads are copied home from
-them on the engine's thread. A load could land straight in a CPU cache's blocks, one
+On CPU the gathers write straight into the slots, on a copy thread of the area's
+own (:class:`~.device.HostThreadDevice`, the CPU's side stream): the engine
+thread waits for them only at its next step's start, if they are not done by
+then; loads are copied home from the slots on the engine's thread. A load could land straight in a CPU cache's blocks, one
 copy less (~11 ms per 154 MB here), but then it could not be given up past its
 deadline: the store call that still writes them cannot be cancelled (:mod:`.worker`).
 """
@@ -171,8 +173,9 @@ class StagingArea:
     def copy_in(self, copies: Sequence[Copy]) -> Fence:
         """Start copying a step's engine blocks into their slots; the fence a reader of the slots waits on.
 
-        Never blocks. On a device the engine's next forward waits (on the device)
-        for the blocks to have been read, not for them to reach the slots.
+        Never blocks. The engine's next step waits for the blocks to have been
+        read (on a device, the device does; on a copy thread, :meth:`before_engine`),
+        not for them to reach the slots.
         """
         device = self._device
         device.after_engine()
@@ -188,7 +191,7 @@ class StagingArea:
             for run in area.runs:
                 device.gather(run.columns(scratch), run.rows, index)
             moves.append((area, runs, scratch))
-        if moves:
+        if copies:
             device.record(engine_waits=True)  # the blocks are read: the engine may overwrite them
         for area, runs, scratch in moves:
             for slot, first, last in runs:
@@ -223,6 +226,14 @@ class StagingArea:
             for run in area.runs:
                 device.scatter(run.rows, index, run.columns(scratch))
         self._fenced(copies, engine_waits=True)
+
+    def before_engine(self) -> None:
+        """On the engine thread, before its step's work: wait until no copy still reads a block it may overwrite."""
+        self._device.before_engine()
+
+    def close(self) -> None:
+        """Finish the copies under way and stop what runs them (the slots stay readable); idempotent."""
+        self._device.close()
 
     def _fenced(self, copies: Sequence[Copy], engine_waits: bool = False) -> Fence:
         """A fence after the copies launched so far, remembered as the last to touch each slot of ``copies``."""

@@ -395,6 +395,7 @@ class WorkerSide:
         for load in [*self._loads.values(), *self._sync_loads]:
             if load.job is not None and not load.job.wait(LOAD_TIMEOUT_S):
                 log.warning("a load outlived its wait before sleep", request_id=load.request.request_id)
+        self.before_step()  # no save copy may still read the blocks
         self._memory.release_engine()
 
     def restore_kv_caches(self) -> None:
@@ -504,6 +505,19 @@ class WorkerSide:
             self.landings.append(job.elapsed_s)
         if self.reporter is not None:
             self.reporter.ended(job.id)
+
+    def before_step(self) -> None:
+        """At a step's start, before anything may overwrite a block: the last step's save copies are done.
+
+        On CPU a step's save copies run on the staging area's copy thread while the
+        engine thread goes on; a block they read may be handed to another request
+        by the next schedule and written by that step (a load, the forward), so the
+        engine thread waits here for them, if they are not done already. vLLM calls
+        ``handle_preemptions`` at a step's start for this; the connector asks again
+        when the step's metadata is bound, for a vLLM that does not.
+        """
+        if self._staging is not None:
+            self._staging.before_engine()
 
     # -- loads ---------------------------------------------------------------------------
 
@@ -756,6 +770,8 @@ class WorkerSide:
                     log.warning("pipeline stop failed", error=str(exc))
         self._reap()
         self._save_pipeline = self._load_pipeline = None
+        if self._staging is not None:
+            self._staging.close()
         self._memory.unregister()
         if owns_store:
             self.store.close()

@@ -75,6 +75,12 @@ class CountingDevice:
     def record(self, *, engine_waits: bool) -> Fence:
         return _CountedFence(self.inner.record(engine_waits=engine_waits), self.waits)
 
+    def before_engine(self) -> None:
+        self.inner.before_engine()
+
+    def close(self) -> None:
+        self.inner.close()
+
 
 class _QueuedFence:
     """A point in the lazy device's queue: done once every copy queued before it has run."""
@@ -139,6 +145,12 @@ class _LazyDevice:
         if engine_waits:
             self._engine_waits_for = max(self._engine_waits_for, position)
         return _QueuedFence(self, position)
+
+    def before_engine(self) -> None:
+        return None  # as a stream: the forward waits on the device (:meth:`forward`)
+
+    def close(self) -> None:
+        return None
 
 
 class DeviceDouble(CountingDevice):

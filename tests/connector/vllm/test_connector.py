@@ -6,6 +6,7 @@ Every test stands alone, in any order or subset: each generates its own prompts
 
 from __future__ import annotations
 
+import threading
 from collections import Counter
 from collections.abc import Iterator
 from typing import Any
@@ -163,3 +164,4 @@ def test_saves_and_loads_start_no_openmp_pool_beside_the_engine_s(llm: Any) -> N
     assert engine.worker(llm).stats["chunks_verified"] - loaded_before == PER_BATCH
 
     assert openmp_workers() <= torch.get_num_threads() - 1  # the engine thread's pool, if any
+    assert "kvpipe-staging-copy" in {thread.name for thread in threading.enumerate()}  # the saves' copies ran there

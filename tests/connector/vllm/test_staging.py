@@ -51,7 +51,7 @@ def test_groups_share_slot_numbers_and_the_free_pool() -> None:
     assert area.free == 3
     taken = area.take(2)
     assert area.free == 1
-    area.copy_in([(0, taken[0], 1), (1, taken[0], 4)])
+    area.copy_in([(0, taken[0], 1), (1, taken[0], 4)]).wait()
     assert torch.equal(staged(area, 0, taken[0]), block_bytes(layers["layer.0"], 1))
     assert staged(area, 1, taken[0]).numel() == 2 * staged(area, 0, taken[0]).numel()
     area.give_back(taken)

@@ -16,6 +16,7 @@ import pytest
 import torch
 
 from kvpipe.connector.store.memory import MemoryStore
+from kvpipe.connector.vllm.device import HostThreadDevice
 from kvpipe.connector.vllm.messages import KVPipeMetadata
 from kvpipe.connector.vllm.settings import settings_from
 from kvpipe.connector.vllm.worker import WorkerSide
@@ -24,6 +25,7 @@ from kvpipe.stages import LoadRequest, SaveRequest
 from ...stages.kv_fixtures import chain_hashes
 from ...stages.stores import StalledGets, StalledPuts
 from .caches import engine_cache
+from .test_host_copy_thread import WITHIN_S, Gate
 from .test_kv_layout import LAYERS, NUM_BLOCKS, engine_views
 
 pytest.importorskip("vllm")
@@ -427,3 +429,32 @@ def test_a_capacity_only_worker_touches_no_kv_cache() -> None:
     side.start_load_kv(KVPipeMetadata(loads=[LoadRequest("l", HASHES, ((0, 2, 3),), 0, 3 * BLOCK)]))
     assert side.get_finished() == set() and store.stats().objects == 0
     side.shutdown(owns_store=False)
+
+
+def test_a_save_leaves_its_copy_to_the_copy_thread_and_stores_the_blocks_as_they_were() -> None:
+    device = HostThreadDevice()
+    store = MemoryStore(16 << 20)
+    views = engine_views(KVCacheLayout.LBHNC)
+    saved = {name: views[name][[4, 1, 5]].clone() for name in LAYERS}
+    saver = worker(store, KVCacheLayout.LBHNC, staging_device=device)
+    saver.register_kv_caches(views)
+    gate = Gate(device)
+    saver.wait_for_save(KVPipeMetadata(saves=[SaveRequest("s", HASHES, ((4, 1, 5),), 3 * BLOCK)]))
+    assert gate.reached.wait(WITHIN_S)  # wait_for_save returned; the copy is held behind the gate
+    next_step = threading.Thread(target=saver.before_step)
+    next_step.start()
+    assert next_step.is_alive()  # the next step may not start while the copy still reads the blocks
+    gate.open()
+    next_step.join(WITHIN_S)
+    assert not next_step.is_alive()
+    for name in LAYERS:  # the next step writes the blocks
+        views[name][[4, 1, 5]] = 0
+    assert saver.drain(WITHIN_S)
+    saver.shutdown(owns_store=False)
+    loader, target = worker(store, KVCacheLayout.LBHNC), engine_views(KVCacheLayout.LBHNC)
+    loader.register_kv_caches(target)
+    loader.start_load_kv(KVPipeMetadata(loads=[LoadRequest("l", HASHES, ((0, 2, 3),), 0, 3 * BLOCK)]))
+    assert wait_finished(loader) == {"l"}
+    for name in LAYERS:
+        assert torch.equal(target[name][[0, 2, 3]].view(BITS), saved[name].view(BITS))
+    loader.shutdown(owns_store=False)
