@@ -1,4 +1,4 @@
-"""vllm-loads: what a load costs the requests that are already running, sync against async.
+"""vllm-loads: what a load costs the requests that are already running: sync, async, async niced.
 
 The 8-layer dummy Llama (2 MiB per stored object), one engine at a time in this
 process, vLLM's in-process mode (so no other engine's threads compete for the 2
@@ -9,7 +9,9 @@ cores), on a spawned master. Per round and load mode:
 2. ``RUNNING`` short requests start decoding; after ``WARM_STEPS`` engine steps
    the loaders arrive; the engine steps until every request is done.
 
-Figures: the decode-step time of the running requests (each engine step while
+The modes (:data:`MODES`): sync loads; async loads; async loads whose pipeline runs
+10 nicer than the engine (``load_nice``), which trades the loaders' first token for
+the decode steps beside them. Figures: the decode-step time of the running requests (each engine step while
 they decode and a loader waits for its first token, p50 and p99) against the
 same steps with no loaders; the loaders' time to first token; and how many loads
 the shared prefix cost (kvpipe's one load per shared prefix: 1).
@@ -58,10 +60,18 @@ def _prompts(seed: int) -> tuple[list[list[int]], list[list[int]]]:
     return loaders, running
 
 
+#: per load mode, the connector's settings: sync loads, async ones, and async ones a share of the CPU
+MODES: dict[str, dict[str, Any]] = {
+    "sync": {"load_async": False},
+    "async": {"load_async": True},
+    "async, load_nice 10": {"load_async": True, "load_nice": 10},
+}
+
+
 @contextmanager
-def _engine(master: LocalMaster, load_async: bool) -> Iterator[Any]:
+def _engine(master: LocalMaster, settings: dict[str, Any]) -> Iterator[Any]:
     assert master.endpoints is not None
-    extra = {"store": launch.store_section(master.endpoints), "load_async": load_async}
+    extra = {"store": launch.store_section(master.endpoints), **settings}
     transfer = {**launch.kvpipe_transfer(extra), "kv_load_failure_policy": "recompute"}
     llm = launch.make_llm(
         launch.model_dir(BIGGER.name, BIGGER.config),
@@ -120,9 +130,9 @@ def _steps(
     return during, quiet, ttft
 
 
-def _round(master: LocalMaster, load_async: bool, seed: int) -> Round:
+def _round(master: LocalMaster, settings: dict[str, Any], seed: int) -> Round:
     loaders, running = _prompts(seed)
-    with _engine(master, load_async) as llm:
+    with _engine(master, settings) as llm:
         launch.generate(llm, loaders, 1)  # store the family's prefix (and their own chunks)
         _, worker = launch.sides(llm)
         assert worker.drain(30.0)
@@ -143,15 +153,17 @@ def run(options: BenchOptions) -> WorkloadResult:
     # One process: the step loop reads the connector's own state (loads in flight), and
     # the engine core steps in this thread, so a step's time is the step's own.
     os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
-    rounds = 1 if options.quick else 3
+    rounds = 1 if options.quick else 4
     rows: list[dict[str, Any]] = []  # a table's cells, as WorkloadResult holds them
-    measured: dict[str, list[Round]] = {"sync": [], "async": []}
+    measured: dict[str, list[Round]] = {mode: [] for mode in MODES}
+    names = list(MODES)
     with LocalMaster() as master:
         assert master.endpoints is not None
         with launch.segment_holder(master.endpoints, BIGGER.segment_size):
             for index in range(rounds):
-                for mode in ("sync", "async") if index % 2 == 0 else ("async", "sync"):
-                    measured[mode].append(_round(master, mode == "async", seed=1000 + 10 * index))
+                shift = index % len(names)  # each mode goes first in turn
+                for mode in names[shift:] + names[:shift]:
+                    measured[mode].append(_round(master, MODES[mode], seed=1000 + 10 * index))
     for mode, results in measured.items():
         during = [t for r in results for t in r.during]
         quiet = [t for r in results for t in r.quiet]
@@ -167,12 +179,12 @@ def run(options: BenchOptions) -> WorkloadResult:
                 "loads per shared prefix": statistics.median(r.loads for r in results),
             }
         )
-    sync, async_ = rows
+    sync, async_, _ = rows
     return WorkloadResult(
         workload="vllm-loads",
         description=(
             f"8x512 dummy Llama, {RUNNING} requests decoding while {LOADERS} requests sharing a stored "
-            f"{SHARED}-token prefix arrive; {rounds} rounds per mode, modes alternating"
+            f"{SHARED}-token prefix arrive; {rounds} rounds per mode, each mode first in turn"
         ),
         columns=list(rows[0]),
         rows=rows,

@@ -56,7 +56,7 @@ from kvpipe.stages.chunks import Chunk
 from kvpipe.stages.load import load_chunks
 from kvpipe.stages.model import StoreGroup
 
-from .messages import ChunkReport
+from .messages import ChunkReport, Rank, chunk_settled
 
 if TYPE_CHECKING:
     from vllm.v1.request import Request
@@ -69,7 +69,6 @@ PENDING_LIMIT = 4096
 #: (the oldest are forgotten first: a router ages its entries out anyway).
 ANNOUNCED_LIMIT = 65536
 
-Rank = tuple[int, int]  # (tp key rank, pp rank)
 STORED = (ObjectStatus.PUT, ObjectStatus.EXISTING)
 
 
@@ -182,16 +181,15 @@ class ChunkAnnouncer:
             self.given_up += 1
 
     def reported(self, reports: Iterable[ChunkReport]) -> None:
-        for tp, pp, chunk_hash, stored in reports:
+        for report in reports:
+            chunk_hash = report[2]
             pending = self._pending.get(chunk_hash)
             if pending is None:
                 continue
-            if not stored:
-                del self._pending[chunk_hash]  # one rank missing it: no reader can load it whole
-                continue
-            pending.reported.add((tp, pp))
-            if self.ranks <= pending.reported:
+            settled = chunk_settled(pending.reported, report, self.ranks)
+            if settled is not None:
                 del self._pending[chunk_hash]
+            if settled:
                 self._ready.extend(pending.events)
                 self._announced[chunk_hash] = tuple(e.group_idx for e in pending.events)
                 self._announced.move_to_end(chunk_hash)

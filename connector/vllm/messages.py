@@ -89,6 +89,23 @@ class KVPipeStats(KVConnectorStats):
 #: One rank's word on one chunk of one save: (tp key rank, pp rank, chunk hash, every object stored).
 ChunkReport = tuple[int, int, bytes, bool]
 
+#: A rank that puts, as chunk reports name it: (tp key rank, pp rank)
+Rank = tuple[int, int]
+
+
+def chunk_settled(reported: set[Rank], report: ChunkReport, ranks: frozenset[Rank]) -> bool | None:
+    """Add ``report`` to the ranks that stored its chunk; whether that settles the chunk.
+
+    True: every rank in ``ranks`` has stored it, so a reader can load it whole.
+    False: this rank did not store it, so no reader can, whatever the others report.
+    None: still open.
+    """
+    tp, pp, _, stored = report
+    if not stored:
+        return False
+    reported.add((tp, pp))
+    return True if ranks <= reported else None
+
 
 class KVPipeKVEvents(KVConnectorKVEvents):
     """The workers' chunk reports of one step, on their way to the scheduler.

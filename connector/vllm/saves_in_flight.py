@@ -23,12 +23,10 @@ from collections import OrderedDict
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 
-from .messages import ChunkReport
+from .messages import ChunkReport, Rank, chunk_settled
 
 #: chunks remembered at most; the oldest are forgotten first (a lookup then misses them, as without waiting)
 LIMIT = 4096
-
-Rank = tuple[int, int]  # (rank among those that put, pp rank), as chunk reports name them
 
 
 @dataclass
@@ -65,13 +63,10 @@ class SavesInFlight:
 
     def reported(self, reports: Iterable[ChunkReport]) -> None:
         """The workers' word on chunks they saved: stored by every rank, or not stored by one, ends the wait."""
-        for tp, pp, chunk_hash, stored in reports:
-            hex_hash = chunk_hash.hex()
+        for report in reports:
+            hex_hash = report[2].hex()
             saving = self._saving.get(hex_hash)
-            if saving is None:
-                continue
-            saving.reported.add((tp, pp))
-            if not stored or self._ranks <= saving.reported:
+            if saving is not None and chunk_settled(saving.reported, report, self._ranks) is not None:
                 del self._saving[hex_hash]
 
     def awaited_among(self, hex_hashes: Iterable[str]) -> set[str]:

@@ -376,6 +376,7 @@ class WorkerSide:
             when_full="wait",
             name="kvpipe-load",
             job_deadline_s=self.settings.load_deadline_s,
+            nice=self.settings.load_nice,
         ).start()
 
     # -- sleep mode (vLLM 0.33) -----------------------------------------------------------

@@ -21,7 +21,7 @@ def result(tmp_path_factory: pytest.TempPathFactory) -> WorkloadResult:
 
 
 def test_one_row_per_load_mode_with_every_column(result: WorkloadResult) -> None:
-    assert [row["loads"] for row in result.rows] == ["sync", "async"]
+    assert [row["loads"] for row in result.rows] == ["sync", "async", "async, load_nice 10"]
     for row in result.rows:
         assert set(result.columns) <= set(row)
         assert row["decode p50 ms (loading)"] > 0 and row["TTFT p50 ms"] > 0
@@ -29,4 +29,4 @@ def test_one_row_per_load_mode_with_every_column(result: WorkloadResult) -> None
 
 
 def test_requests_sharing_a_stored_prefix_load_it_once_in_either_mode(result: WorkloadResult) -> None:
-    assert [row["loads per shared prefix"] for row in result.rows] == [1, 1]
+    assert [row["loads per shared prefix"] for row in result.rows] == [1, 1, 1]

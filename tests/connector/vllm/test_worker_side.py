@@ -350,12 +350,15 @@ def test_a_load_of_chunks_the_same_worker_put_is_not_from_others() -> None:
 
 
 @pytest.mark.skipif(not sys.platform.startswith("linux"), reason="nice values per thread are Linux's")
-def test_the_save_pipeline_runs_nicer_than_the_engine_and_the_load_pipeline_does_not() -> None:
-    engine_nice = os.getpriority(os.PRIO_PROCESS, threading.get_native_id())
+def engine_nice_plus(increment: int) -> int:
+    """The nice value of a thread ``increment`` nicer than this (the engine's) thread."""
+    return min(19, os.getpriority(os.PRIO_PROCESS, threading.get_native_id()) + increment)
+
+
+def pipeline_nices(settings: dict) -> tuple[set[int], set[int]]:
+    """The nice values of the save pipeline's threads and of the load pipeline's."""
     cache = engine_cache(LAYERS, num_blocks=NUM_BLOCKS, layout_name=KVCacheLayout.LBHNC.name)
-    side = WorkerSide(
-        cache, settings_from({"store": {"kind": "memory"}, "save_nice": 7}), MemoryStore(16 << 20)
-    )
+    side = WorkerSide(cache, settings_from({"store": {"kind": "memory"}, **settings}), MemoryStore(16 << 20))
     before = set(threading.enumerate())
     side.register_kv_caches(engine_views(KVCacheLayout.LBHNC))
     try:
@@ -368,8 +371,15 @@ def test_the_save_pipeline_runs_nicer_than_the_engine_and_the_load_pipeline_does
         side.shutdown(owns_store=False)
     saves = {nice for name, nice in nices.items() if "save" in name}
     loads = {nice for name, nice in nices.items() if "load" in name}
-    assert saves == {min(19, engine_nice + 7)}
-    assert loads == {engine_nice}
+    return saves, loads
+
+
+def test_the_save_pipeline_runs_nicer_than_the_engine_and_the_load_pipeline_does_not() -> None:
+    assert pipeline_nices({"save_nice": 7}) == ({engine_nice_plus(7)}, {engine_nice_plus(0)})
+
+
+def test_the_load_pipeline_runs_as_much_nicer_as_load_nice_says() -> None:
+    assert pipeline_nices({"save_nice": 0, "load_nice": 5}) == ({engine_nice_plus(0)}, {engine_nice_plus(5)})
 
 
 def test_loads_start_when_the_steps_metadata_is_bound_and_go_out_once() -> None:
