@@ -248,7 +248,7 @@ class HostThreadDevice(HostDevice):
         self._engine_fence = None
 
     def _run(self) -> None:
-        if not single_threaded_torch():  # device_of checked it on the engine's thread; it holds per process
+        if not single_threaded_torch():  # device_of found libgomp's setter; a torch on another OpenMP may ignore it
             log.warning("the staging copy thread runs torch with its OpenMP team: the engine may slow down")
         error: BaseException | None = None  # of the copies between the last fences and the next
         fenced = False  # the last item was a fence: a copy after it starts a new stretch
@@ -261,7 +261,7 @@ class HostThreadDevice(HostDevice):
                 error, fenced = None, False
             try:
                 item()
-            except Exception as exc:  # noqa: BLE001 - the fences after it carry it to the slots' reader
+            except BaseException as exc:  # noqa: BLE001 - the thread must live on: fences after it carry it
                 error = error or exc
 
 
