@@ -47,7 +47,7 @@ from .put import MAX_BUFFERS_PER_CALL, PutParams, PutStage, split_into_calls
 from .registry import KV_STAGES
 from .save_pipeline import DEFAULT_SAVE_PIPELINE, default_save_graph
 from .seal import SealMemory
-from .staging import StagingError, StagingPool, StagingSlot, copy_into_slots
+from .staging import StagingError, StagingPool, StagingSlot, copy_into_slots, gather_into_slots
 from .storable import ProjectionError, project_groups, storable_groups
 from .store import EXISTS, Code, LoadingStore, SavingStore, describe
 from .throttle import SlowStoreThrottle, ThrottleParams
@@ -115,6 +115,7 @@ __all__ = [
     "chunk_records",
     "chunks_to_save",
     "copy_into_slots",
+    "gather_into_slots",
     "default_load_graph",
     "default_save_graph",
     "describe",

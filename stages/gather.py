@@ -40,7 +40,7 @@ from pydantic import BaseModel, ConfigDict, Field
 from kvpipe.pipeline.stage import BatchEntry, BatchStage
 
 from .model import KVCache, Records, StoreObject
-from .staging import StagingPool, StagingSlot, copy_into_slots
+from .staging import StagingPool, StagingSlot, gather_into_slots
 from .store import SavingStore
 
 log = structlog.get_logger(__name__)
@@ -134,7 +134,7 @@ class GatherStage(BatchStage):
                 if not self._pool.allocated:
                     await self.run_blocking(self._pool.allocate)
                 slots = await self._pool.acquire_run(len(todo))
-                await self.run_blocking(copy_into_slots, records, slots)
+                await self.run_blocking(gather_into_slots, records, slots)
             except Exception as error:  # the engine's buffers are still good: send those
                 for slot in slots:
                     slot.release()

@@ -31,6 +31,7 @@ import anyio
 
 from .model import BlockBuffers, BlockLayout, StoreObject
 from .store import SavingStore, describe
+from .torch_threads import single_threaded_torch
 
 with warnings.catch_warnings():  # this CPU torch build warns at import that numpy is absent
     warnings.filterwarnings("ignore", message="Failed to initialize NumPy")
@@ -178,10 +179,22 @@ def copy_into_slots(records: Sequence[StoreObject], slots: Sequence[StagingSlot]
                     offset += buffer.size
 
 
+def gather_into_slots(records: Sequence[StoreObject], slots: Sequence[StagingSlot]) -> None:
+    """:func:`copy_into_slots` from a pipeline's worker thread, which first gets an OpenMP team of one.
+
+    Never on an engine's thread: its own ops would lose their parallelism.
+    """
+    single_threaded_torch()
+    copy_into_slots(records, slots)
+
+
 #: Below this many elements torch runs an op on the calling thread alone
-#: (``at::internal::GRAIN_SIZE``). The gather copies in pieces under it: on a
-#: host of two cores, OpenMP helpers spinning for a copy this small would take
-#: the core that the store's transfer threads and the engine need.
+#: (``at::internal::GRAIN_SIZE``). A thread whose OpenMP team is larger than one
+#: copies in pieces under it: OpenMP helpers would take the core that the
+#: store's transfer threads and the engine need, and a pool started off the
+#: engine's thread slows its every forward (:mod:`.torch_threads`). The gather
+#: stage's threads have a team of one (:func:`gather_into_slots`), so they copy a
+#: group in one op.
 GRAIN = 32768
 
 
@@ -235,7 +248,7 @@ def _indexed_copy(
     """
     objects, rows_per_object = index.shape
     width = rows_per_object * source.shape[1]
-    step = max(1, GRAIN // width)
+    step = objects if torch.get_num_threads() == 1 else max(1, GRAIN // width)
     first = int(slot_rows[0])
     in_place = columns.is_contiguous() and bool((slot_rows == torch.arange(first, first + objects)).all())
     for start in range(0, objects, step):

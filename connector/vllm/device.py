@@ -28,7 +28,6 @@ Only device-agnostic torch is used (``torch.Stream``, ``torch.Event``,
 
 from __future__ import annotations
 
-import ctypes
 import queue
 import threading
 from collections.abc import Callable, Sequence
@@ -36,6 +35,8 @@ from typing import Protocol
 
 import structlog
 import torch
+
+from kvpipe.stages.torch_threads import PER_THREAD_TEAMS, single_threaded_torch
 
 log = structlog.get_logger(__name__)
 
@@ -152,26 +153,6 @@ class HostDevice:
 
     def close(self) -> None:
         return None
-
-
-#: libgomp's (torch's OpenMP) setter of the calling thread's team size, where the process has it
-_omp_set_num_threads: Callable[[int], None] | None = getattr(ctypes.CDLL(None), "omp_set_num_threads", None)
-
-
-def single_threaded_torch() -> bool:
-    """Make torch run this thread's ops without a parallel region; False where it cannot.
-
-    torch sizes a thread's parallel regions by its OpenMP team size, which
-    libgomp keeps per thread: set to 1 (after torch's own first setting of it
-    in this thread), every op here runs inline and no pool is started, while
-    the engine's thread keeps its own. A torch without libgomp in the process
-    has no per-thread size to set.
-    """
-    if _omp_set_num_threads is None:
-        return False
-    torch.get_num_threads()  # torch sets this thread's team size on its first ask: set ours after it
-    _omp_set_num_threads(1)
-    return torch.get_num_threads() == 1
 
 
 class _HostFence:
@@ -337,4 +318,4 @@ def device_of(device: torch.device) -> Device:
     """The :class:`Device` for a cache on ``device``: on CPU a copy thread, where torch can run one safely."""
     if device.type != "cpu":
         return AcceleratorDevice(device)
-    return HostThreadDevice() if _omp_set_num_threads is not None else HostDevice()
+    return HostThreadDevice() if PER_THREAD_TEAMS else HostDevice()

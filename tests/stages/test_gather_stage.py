@@ -2,9 +2,11 @@
 
 import copy
 import ctypes
+import threading
 
 import anyio
 import pytest
+import torch
 from pydantic import ValidationError
 
 from kvpipe.connector.store.memory import Faults, MemoryStore
@@ -23,10 +25,12 @@ from kvpipe.stages import (
     StoreObject,
     copy_into_slots,
     default_save_graph,
+    gather_into_slots,
     storable_groups,
 )
 
 from .kv_fixtures import make_kv, make_request
+from .openmp import openmp_workers
 
 LAYERS = 8  # 8 buffers of 512 bytes per object: well under the auto threshold
 
@@ -71,6 +75,37 @@ async def test_a_gathered_record_keeps_its_key_group_id_and_engine_buffers():
     records = await _records(fixture.kv)
     [[out]] = await _gathered(GatherStage(GatherParams(), fixture.kv, NetworkStore()), records)
     assert [(r.key, r.group_id, r.buffers) for r in out] == [(r.key, r.group_id, r.buffers) for r in records]
+
+
+async def test_a_gather_far_above_torchs_grain_starts_no_openmp_pool_in_its_thread():
+    rows = torch.randint(0, 256, (512, 8192), dtype=torch.uint8)  # 4 rows of 8 KiB per object
+    records = [
+        StoreObject(f"k{n}", b"h", 0, [Buffer(rows[n + 128 * r].data_ptr(), 8192) for r in range(4)])
+        for n in range(128)
+    ]  # one copy of 4 MiB, 512 times torch's grain in 8-byte words
+    pool = StagingPool(NetworkStore(), len(records), records[0].size)
+    pool.allocate()
+    slots = await pool.acquire_run(len(records))
+    torch.zeros(1 << 24, dtype=torch.uint8)  # this (the engine's) thread has its pool
+    before = openmp_workers()
+    gathered, over = threading.Event(), threading.Event()
+
+    def gather_in_a_worker_thread() -> None:  # as the stage's thread does, and lives on after it
+        gather_into_slots(records, slots)
+        gathered.set()
+        over.wait(10)
+
+    worker = threading.Thread(target=gather_in_a_worker_thread)
+    worker.start()
+    try:
+        assert gathered.wait(10)
+        during = openmp_workers()
+    finally:
+        over.set()
+        worker.join()
+    assert during <= before
+    for record, slot in zip(records, slots, strict=True):
+        assert ctypes.string_at(slot.address, record.size) == b"".join(_read(b) for b in record.buffers)
 
 
 async def test_auto_leaves_objects_whose_buffers_are_large_as_they_are():
