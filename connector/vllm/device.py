@@ -188,8 +188,9 @@ class HostThreadDevice(HostDevice):
     before a put reads the slots, and the engine thread waits for them in
     :meth:`before_engine`, at its next step's start, before it may overwrite a
     block they read. A load's scatter stays on the calling thread: the engine
-    reads its blocks right after. Only where :func:`single_threaded_torch`
-    holds (:func:`device_of` checks), so the copy thread starts no OpenMP pool.
+    reads its blocks right after. Only where a thread can have an OpenMP team
+    of its own (:data:`~kvpipe.stages.torch_threads.PER_THREAD_TEAMS`, which
+    :func:`device_of` checks), so the copy thread starts no OpenMP pool.
     """
 
     def __init__(self) -> None:

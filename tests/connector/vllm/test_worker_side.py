@@ -349,7 +349,6 @@ def test_a_load_of_chunks_the_same_worker_put_is_not_from_others() -> None:
     side.shutdown(owns_store=False)
 
 
-@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="nice values per thread are Linux's")
 def engine_nice_plus(increment: int) -> int:
     """The nice value of a thread ``increment`` nicer than this (the engine's) thread."""
     return min(19, os.getpriority(os.PRIO_PROCESS, threading.get_native_id()) + increment)
@@ -374,10 +373,12 @@ def pipeline_nices(settings: dict) -> tuple[set[int], set[int]]:
     return saves, loads
 
 
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="nice values per thread are Linux's")
 def test_the_save_pipeline_runs_nicer_than_the_engine_and_the_load_pipeline_does_not() -> None:
     assert pipeline_nices({"save_nice": 7}) == ({engine_nice_plus(7)}, {engine_nice_plus(0)})
 
 
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="nice values per thread are Linux's")
 def test_the_load_pipeline_runs_as_much_nicer_as_load_nice_says() -> None:
     assert pipeline_nices({"save_nice": 0, "load_nice": 5}) == ({engine_nice_plus(0)}, {engine_nice_plus(5)})
 
