@@ -19,6 +19,12 @@ boundary inside a block is the group's tail. Earlier entries of its block table 
 placeholders (vLLM's null block), never saved.
 (:func:`is_recurrent` names the rule; lookups and loads follow it too.)
 
+A group whose attention reads a window (sliding window, chunked local attention)
+needs, for a prefix of ``L`` tokens, only the blocks that attention past ``L``
+reads: the engine frees the blocks wholly below (vLLM puts its null block in their
+place), so they are neither loaded nor needed for a hit.
+(:func:`first_read_block` names the rule; lookups and loads follow it.)
+
 These functions are pure and shared by ``project`` (is there anything to save?)
 and the collect stages (what exactly?), so the two can never disagree.
 """
@@ -28,12 +34,36 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import NamedTuple
 
-from .model import GroupKind, SaveRequest, StoreGroup
+from .model import GroupKind, GroupSpec, SaveRequest, StoreGroup
 
 
 def is_recurrent(group: StoreGroup) -> bool:
     """Whether ``group``'s chunk is a state at its end (mamba), not the keys and values of its tokens."""
     return group.spec.kind is GroupKind.MAMBA
+
+
+def unread_tokens(spec: GroupSpec, tokens: int) -> int:
+    """How many of the first ``tokens`` tokens attention past them never reads again (0 for full attention).
+
+    The engine's own rule (vLLM's ``get_num_skipped_tokens``): a sliding window of
+    ``W`` reads the last ``W - 1`` tokens before a position; chunked local
+    attention reads back to the start of the position's chunk.
+    """
+    if spec.sliding_window:
+        return max(0, tokens - spec.sliding_window + 1)
+    if spec.attention_chunk:
+        return tokens // spec.attention_chunk * spec.attention_chunk
+    return 0
+
+
+def reads_window(spec: GroupSpec) -> bool:
+    """Whether the group's attention reads a window rather than the whole prefix (:func:`unread_tokens`)."""
+    return bool(spec.sliding_window or spec.attention_chunk)
+
+
+def first_read_block(group: StoreGroup, tokens: int) -> int:
+    """The first of ``group``'s blocks that a prefix of ``tokens`` tokens needs (0 unless it reads a window)."""
+    return unread_tokens(group.spec, tokens) // group.spec.block_size
 
 
 def chunk_hash_at(block_hashes: Sequence[bytes], tokens_end: int, hash_block_size: int) -> bytes:

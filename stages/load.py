@@ -34,7 +34,7 @@ from pydantic import BaseModel, ConfigDict, Field
 from kvpipe.pipeline.stage import BatchEntry, BatchStage, Emit
 
 from .batch_calls import StoreCallError, call_per_key, remove_each, sizes_of
-from .chunks import chunk_hash_at, is_recurrent
+from .chunks import chunk_hash_at, first_read_block, is_recurrent
 from .integrity import (
     REFUSED,
     SEAL_SIZE,
@@ -140,6 +140,9 @@ def load_chunks(
     from the tail stored at ``end_tokens``, whole, and the engine recomputes the
     tokens past it. A recurrent group (mamba) has one chunk: its state at
     ``end_tokens``, into the block the engine lists for the range's last chunk.
+    A group that reads a window (sliding window) has the blocks attention past
+    ``end_tokens`` reads (:func:`~.chunks.first_read_block`): the engine lists
+    its null block for the others.
     A request that does not fit the cache (bounds off a block or hash-block
     boundary, too few hashes or block ids) is a ValueError naming what is wrong;
     nothing of it is loaded.
@@ -176,7 +179,8 @@ def load_chunks(
                 f"{len(block_ids)} block ids, tokens up to {end} need {needed}"
             )
         # (chunk index, tokens at its end): whole chunks, then a tail ending inside a block
-        ends = [(index, (index + 1) * block_size) for index in range(start // block_size, end // block_size)]
+        first = _first_loaded(group, start, end)
+        ends = [(index, (index + 1) * block_size) for index in range(first, end // block_size)]
         if end % block_size:
             ends.append((end // block_size, end))
         if is_recurrent(group):
@@ -199,9 +203,16 @@ def load_slots(groups: Sequence[StoreGroup], start_tokens: int, end_tokens: int)
     if end_tokens <= start_tokens:
         return 0
     return sum(
-        1 if is_recurrent(group) else -(-end_tokens // group.spec.block_size) - start_tokens // group.spec.block_size
+        1
+        if is_recurrent(group)
+        else -(-end_tokens // group.spec.block_size) - _first_loaded(group, start_tokens, end_tokens)
         for group in groups
     )
+
+
+def _first_loaded(group: StoreGroup, start_tokens: int, end_tokens: int) -> int:
+    """The first block of a non-recurrent group that a load of ``[start_tokens, end_tokens)`` fills."""
+    return max(start_tokens // group.spec.block_size, first_read_block(group, end_tokens))
 
 
 @functools.lru_cache(maxsize=64)  # asked at every lookup, for a few slot counts
@@ -242,13 +253,19 @@ def load_targets(
 
 
 def touched_block_ids(groups: Sequence[StoreGroup], request: LoadRequest) -> frozenset[int]:
-    """Every block id a request's range names, as far as it names them: what an invalid request fails."""
+    """Every block id a request's range names, as far as it names them: what an invalid request fails.
+
+    Only the blocks :func:`load_chunks` would fill: below a window, and before a
+    recurrent group's state, the engine lists its null block, which every such
+    request shares.
+    """
     touched: set[int] = set()
+    start, end = request.start_tokens, request.end_tokens
     for group in groups:
-        if group.engine_group < len(request.block_ids):
-            block_size = group.spec.block_size
-            first, end = request.start_tokens // block_size, -(-request.end_tokens // block_size)
-            touched.update(request.block_ids[group.engine_group][first:end])
+        if group.engine_group < len(request.block_ids) and end > start:
+            past = -(-end // group.spec.block_size)
+            first = past - 1 if is_recurrent(group) else _first_loaded(group, start, end)
+            touched.update(request.block_ids[group.engine_group][first:past])
     return frozenset(touched)
 
 

@@ -12,6 +12,10 @@ block. With groups of different block sizes a prefix can only end where every
 group's chunk ends, so hits are whole *prefix units*: the least common multiple
 of the storable groups' block sizes (one block for the usual single-size cache).
 
+A group that reads a window (sliding window, :func:`~.chunks.first_read_block`) needs
+no run from token 0 either: a hit of ``L`` tokens needs its chunks from the first
+block attention past ``L`` reads, as the engine's own prefix cache asks.
+
 A recurrent group (mamba, :func:`~.chunks.is_recurrent`) needs no run of chunks:
 its chunk ``i`` is the whole state after ``(i+1) * block_size`` tokens. So a hit
 of ``L`` tokens needs every other group's chunks up to ``L`` and, of each
@@ -34,7 +38,7 @@ from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import NamedTuple
 
-from .chunks import chunk_hash_at, is_recurrent
+from .chunks import chunk_hash_at, first_read_block, is_recurrent, reads_window
 from .integrity import seal_candidates
 from .keys import key_chunk_hex, object_key_prefix
 from .model import Shard, StoreGroup
@@ -234,11 +238,11 @@ class LookupPlan:
             return chunk is None or chunk.stored(exists)
 
         longest = self._limit
-        runs: list[int] = []  # per group: the end of its run of whole chunks (recurrent: unused)
+        runs: list[int] = []  # per group: the end of its run of whole chunks (recurrent, windowed: unused)
         for group, chunks in self._ends:
             block_size = group.spec.block_size
             run = 0
-            if not is_recurrent(group):
+            if not (is_recurrent(group) or reads_window(group.spec)):
                 while stored(chunks, run + block_size):
                     run += block_size
                 longest = min(longest, run + block_size - 1)
@@ -250,7 +254,14 @@ class LookupPlan:
                 if is_recurrent(group):
                     if not stored(chunks, hit):
                         return False
-                elif hit // block_size * block_size > run or (hit % block_size and not stored(chunks, hit)):
+                    continue
+                if reads_window(group.spec):  # the blocks attention past the hit reads
+                    whole = range(first_read_block(group, hit) + 1, hit // block_size + 1)
+                    if not all(stored(chunks, index * block_size) for index in whole):
+                        return False
+                elif hit // block_size * block_size > run:
+                    return False
+                if hit % block_size and not stored(chunks, hit):
                     return False
             return True
 

@@ -33,12 +33,25 @@ class GroupSpec:
     (e.g. a QSA ring) can be transferred but a prefix of it cannot be reused, so
     it is never stored. ``mamba_mode`` matters for mamba groups only: their state
     is reusable at block boundaries only in ``"align"`` mode.
+
+    ``sliding_window`` (tokens, the engine's retained tail included) and
+    ``attention_chunk`` (chunked local attention) say how far back the group's
+    attention reads; 0 is all the way (:func:`~.chunks.unread_tokens` is the rule).
     """
 
     kind: GroupKind
     block_size: int
     prefix_cacheable: bool = True
     mamba_mode: str | None = None
+    sliding_window: int = 0
+    attention_chunk: int = 0
+
+    def __post_init__(self) -> None:
+        if self.sliding_window < 0 or self.attention_chunk < 0:
+            raise ValueError(
+                f"GroupSpec: sliding_window and attention_chunk must be >= 0, "
+                f"got {self.sliding_window} and {self.attention_chunk}"
+            )
 
 
 class Buffer(NamedTuple):

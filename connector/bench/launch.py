@@ -106,6 +106,23 @@ TINY_QWEN3_NEXT: dict[str, Any] = {
     "partial_rotary_factor": 0.25,
     "tie_word_embeddings": False,
 }
+#: A tiny Gemma 3: sliding-window layers (a 256-token window) between full-attention ones,
+#: two KV-cache groups; past its window a request's sliding-window blocks are the null block.
+TINY_GEMMA3: dict[str, Any] = {
+    "architectures": ["Gemma3ForCausalLM"],
+    "model_type": "gemma3_text",
+    "hidden_size": 128,
+    "intermediate_size": 256,
+    "num_hidden_layers": 4,
+    "num_attention_heads": 4,
+    "num_key_value_heads": 2,
+    "head_dim": 32,
+    "query_pre_attn_scalar": 32,
+    "vocab_size": 1024,
+    "sliding_window": 256,
+    "sliding_window_pattern": 2,
+    "max_position_embeddings": 4096,
+}
 #: what a hybrid model needs to reuse a prefix at all: vLLM's prefix cache, mamba ``align``
 HYBRID_ENGINE_ARGS: dict[str, Any] = {"enable_prefix_caching": True, "mamba_cache_mode": "align"}
 

@@ -57,10 +57,13 @@ def _group_spec(spec: Any, mamba_mode: str | None, dcp_size: int = 1) -> GroupSp
             GroupKind.MAMBA, block_size, cacheable, getattr(spec, "mamba_cache_mode", mamba_mode)
         )
     if isinstance(spec, SlidingWindowSpec):
-        return GroupSpec(GroupKind.SLIDING_WINDOW, block_size, cacheable)
+        # the blocks the engine keeps reach back the window and its retained tail (speculative decoding)
+        window = int(spec.sliding_window) + int(getattr(spec, "extra_retained_tokens", 0))
+        return GroupSpec(GroupKind.SLIDING_WINDOW, block_size, cacheable, sliding_window=window)
     if type(spec).__name__ in ("CircularBufferSpec",):
         return GroupSpec(GroupKind.RING_BUFFER, block_size, False)
-    return GroupSpec(GroupKind.FULL_ATTENTION, block_size, cacheable)
+    chunk = int(getattr(spec, "attention_chunk_size", 0) or 0)  # chunked local attention (Llama 4)
+    return GroupSpec(GroupKind.FULL_ATTENTION, block_size, cacheable, attention_chunk=chunk)
 
 
 def groups_of(

@@ -35,6 +35,8 @@ HEAD_SIZE = 4
 FULL = GroupSpec(GroupKind.FULL_ATTENTION, block_size=16)
 RING = GroupSpec(GroupKind.RING_BUFFER, block_size=16, prefix_cacheable=False)
 MAMBA_ALIGN = GroupSpec(GroupKind.MAMBA, block_size=16, mamba_mode="align")
+#: a sliding window of 24 tokens: a position reads the 23 before it, so at most two 16-token blocks
+WINDOW = GroupSpec(GroupKind.SLIDING_WINDOW, block_size=16, sliding_window=24)
 
 
 @dataclass

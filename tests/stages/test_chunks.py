@@ -3,6 +3,7 @@
 from dataclasses import replace
 
 from kvpipe.stages import GroupKind, GroupSpec, full_chunks, storable_groups, tail_chunks
+from kvpipe.stages.chunks import unread_tokens
 
 from .kv_fixtures import FULL, make_kv, make_request
 
@@ -131,3 +132,12 @@ def test_a_finished_mamba_request_gives_the_state_inside_a_block_as_its_tail():
         request.block_hashes[4],
     )
     assert tail_chunks(replace(request, state_tokens=44), group, 8) == ()
+
+
+def test_attention_past_a_prefix_reads_its_window_the_start_of_its_chunk_or_all_of_it():
+    window = GroupSpec(GroupKind.SLIDING_WINDOW, block_size=16, sliding_window=24)
+    local = GroupSpec(GroupKind.FULL_ATTENTION, block_size=16, attention_chunk=32)
+
+    assert [unread_tokens(window, tokens) for tokens in (0, 23, 24, 48)] == [0, 0, 1, 25]
+    assert [unread_tokens(local, tokens) for tokens in (31, 32, 48, 64)] == [0, 32, 32, 64]
+    assert unread_tokens(FULL, 1000) == 0

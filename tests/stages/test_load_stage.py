@@ -26,10 +26,10 @@ from kvpipe.stages import (
     object_key,
     storable_groups,
 )
-from kvpipe.stages.load import load_chunks, load_slots, longest_load
+from kvpipe.stages.load import load_chunks, load_slots, longest_load, touched_block_ids
 from kvpipe.stages.retention import LoadedKeys
 
-from .kv_fixtures import FULL, MAMBA_ALIGN, RING, bytes_of, make_kv, make_request
+from .kv_fixtures import FULL, MAMBA_ALIGN, RING, WINDOW, bytes_of, make_kv, make_request
 from .save_path import run_save_path
 from .stores import ScriptedStore, StalledGets
 
@@ -123,6 +123,28 @@ async def test_a_mamba_group_loads_one_state_the_one_at_the_end_of_the_range():
         (shard, 2, chunk): chunk == 2 for shard in range(2) for chunk in range(3)
     }
     assert (emit.counts["loaded"], failed) == ((2 + 1) * 2, {"req-1": frozenset()})
+
+
+async def test_a_sliding_window_group_loads_only_the_blocks_its_window_reads_past_the_range():
+    """At 48 tokens a window of 24 reads tokens 25..47: blocks 1 and 2. The engine lists its null
+    block for block 0, so nothing is written there and it is no block of the load's to fail."""
+    groups = (FULL, WINDOW)
+    source, store, saved = await _saved(groups, shards=1)
+    target = make_kv(groups, shards=1, seed=1)
+    null_before = target.block_bytes(0, 1, 0)
+    load = LoadRequest("req-1", saved.block_hashes, (TARGET_BLOCKS, (0, 11, 12)), 0, 48)
+
+    (emit,), failed = await _load(target.kv, store, load)
+
+    assert _moved(source, target, groups=(1,), shards=1, blocks=(0, 11, 12)) == {
+        (0, 1, 0): False,
+        (0, 1, 1): True,
+        (0, 1, 2): True,
+    }
+    assert target.block_bytes(0, 1, 0) == null_before
+    assert emit.counts["loaded"] == 3 + 2
+    assert touched_block_ids(storable_groups(target.kv), load) == {10, 11, 12}
+    assert failed == {"req-1": frozenset()}
 
 
 async def test_only_the_chunks_from_start_to_end_are_loaded():
@@ -328,6 +350,15 @@ async def test_a_range_that_does_not_fit_the_cache_fails_the_request_and_reports
     assert failed["req-1"] <= frozenset(TARGET_BLOCKS) and failed["req-1"]
 
 
+def test_a_load_names_as_its_blocks_only_those_it_would_fill_never_the_null_blocks_below_a_state_or_a_window():
+    """What an invalid load fails: the engine lists its null block (0) before a mamba state and
+    below a window, and every such request shares it."""
+    groups = storable_groups(make_kv([FULL, MAMBA_ALIGN, WINDOW]).kv)
+    load = LoadRequest("r", (), ((10, 11, 12), (0, 0, 21), (0, 31, 32)), 0, 48)
+
+    assert touched_block_ids(groups, load) == {10, 11, 12, 21, 31, 32}
+
+
 def test_the_longest_load_takes_a_slot_per_block_of_each_group_and_one_per_recurrent_state():
     hybrid = storable_groups(make_kv([FULL, RING, MAMBA_ALIGN]).kv)  # 16-token blocks; a ring is not stored
     mixed = storable_groups(make_kv([FULL, GroupSpec(GroupKind.FULL_ATTENTION, block_size=32)]).kv)
@@ -338,10 +369,10 @@ def test_the_longest_load_takes_a_slot_per_block_of_each_group_and_one_per_recur
 
 
 def test_a_load_takes_a_slot_per_chunk_it_loads():
-    kv = make_kv([FULL, RING, MAMBA_ALIGN, GroupSpec(GroupKind.FULL_ATTENTION, block_size=32)]).kv
+    kv = make_kv([FULL, RING, MAMBA_ALIGN, GroupSpec(GroupKind.FULL_ATTENTION, block_size=32), WINDOW]).kv
     groups, request = storable_groups(kv), make_request(kv, 96)
 
-    for start, end in [(0, 96), (32, 96), (0, 80), (64, 80), (0, 16)]:
+    for start, end in [(0, 96), (32, 96), (0, 80), (64, 80), (0, 16), (64, 96)]:
         load = LoadRequest("r", request.block_hashes, request.block_ids, start, end)
         assert load_slots(groups, start, end) == len(load_chunks(groups, kv.hash_block_size, load))
 

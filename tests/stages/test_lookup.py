@@ -20,7 +20,7 @@ from kvpipe.stages import (
     storable_groups,
 )
 
-from .kv_fixtures import FULL, MAMBA_ALIGN, RING, make_kv, make_request
+from .kv_fixtures import FULL, MAMBA_ALIGN, RING, WINDOW, make_kv, make_request
 from .save_path import run_save_path
 from .stores import ScriptedStore
 
@@ -69,6 +69,24 @@ async def test_the_hit_is_the_stored_prefix_counted_from_token_0():
     store, saved = await _saved(kv, 48)
 
     assert _hit(kv, store, _asking(saved, num_tokens=100)) == 48
+
+
+async def test_a_sliding_window_group_needs_only_the_blocks_its_window_reads_past_the_hit():
+    """At 64 tokens a window of 24 reads blocks 2 and 3: its blocks 0 and 1 are not needed."""
+    kv = make_kv([FULL, WINDOW]).kv
+    store, saved = await _saved(kv, 64)
+    for chunk in (0, 1):
+        assert store.remove(_key(kv, chunk, store_group=1)) == 0
+
+    assert _hit(kv, store, _asking(saved, num_tokens=100)) == 64
+
+
+async def test_a_block_missing_inside_a_sliding_window_ends_the_hit_before_it():
+    kv = make_kv([FULL, WINDOW]).kv
+    store, saved = await _saved(kv, 64)
+    assert store.remove(_key(kv, 3, store_group=1)) == 0
+
+    assert _hit(kv, store, _asking(saved, num_tokens=100)) == 48  # reads blocks 1 and 2
 
 
 async def test_a_chunk_missing_for_one_shard_ends_the_hit_there():

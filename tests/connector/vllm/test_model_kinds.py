@@ -10,6 +10,10 @@
   each mamba group's state where it ends. The block size is the engine's choice (the
   attention page must hold a mamba state, rounded to the CPU kernel's block multiple:
   256 or 384 tokens on the machines tried), so counts follow it.
+- Sliding window: a tiny Gemma 3, sliding-window layers (a 256-token window) between
+  full-attention ones, two groups. Every whole block of both is stored; a hit loads
+  every full-attention block and only the sliding-window blocks attention past the hit
+  reads (the engine lists its null block for the others).
 - Hybrid with partial hits (``prefix_match_unit=128``): the engine hashes every 128
   tokens and a hit may end inside a block: on the prompt's partial tail (the
   attention block holding it, keyed where it ends, and the mamba states there).
@@ -32,6 +36,7 @@ from typing import Any
 import pytest
 
 from kvpipe.connector.bench import launch
+from kvpipe.stages.chunks import is_recurrent
 
 from . import engine
 
@@ -108,6 +113,19 @@ def _partial_loads(block_size: int) -> int:
     return math.ceil(TAIL_END / block_size) + MAMBA_GROUPS
 
 
+WINDOW = launch.TINY_GEMMA3["sliding_window"]
+
+
+def _windowed_objects(block_size: int) -> int:
+    return 2 * _whole_blocks(block_size)
+
+
+def _windowed_loads(block_size: int) -> int:
+    """Every full-attention block of the hit, and the sliding-window blocks from the first its window reads."""
+    hit = _hit_blocks(block_size) * block_size
+    return _hit_blocks(block_size) + _hit_blocks(block_size) - (hit - WINDOW + 1) // block_size
+
+
 KINDS = [
     # every whole block of latent: 87 at CPU_MLA's 16 tokens, 10 at AMX_MLA's 128
     mla("CPU_MLA"),
@@ -119,6 +137,14 @@ KINDS = [
         groups=MAMBA_GROUPS + 1,
         objects_per_prompt=_hybrid_objects,
         loads_per_prompt=_hybrid_loads,
+    ),
+    Kind(
+        "gemma3",
+        launch.TINY_GEMMA3,
+        {},
+        groups=2,
+        objects_per_prompt=_windowed_objects,
+        loads_per_prompt=_windowed_loads,
     ),
     Kind(
         "qwen3-next-partial",
@@ -232,7 +258,8 @@ def test_a_burst_over_shared_prefixes_stores_every_whole_block(kvpipe: Engine) -
     """Eight ~750-token prompts over four shared prefixes in one pass: every whole block is
     stored once, as vLLM's connector stores them (at 16-token blocks, more blocks than the
     staging area once held)."""
-    if kvpipe.kind.groups > 1:
+    groups = engine.worker(kvpipe.llm).cache.store_groups
+    if any(is_recurrent(group) for group in groups):
         pytest.skip("a hybrid model stores per mamba group where its steps end, not per whole block")
     rng = random.Random(34)
     shared = [[rng.randrange(1024) for _ in range(500)] for _ in range(4)]
@@ -243,4 +270,4 @@ def test_a_burst_over_shared_prefixes_stores_every_whole_block(kvpipe: Engine) -
     whole_prefixes = {tuple(p[:end]) for p in batch for end in range(size, len(p) + 1, size)}
     _, records = engine.stored_by(kvpipe.llm, batch)
     assert engine.worker(kvpipe.llm).stats["saves_dropped_no_staging"] == 0
-    assert len({r.key for r in records}) == len(whole_prefixes)
+    assert len({r.key for r in records}) == len(whole_prefixes) * len(groups)  # every group's block
