@@ -454,14 +454,17 @@ class WorkerSide:
     def _stage(self, save: SaveRequest) -> _StagedSave | None:
         """Free slots for the save's chunks: the copies that fill them, the request over them, its chunks.
 
-        None: nothing to save, or no room.
+        None: nothing to save, or no room. The free slots that loads waiting for slots
+        want are no room: a load is on its request's way to its first token, and saves
+        taking each slot given back would keep it waiting until its deadline, and then
+        the engine would compute the whole prefix again; a save dropped costs a later reuse.
         """
         assert self._staging is not None
         chunks = chunks_to_save(save, self.cache.store_groups, self.cache.hash_block_size)
         plan = [_Placement(c.group.engine_group, c.block_index, c.block_id) for c in chunks]
         if not plan:
             return None
-        if len(plan) > self._staging.free:
+        if len(plan) > self._staging.free - self._slots_wanted_by_loads():
             self.stats[SAVES_DROPPED_NO_STAGING] += 1
             if self.reporter is not None:
                 self.reporter.dropped(chunks)
@@ -592,6 +595,9 @@ class WorkerSide:
         """A load that never starts: it fails whole (its request's blocks are recomputed)."""
         load.slots_wanted = None
         self.stats[LOADS_FAILED_NO_STAGING] += 1
+
+    def _slots_wanted_by_loads(self) -> int:
+        return sum(len(load.slots_wanted or ()) for load in self._waiting_loads)
 
     def _slots_held_by_saves(self) -> int:
         return sum(len(slots) for slots in self._job_slots.values())

@@ -266,6 +266,20 @@ def test_slots_a_save_gives_back_go_to_the_load_waiting_for_them_before_the_next
     loader.shutdown(owns_store=False)
 
 
+def test_while_a_load_waits_for_slots_a_steps_saves_take_none_of_the_free_ones() -> None:
+    store, loader, source, target = slots_held_by_a_save(ROOMY_DEADLINE)
+    loader.start_load_kv(KVPipeMetadata(loads=[THREE_BLOCKS]))  # three wanted, two free
+
+    loader.wait_for_save(KVPipeMetadata(saves=[SaveRequest("t", OTHER_HASHES[:1], ((6,),), BLOCK)]))
+
+    assert loader.stats["saves_dropped_no_staging"] == 1
+    assert loader._staging.free == 2
+    store.let_go.set()
+    assert wait_finished(loader) == {"l"}
+    assert landed_whole(loader, source, target)
+    loader.shutdown(owns_store=False)
+
+
 def test_a_load_still_waiting_for_slots_at_its_deadline_fails_whole() -> None:
     store, loader, _, _ = slots_held_by_a_save(QUICK_DEADLINE)
     loader.start_load_kv(KVPipeMetadata(loads=[THREE_BLOCKS]))
