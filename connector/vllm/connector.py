@@ -37,7 +37,7 @@ from kvpipe.stages.errors import ConfigError
 from .engine_cache import EngineCache, open_store, store_config
 from .events import ChunkAnnouncer
 from .messages import GAUGES, OPS, KVPipeKVEvents, KVPipeMetadata, KVPipeStats
-from .metrics import RECORDS_DROPPED, SAVE_LANDING_SECONDS
+from .metrics import RECORDS_DROPPED
 from .prom import KVPipePromMetrics
 from .scheduler import SchedulerSide
 from .settings import settings_from
@@ -309,8 +309,8 @@ class KVPipeConnector(KVConnectorBase_V1, SupportsHMA):
         current = Counter(self.stats)
         data.update((name, value) for name, value in (current - self._reported).items() if value)
         self._reported = current
-        if self.worker is not None and (landed := self.worker.take_landings()):
-            data[SAVE_LANDING_SECONDS] = landed
+        if self.worker is not None:
+            data.update(self.worker.take_samples())  # each histogram's observations
         records, refused = self._operations.drain()
         if records:
             data[OPS] = records

@@ -30,6 +30,7 @@ from __future__ import annotations
 
 import queue
 import threading
+import time
 from collections.abc import Callable, Sequence
 from typing import Protocol
 
@@ -92,11 +93,12 @@ class Device(Protocol):
         """A fence after the copies launched so far; ``engine_waits``: the engine's next work waits for it."""
         ...
 
-    def before_engine(self) -> None:
+    def before_engine(self) -> float:
         """Called on the engine thread before its next step's work: block until that work may run.
 
         Only a device whose copies run on a host thread waits here (for the
         copies recorded with ``engine_waits``); a stream orders them on the device.
+        Returns the seconds the calling thread waited (0.0: none).
         """
         ...
 
@@ -148,8 +150,8 @@ class HostDevice:
     def record(self, *, engine_waits: bool) -> Fence:
         return DONE
 
-    def before_engine(self) -> None:
-        return None
+    def before_engine(self) -> float:
+        return 0.0
 
     def close(self) -> None:
         return None
@@ -217,10 +219,13 @@ class HostThreadDevice(HostDevice):
             self._engine_fence = fence
         return fence
 
-    def before_engine(self) -> None:
+    def before_engine(self) -> float:
         fence, self._engine_fence = self._engine_fence, None
-        if fence is not None:
-            fence.join()
+        if fence is None or fence.done():
+            return 0.0
+        started = time.perf_counter()
+        fence.join()
+        return time.perf_counter() - started
 
     def close(self) -> None:
         thread, self._thread = self._thread, None
@@ -308,8 +313,8 @@ class AcceleratorDevice:
             self._engine().wait_event(event)
         return _EventFence(event)
 
-    def before_engine(self) -> None:
-        return None  # the engine's stream waits on the device (``record``)
+    def before_engine(self) -> float:
+        return 0.0  # the engine's stream waits on the device (``record``)
 
     def close(self) -> None:
         return None  # the side stream's copies are fenced; the stream goes with the device

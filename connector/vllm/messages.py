@@ -6,7 +6,7 @@ with ``vllm serve``), where :mod:`.prom` turns it into Prometheus series. Its
 
 - counters, ``name -> int``: growth since the role's last report; summed;
 - lists: ``"ops"``, the store calls' records (:data:`~kvpipe.connector.store.metered.OperationRecord`
-  as lists), and a histogram's observations (``save_landing_seconds``); concatenated;
+  as lists), and a histogram's observations (``save_landing_seconds``, ``engine_copy_wait_seconds``); concatenated;
 - ``"gauges"``: ``source -> {name: value}``, the latest reading of each role
   (``"scheduler"``, ``"worker:<tp>:<pp>"``); merged, a later reading replacing an
   earlier one of the same source, so readings of several ranks never add up twice.

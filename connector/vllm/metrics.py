@@ -83,6 +83,7 @@ SAVES_PLANNED: Final = "saves_planned"
 SAVES_SUBMITTED: Final = "saves_submitted"
 SAVES_DROPPED_NO_STAGING: Final = "saves_dropped_no_staging"
 SAVE_LANDING_SECONDS: Final = "save_landing_seconds"
+ENGINE_COPY_WAIT_SECONDS: Final = "engine_copy_wait_seconds"
 OBJECTS: Final = "objects"
 SAVE_JOBS: Final = "save_jobs"
 SEALS_FAILED: Final = "seals_failed"
@@ -201,6 +202,16 @@ CATALOGUE: Final = (
         Side.WORKER,
         "Per save whose every object was stored, the time from the step that computed it to stored: "
         "from then another replica's lookup finds it (`_count`: saves landed; 0.1 ms .. 5 s buckets).",
+        unit="seconds",
+        keyed=Keyed.SAMPLES,
+    ),
+    Metric(
+        ENGINE_COPY_WAIT_SECONDS,
+        Kind.HISTOGRAM,
+        Side.WORKER,
+        "Per engine step whose start waited for the last step's staging copies (a CPU cache copies on a "
+        "thread of its own while the engine goes on), the seconds the engine's thread waited "
+        "(`_count`: steps that waited; a device cache never waits on the thread; 0.1 ms .. 5 s buckets).",
         unit="seconds",
         keyed=Keyed.SAMPLES,
     ),

@@ -227,9 +227,12 @@ class StagingArea:
                 device.scatter(run.rows, index, run.columns(scratch))
         self._fenced(copies, engine_waits=True)
 
-    def before_engine(self) -> None:
-        """On the engine thread, before its step's work: wait until no copy still reads a block it may overwrite."""
-        self._device.before_engine()
+    def before_engine(self) -> float:
+        """On the engine thread, before its step's work: wait until no copy still reads a block it may overwrite.
+
+        Returns the seconds it waited (0.0: none).
+        """
+        return self._device.before_engine()
 
     def close(self) -> None:
         """Finish the copies under way and stop what runs them (the slots stay readable); idempotent."""

@@ -72,12 +72,14 @@ from .metrics import (
     CHUNKS_LOAD_FAILED,
     CHUNKS_LOADED,
     CHUNKS_LOADED_FROM_OTHERS,
+    ENGINE_COPY_WAIT_SECONDS,
     LOADS,
     LOADS_FAILED_NO_STAGING,
     LOADS_GIVEN_UP,
     LOADS_WAITED_FOR_STAGING,
     OBJECTS_BY_STATUS,
     SAVE_JOBS_BY_OUTCOME,
+    SAVE_LANDING_SECONDS,
     SAVES_DROPPED_NO_STAGING,
     SAVES_SUBMITTED,
     SEALS_FAILED,
@@ -101,9 +103,9 @@ log = structlog.get_logger("kvpipe.connector.vllm")
 #: the outer bound on waiting for a sync load; its job's deadline ends it long before
 LOAD_TIMEOUT_S = 60.0
 STOP_DEADLINE_S = 10.0
-#: landing times kept for :meth:`WorkerSide.take_landings`; vLLM takes them every step,
-#: so the bound only matters where nobody does (the oldest go first)
-LANDINGS_KEPT = 65536
+#: observations kept for :meth:`WorkerSide.take_samples` (a histogram's); vLLM takes them
+#: every step, so the bound only matters where nobody does (the oldest go first)
+SAMPLES_KEPT = 65536
 
 
 def parallel_ranks() -> tuple[int, int, int]:
@@ -278,8 +280,10 @@ class WorkerSide:
         self.tp_rank = tp_rank
         self.stats: Counter[str] = Counter()
         self.observed: deque[tuple[StoreObject, ObjectStatus]] = deque(maxlen=65536)
-        #: per save landed since the last :meth:`take_landings`, seconds from its step to stored
-        self.landings: deque[float] = deque(maxlen=LANDINGS_KEPT)
+        #: per save landed, seconds from its step to stored (:data:`SAVE_LANDING_SECONDS`)
+        self.landings: deque[float] = deque(maxlen=SAMPLES_KEPT)
+        #: per step start that waited for the last step's staging copies, the seconds it waited
+        self.engine_waits: deque[float] = deque(maxlen=SAMPLES_KEPT)
         self._put_here: OrderedDict[bytes, None] = OrderedDict()  # chunk hashes, newest last
         self._options = _StartOptions(transfers, max_pinned_bytes, staging_device)
         self._memory = BufferRegistrations(store)
@@ -520,8 +524,8 @@ class WorkerSide:
         ``handle_preemptions`` at a step's start for this; the connector asks again
         when the step's metadata is bound, for a vLLM that does not.
         """
-        if self._staging is not None:
-            self._staging.before_engine()
+        if self._staging is not None and (waited := self._staging.before_engine()):
+            self.engine_waits.append(waited)
 
     # -- loads ---------------------------------------------------------------------------
 
@@ -720,12 +724,20 @@ class WorkerSide:
         self._reap()
         return [] if self.reporter is None else self.reporter.take()
 
-    def take_landings(self) -> list[float]:
-        """Per save landed since the last call, the seconds from the step that computed it to stored."""
+    def take_samples(self) -> dict[str, list[float]]:
+        """The histograms' observations since the last call, per stats key (none: left out).
+
+        :data:`SAVE_LANDING_SECONDS`: per save landed, the seconds from the step that
+        computed it to stored; :data:`ENGINE_COPY_WAIT_SECONDS`: per step start that
+        waited for the last step's staging copies, the seconds it waited.
+        """
         self._reap()
-        landed = list(self.landings)
-        self.landings.clear()
-        return landed
+        samples = {}
+        for name, kept in ((SAVE_LANDING_SECONDS, self.landings), (ENGINE_COPY_WAIT_SECONDS, self.engine_waits)):
+            if kept:
+                samples[name] = list(kept)
+                kept.clear()
+        return samples
 
     def gauges(self) -> dict[str, float]:
         """What this rank holds now: staging slots, the breaker, each stage's queue.

@@ -75,8 +75,8 @@ class CountingDevice:
     def record(self, *, engine_waits: bool) -> Fence:
         return _CountedFence(self.inner.record(engine_waits=engine_waits), self.waits)
 
-    def before_engine(self) -> None:
-        self.inner.before_engine()
+    def before_engine(self) -> float:
+        return self.inner.before_engine()
 
     def close(self) -> None:
         self.inner.close()
@@ -146,8 +146,8 @@ class _LazyDevice:
             self._engine_waits_for = max(self._engine_waits_for, position)
         return _QueuedFence(self, position)
 
-    def before_engine(self) -> None:
-        return None  # as a stream: the forward waits on the device (:meth:`forward`)
+    def before_engine(self) -> float:
+        return 0.0  # as a stream: the forward waits on the device (:meth:`forward`)
 
     def close(self) -> None:
         return None

@@ -335,10 +335,10 @@ def test_a_stored_save_counts_as_landed_with_the_time_it_took() -> None:
     side.wait_for_save(KVPipeMetadata(saves=[SaveRequest("s", HASHES, ((4, 1, 5),), 3 * BLOCK)]))
     assert side.drain(10.0)
     took_ms = (time.monotonic() - before) * 1000
-    landed = side.take_landings()
+    landed = side.take_samples()["save_landing_seconds"]
     assert len(landed) == 1
     assert 0 <= landed[0] * 1000 <= took_ms
-    assert side.take_landings() == []  # taken once
+    assert "save_landing_seconds" not in side.take_samples()  # taken once
     side.shutdown(owns_store=False)
 
 
@@ -483,3 +483,29 @@ def test_a_save_leaves_its_copy_to_the_copy_thread_and_stores_the_blocks_as_they
     for name in LAYERS:
         assert torch.equal(target[name][[0, 2, 3]].view(BITS), saved[name].view(BITS))
     loader.shutdown(owns_store=False)
+
+
+def test_a_step_start_that_waited_for_the_copies_is_observed_once_and_one_that_did_not_is_not() -> None:
+    device = HostThreadDevice()
+    saver = worker(MemoryStore(16 << 20), KVCacheLayout.LBHNC, staging_device=device)
+    saver.register_kv_caches(engine_views(KVCacheLayout.LBHNC))
+    gate = Gate(device)
+    saver.wait_for_save(KVPipeMetadata(saves=[SaveRequest("s", HASHES, ((4, 1, 5),), 3 * BLOCK)]))
+    assert gate.reached.wait(WITHIN_S)
+    fence = device._engine_fence
+    assert fence is not None
+    next_step = threading.Thread(target=saver.before_step)
+    next_step.start()
+    deadline = time.monotonic() + WITHIN_S
+    while not fence._reached._cond._waiters and time.monotonic() < deadline:  # the step start is waiting
+        time.sleep(0.001)
+    gate.open()
+    next_step.join(WITHIN_S)
+
+    (waited,) = saver.take_samples()["engine_copy_wait_seconds"]
+    saver.before_step()  # nothing in flight: no wait
+
+    assert waited > 0
+    assert "engine_copy_wait_seconds" not in saver.take_samples()
+    assert saver.drain(WITHIN_S)
+    saver.shutdown(owns_store=False)
