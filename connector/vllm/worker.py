@@ -578,8 +578,8 @@ class WorkerSide:
             return _Load(load, self._load_pipeline.submit(load))
         plan = self._load_plan(load)
         submitted = _Load(load, None, slots_wanted=plan)
-        if not self._waiting_loads and len(plan) <= self._staging.free:
-            self._start(submitted)
+        if not plan or (not self._waiting_loads and len(plan) <= self._staging.free):
+            self._start(submitted)  # a load of nothing (or one the stage refuses) takes no slot: no line
         elif len(plan) <= self._staging.free + self._slots_held_by_saves():
             submitted.waits_until = time.monotonic() + self.settings.load_deadline_s
             self._waiting_loads.append(submitted)

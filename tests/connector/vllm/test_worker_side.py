@@ -280,6 +280,20 @@ def test_while_a_load_waits_for_slots_a_steps_saves_take_none_of_the_free_ones()
     loader.shutdown(owns_store=False)
 
 
+def test_a_load_that_does_not_fit_the_cache_fails_at_once_even_behind_a_load_waiting_for_slots() -> None:
+    store, loader, _, _ = slots_held_by_a_save(ROOMY_DEADLINE)
+    loader.start_load_kv(KVPipeMetadata(loads=[THREE_BLOCKS]))  # waits: the save holds its slots
+    beyond = LoadRequest("x", HASHES, ((0, 2, 3),), 0, 5 * BLOCK)  # more tokens than hashes
+
+    loader.start_load_kv(KVPipeMetadata(loads=[beyond]))
+
+    assert wait_finished(loader) == {"x"}
+    assert loader.get_block_ids_with_load_errors() == {0, 2, 3}
+    store.let_go.set()
+    assert wait_finished(loader) == {"l"}
+    loader.shutdown(owns_store=False)
+
+
 def test_a_load_still_waiting_for_slots_at_its_deadline_fails_whole() -> None:
     store, loader, _, _ = slots_held_by_a_save(QUICK_DEADLINE)
     loader.start_load_kv(KVPipeMetadata(loads=[THREE_BLOCKS]))
