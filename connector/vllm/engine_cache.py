@@ -8,6 +8,7 @@ without talking to each other.
 
 from __future__ import annotations
 
+import math
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
@@ -64,6 +65,18 @@ def _group_spec(spec: Any, mamba_mode: str | None, dcp_size: int = 1) -> GroupSp
         return GroupSpec(GroupKind.RING_BUFFER, block_size, False)
     chunk = int(getattr(spec, "attention_chunk_size", 0) or 0)  # chunked local attention (Llama 4)
     return GroupSpec(GroupKind.FULL_ATTENTION, block_size, cacheable, attention_chunk=chunk)
+
+
+def partial_hit_alignment(groups: tuple[GroupSpec, ...], alignment: int | None) -> int | None:
+    """vLLM's ``cache_hit_alignment_tokens`` where it lets a hit end inside a block, else None.
+
+    Only an alignment below the prefix unit (the stored groups' lcm block size) does,
+    as vLLM's connector rules (``enable_partial_hash_hits``): one of a whole block (a
+    sliding-window group keeps hits on its blocks) makes no partial tail worth storing.
+    """
+    tokens = int(alignment or 0)
+    unit = math.lcm(*(group.block_size for group in groups if group.prefix_cacheable))
+    return tokens if 0 < tokens < unit else None
 
 
 def groups_of(
@@ -156,7 +169,7 @@ class EngineCache:
             layer_names=tuple(tuple(g.layer_names) for g in kv_cache_config.kv_cache_groups),
             num_blocks=int(kv_cache_config.num_blocks),
             layout_name=layout_name,
-            hit_alignment=int(alignment) if alignment else None,
+            hit_alignment=partial_hit_alignment(groups, alignment),
             tp_replicas=tp_replicas(
                 kv_cache_config,
                 tp_size,

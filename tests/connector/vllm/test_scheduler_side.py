@@ -14,6 +14,7 @@ from typing import Any
 import pytest
 
 from kvpipe.connector.store.memory import MemoryStore
+from kvpipe.connector.vllm.engine_cache import partial_hit_alignment
 from kvpipe.connector.vllm.messages import KVPipeKVEvents
 from kvpipe.connector.vllm.scheduler import FAILED_CHUNK_TTL_S, SchedulerSide
 from kvpipe.connector.vllm.settings import settings_from
@@ -410,6 +411,20 @@ def test_with_partial_hits_the_prompts_tail_is_offered_once_on_the_step_that_rea
         request.num_computed_tokens += scheduled
 
     assert planned == [(32, False, 32), (40, True, 40)]
+
+
+def test_only_an_alignment_below_the_prefix_unit_lets_a_hit_end_inside_a_block() -> None:
+    """vLLM's alignment is a whole block where a group keeps hits on its blocks (sliding window):
+    then no partial tail is worth storing, as vLLM's connector stores none."""
+    window = (
+        GroupSpec(GroupKind.SLIDING_WINDOW, 128, sliding_window=256),
+        GroupSpec(GroupKind.FULL_ATTENTION, 128),
+    )
+    hybrid = (GroupSpec(GroupKind.FULL_ATTENTION, 384), GroupSpec(GroupKind.MAMBA, 384, mamba_mode="align"))
+
+    assert partial_hit_alignment(window, 128) is None
+    assert partial_hit_alignment(window, None) is None
+    assert partial_hit_alignment(hybrid, 128) == 128
 
 
 def test_a_failed_sync_load_is_counted_and_what_the_engine_recomputes_is_saved_again() -> None:
