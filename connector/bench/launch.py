@@ -123,6 +123,30 @@ TINY_GEMMA3: dict[str, Any] = {
     "sliding_window_pattern": 2,
     "max_position_embeddings": 4096,
 }
+#: A tiny Llama 4 (text): chunked local attention (256-token chunks) in three layers of four, the
+#: fourth full attention without RoPE; four KV-cache groups. Before a position's chunk its
+#: chunked groups' blocks are the null block. Dense MLPs: no layer is a mixture of experts.
+TINY_LLAMA4: dict[str, Any] = {
+    "architectures": ["Llama4ForCausalLM"],
+    "model_type": "llama4_text",
+    "hidden_size": 128,
+    "intermediate_size": 256,
+    "intermediate_size_mlp": 256,
+    "num_hidden_layers": 4,
+    "num_attention_heads": 4,
+    "num_key_value_heads": 2,
+    "head_dim": 32,
+    "vocab_size": 1024,
+    "attention_chunk_size": 256,
+    "no_rope_layers": [1, 1, 1, 0],
+    "num_local_experts": 2,
+    "num_experts_per_tok": 1,
+    "interleave_moe_layer_step": 0,
+    "moe_layers": [],
+    "use_qk_norm": False,
+    "rope_scaling": None,
+    "max_position_embeddings": 4096,
+}
 #: what a hybrid model needs to reuse a prefix at all: vLLM's prefix cache, mamba ``align``
 HYBRID_ENGINE_ARGS: dict[str, Any] = {"enable_prefix_caching": True, "mamba_cache_mode": "align"}
 

@@ -47,7 +47,7 @@ if TYPE_CHECKING:
 
 
 def _group_spec(spec: Any, mamba_mode: str | None, dcp_size: int = 1) -> GroupSpec:
-    from vllm.v1.kv_cache_interface import MambaSpec, SlidingWindowSpec
+    from vllm.v1.kv_cache_interface import ChunkedLocalAttentionSpec, MambaSpec, SlidingWindowSpec
 
     # Under DCP a block-table entry spans the tokens of every DCP rank's block (each rank
     # holds its share): that span is the group's block as the scheduler and hashes see it.
@@ -63,7 +63,10 @@ def _group_spec(spec: Any, mamba_mode: str | None, dcp_size: int = 1) -> GroupSp
         return GroupSpec(GroupKind.SLIDING_WINDOW, block_size, cacheable, sliding_window=window)
     if type(spec).__name__ in ("CircularBufferSpec",):
         return GroupSpec(GroupKind.RING_BUFFER, block_size, False)
-    chunk = int(getattr(spec, "attention_chunk_size", 0) or 0)  # chunked local attention (Llama 4)
+    # Chunked local attention (Llama 4) as its own group: the engine frees the blocks before a
+    # position's chunk. A FullAttentionSpec may carry a window or a chunk size too (the engine
+    # then keeps every block and computes the window in the model): full attention here.
+    chunk = int(spec.attention_chunk_size) if isinstance(spec, ChunkedLocalAttentionSpec) else 0
     return GroupSpec(GroupKind.FULL_ATTENTION, block_size, cacheable, attention_chunk=chunk)
 
 

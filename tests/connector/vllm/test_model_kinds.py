@@ -14,6 +14,9 @@
   full-attention ones, two groups. Every whole block of both is stored; a hit loads
   every full-attention block and only the sliding-window blocks attention past the hit
   reads (the engine lists its null block for the others).
+- Chunked local attention: a tiny Llama 4, three chunked-attention layers (256-token chunks)
+  and one full-attention layer, four groups: a hit loads the full-attention blocks and, of
+  the chunked groups, only the blocks of the chunk the hit ends in.
 - Hybrid with partial hits (``prefix_match_unit=128``): the engine hashes every 128
   tokens and a hit may end inside a block: on the prompt's partial tail (the
   attention block holding it, keyed where it ends, and the mamba states there).
@@ -126,6 +129,20 @@ def _windowed_loads(block_size: int) -> int:
     return _hit_blocks(block_size) + _hit_blocks(block_size) - (hit - WINDOW + 1) // block_size
 
 
+CHUNK = launch.TINY_LLAMA4["attention_chunk_size"]
+CHUNKED_GROUPS = 3
+
+
+def _chunked_objects(block_size: int) -> int:
+    return (1 + CHUNKED_GROUPS) * _whole_blocks(block_size)
+
+
+def _chunked_loads(block_size: int) -> int:
+    """Every full-attention block of the hit; of each chunked group, the blocks from its chunk's start."""
+    hit = _hit_blocks(block_size) * block_size
+    return _hit_blocks(block_size) + CHUNKED_GROUPS * (_hit_blocks(block_size) - hit // CHUNK * CHUNK // block_size)
+
+
 KINDS = [
     # every whole block of latent: 87 at CPU_MLA's 16 tokens, 10 at AMX_MLA's 128
     mla("CPU_MLA"),
@@ -145,6 +162,14 @@ KINDS = [
         groups=2,
         objects_per_prompt=_windowed_objects,
         loads_per_prompt=_windowed_loads,
+    ),
+    Kind(
+        "llama4",
+        launch.TINY_LLAMA4,
+        {},
+        groups=1 + CHUNKED_GROUPS,
+        objects_per_prompt=_chunked_objects,
+        loads_per_prompt=_chunked_loads,
     ),
     Kind(
         "qwen3-next-partial",
