@@ -197,8 +197,9 @@ def load_chunks(
 def load_slots(groups: Sequence[StoreGroup], start_tokens: int, end_tokens: int) -> int:
     """The chunks :func:`load_chunks` makes of ``[start_tokens, end_tokens)``, counted without making them.
 
-    A chunk per block of every non-recurrent group the range touches, one state
-    of each recurrent group: what a load through staging takes in slots.
+    A chunk per block of every non-recurrent group the range touches (of a windowed
+    group, from the first block its window reads), one state of each recurrent
+    group: what a load through staging takes in slots.
     """
     if end_tokens <= start_tokens:
         return 0
