@@ -211,6 +211,25 @@ def load_slots(groups: Sequence[StoreGroup], start_tokens: int, end_tokens: int)
     )
 
 
+def _most_slots(group: StoreGroup) -> int | None:
+    """The most slots one load takes of ``group`` whatever its length; None: no bound (full attention).
+
+    A window of ``W`` reads ``W - 1`` tokens before the end, which touch at most
+    ``ceil((W - 1) / block)`` blocks and the one the end lies in; a chunk of ``C``
+    at most ``ceil(C / block)`` and one more.
+    """
+    spec = group.spec
+    if is_recurrent(group):
+        return 1
+    if spec.sliding_window:
+        reach = spec.sliding_window - 1
+    elif spec.attention_chunk:
+        reach = spec.attention_chunk
+    else:
+        return None
+    return -(-reach // spec.block_size) + 1
+
+
 def _first_loaded(group: StoreGroup, start_tokens: int, end_tokens: int) -> int:
     """The first block of a non-recurrent group that a load of ``[start_tokens, end_tokens)`` fills."""
     return max(start_tokens // group.spec.block_size, first_read_block(group, end_tokens))
@@ -220,10 +239,15 @@ def _first_loaded(group: StoreGroup, start_tokens: int, end_tokens: int) -> int:
 def longest_load(groups: tuple[StoreGroup, ...], slots: int) -> int | None:
     """The most tokens one load from a block boundary may span in ``slots`` slots (:func:`load_slots`).
 
-    None: no length outgrows the slots (every group is recurrent, and they have a slot each).
+    None: no length outgrows the slots (every group is recurrent or reads a window, and the
+    most each can take fits): a load of a long prompt through a sliding window takes a few
+    slots however far it reaches.
     """
+    bounded = [most for group in groups if (most := _most_slots(group)) is not None]
+    if len(bounded) == len(groups) and sum(bounded) <= slots:
+        return None
     if all(is_recurrent(group) for group in groups):
-        return None if slots >= len(groups) else 0
+        return 0
     widest = max(group.spec.block_size for group in groups)
     fit, past = 0, slots * widest + 1  # fits; does not (a slot holds a block at most)
     while past - fit > 1:

@@ -368,6 +368,17 @@ def test_the_longest_load_takes_a_slot_per_block_of_each_group_and_one_per_recur
     assert longest_load(mixed, 1) == 0
 
 
+def test_a_load_through_a_window_takes_a_few_slots_however_far_it_reaches():
+    """A window of 24 tokens reads at most 3 blocks of 16 (23 tokens, and the block the end lies in)."""
+    windowed = storable_groups(make_kv([WINDOW]).kv)
+    hybrid = storable_groups(make_kv([WINDOW, MAMBA_ALIGN]).kv)
+
+    assert max(load_slots(windowed, 0, end) for end in range(1, 4000)) == 3
+    assert longest_load(windowed, 3) is None
+    assert longest_load(hybrid, 4) is None
+    assert longest_load(hybrid, 3) is not None
+
+
 def test_a_load_takes_a_slot_per_chunk_it_loads():
     kv = make_kv([FULL, RING, MAMBA_ALIGN, GroupSpec(GroupKind.FULL_ATTENTION, block_size=32), WINDOW]).kv
     groups, request = storable_groups(kv), make_request(kv, 96)
