@@ -1,6 +1,6 @@
 """Two TP ranks as two worker halves in two processes, on one real master.
 
-vLLM's CPU build hangs at TP=2 here (docs/vllm-connector.md, "Hybrid and MLA models, TP ranks"), so
+vLLM's CPU build hangs at TP=2 here (docs/vllm-connector.md, "Hybrid, sliding-window and MLA models, TP ranks"), so
 each rank's worker side runs in a process of its own (:mod:`.rank_half`) and the
 scheduler side asks the master what a TP=2 engine's scheduler would.
 """
