@@ -42,23 +42,37 @@ def is_recurrent(group: StoreGroup) -> bool:
     return group.spec.kind is GroupKind.MAMBA
 
 
+def read_reach(spec: GroupSpec) -> int | None:
+    """The most tokens before a position that the group's attention reads; None: the whole prefix.
+
+    A sliding window of ``W`` reads the last ``W - 1`` tokens; chunked local
+    attention reads back to the start of the position's chunk, at most ``C - 1``.
+    """
+    if spec.sliding_window:
+        return spec.sliding_window - 1
+    if spec.attention_chunk:
+        return spec.attention_chunk - 1
+    return None
+
+
 def unread_tokens(spec: GroupSpec, tokens: int) -> int:
     """How many of the first ``tokens`` tokens attention past them never reads again (0 for full attention).
 
-    The engine's own rule (vLLM's ``get_num_skipped_tokens``): a sliding window of
-    ``W`` reads the last ``W - 1`` tokens before a position; chunked local
-    attention reads back to the start of the position's chunk.
+    The engine's own rule (vLLM's ``get_num_skipped_tokens``) over :func:`read_reach`:
+    a window's reach counts back from the end, a local chunk starts on a multiple of
+    its size.
     """
+    reach = read_reach(spec)
+    if reach is None:
+        return 0
     if spec.sliding_window:
-        return max(0, tokens - spec.sliding_window + 1)
-    if spec.attention_chunk:
-        return tokens // spec.attention_chunk * spec.attention_chunk
-    return 0
+        return max(0, tokens - reach)
+    return tokens // spec.attention_chunk * spec.attention_chunk
 
 
 def reads_window(spec: GroupSpec) -> bool:
-    """Whether the group's attention reads a window rather than the whole prefix (:func:`unread_tokens`)."""
-    return bool(spec.sliding_window or spec.attention_chunk)
+    """Whether the group's attention reads a window rather than the whole prefix (:func:`read_reach`)."""
+    return read_reach(spec) is not None
 
 
 def first_read_block(group: StoreGroup, tokens: int) -> int:

@@ -34,7 +34,7 @@ from pydantic import BaseModel, ConfigDict, Field
 from kvpipe.pipeline.stage import BatchEntry, BatchStage, Emit
 
 from .batch_calls import StoreCallError, call_per_key, remove_each, sizes_of
-from .chunks import chunk_hash_at, first_read_block, is_recurrent
+from .chunks import chunk_hash_at, first_read_block, is_recurrent, read_reach
 from .integrity import (
     REFUSED,
     SEAL_SIZE,
@@ -214,20 +214,13 @@ def load_slots(groups: Sequence[StoreGroup], start_tokens: int, end_tokens: int)
 def _most_slots(group: StoreGroup) -> int | None:
     """The most slots one load takes of ``group`` whatever its length; None: no bound (full attention).
 
-    A window of ``W`` reads ``W - 1`` tokens before the end, which touch at most
-    ``ceil((W - 1) / block)`` blocks and the one the end lies in; a chunk of ``C``
-    at most ``ceil(C / block)`` and one more.
+    Attention reaching ``R`` tokens back (:func:`read_reach`) touches at most
+    ``ceil(R / block)`` blocks before the end and the one the end lies in.
     """
-    spec = group.spec
     if is_recurrent(group):
         return 1
-    if spec.sliding_window:
-        reach = spec.sliding_window - 1
-    elif spec.attention_chunk:
-        reach = spec.attention_chunk
-    else:
-        return None
-    return -(-reach // spec.block_size) + 1
+    reach = read_reach(group.spec)
+    return None if reach is None else -(-reach // group.spec.block_size) + 1
 
 
 def _first_loaded(group: StoreGroup, start_tokens: int, end_tokens: int) -> int:

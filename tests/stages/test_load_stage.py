@@ -379,6 +379,15 @@ def test_a_load_through_a_window_takes_a_few_slots_however_far_it_reaches():
     assert longest_load(hybrid, 3) is not None
 
 
+def test_a_load_through_local_attention_chunks_takes_the_blocks_of_one_chunk_and_one_more_at_most():
+    """Local chunks of 33 tokens read at most 32 tokens back: 2 blocks of 16 and the end's own."""
+    local = storable_groups(make_kv([GroupSpec(GroupKind.FULL_ATTENTION, block_size=16, attention_chunk=33)]).kv)
+
+    assert max(load_slots(local, 0, end) for end in range(1, 4000)) == 3
+    assert longest_load(local, 3) is None
+    assert longest_load(local, 2) is not None
+
+
 def test_a_load_takes_a_slot_per_chunk_it_loads():
     kv = make_kv([FULL, RING, MAMBA_ALIGN, GroupSpec(GroupKind.FULL_ATTENTION, block_size=32), WINDOW]).kv
     groups, request = storable_groups(kv), make_request(kv, 96)

@@ -1,14 +1,21 @@
-"""Async loads in the real engine: one load per shared prefix, and a stale hit recomputes once.
+"""Async loads in the real engine: one load per shared prefix, a stale hit recomputes once, aborts.
 
 The engine loads async always (``load_async: true``, ``load_sync_when_idle: false``:
 these tests run one pass at a time, on an engine that is otherwise idle) with
 ``recompute``: a load that fails is a miss. Every test stands alone: its own
 prompts, its own counts.
+
+A client that goes away (vLLM aborts its request) while the request's load is in
+flight must not free blocks the load still writes: vLLM holds them until the
+worker reports the load ended, so the load must end and be reported, landed or
+failed, whatever became of its request.
 """
 
 from __future__ import annotations
 
 import signal
+import threading
+import time
 from collections import Counter
 from collections.abc import Iterator
 from contextlib import contextmanager
@@ -105,3 +112,129 @@ def test_a_stale_hit_recomputes_once_and_never_loops(
     assert worked["loads"] == 2  # one per request, never a second
     assert scheduled["loads_failed"] == 2
     assert scheduled["lookups_missed_after_failed_load"] == 2
+
+
+class HeldGets:
+    """Every get of a Mooncake client in this process waits until :meth:`release`.
+
+    (Only the engine's loads get here.)
+    """
+
+    def __init__(self, monkeypatch: pytest.MonkeyPatch) -> None:
+        self.reached, self._gate = threading.Event(), threading.Event()
+        get = MooncakeStore.batch_get_into_multi_buffers
+
+        def held(client: MooncakeStore, *args: Any) -> list[int]:
+            self.reached.set()
+            assert self._gate.wait(GENERATION_BOUND_S)
+            return get(client, *args)
+
+        monkeypatch.setattr(MooncakeStore, "batch_get_into_multi_buffers", held)
+
+    def release(self) -> None:
+        self._gate.set()
+
+
+def add_requests(llm: Any, batch: list[list[int]]) -> None:
+    """Requests ``r0``, ``r1``, ... of ``batch``, added to the engine without stepping it."""
+    from vllm import SamplingParams
+
+    params = SamplingParams(max_tokens=engine.MAX_TOKENS, temperature=0, ignore_eos=True, detokenize=False)
+    for index, prompt in enumerate(batch):
+        llm.llm_engine.add_request(f"r{index}", {"prompt_token_ids": prompt}, params)
+
+
+def step_until(llm: Any, done: Any, outputs: dict[str, list[int]]) -> None:
+    """Step the engine until ``done()``, collecting finished requests' tokens; fail past the bound."""
+    deadline = time.monotonic() + GENERATION_BOUND_S
+    while not done():
+        assert time.monotonic() < deadline, "the engine did not get there"
+        for output in llm.llm_engine.step():
+            if output.finished:
+                outputs[output.request_id] = list(output.outputs[0].token_ids)
+        time.sleep(0.01)  # an idle step returns at once: let the load's threads run
+
+
+def engine_requests(llm: Any) -> dict[str, Any]:
+    """vLLM's requests by the id it was given (vLLM adds a suffix of its own)."""
+    requests = llm.llm_engine.engine_core.engine_core.scheduler.requests
+    return {rid.rsplit("-", 1)[0]: request for rid, request in requests.items()}
+
+
+def free_blocks(llm: Any) -> int:
+    pool = llm.llm_engine.engine_core.engine_core.scheduler.kv_cache_manager.block_pool
+    return int(pool.get_num_free_blocks())
+
+
+def abort_while_loading(llm: Any, batch: list[list[int]], gets: HeldGets) -> tuple[str, int]:
+    """Add ``batch``, step until a load is in flight, abort its request: (its id, the free blocks then)."""
+    add_requests(llm, batch)
+    step_until(llm, gets.reached.is_set, {})
+    requests = engine_requests(llm).items()
+    (loading,) = [rid for rid, request in requests if request.status.name == "WAITING_FOR_REMOTE_KVS"]
+    llm.llm_engine.abort_request([loading])
+    for _ in range(3):
+        llm.llm_engine.step()
+    return loading, free_blocks(llm)
+
+
+def test_a_request_aborted_while_its_load_is_in_flight_keeps_its_blocks_until_the_load_lands(
+    llm: Any, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    batch = engine.prompts(24, 1)
+    first, _ = engine.stored_by(llm, batch)
+    assert llm.reset_prefix_cache()
+    idle = free_blocks(llm)
+    gets = HeldGets(monkeypatch)
+
+    _, while_loading = abort_while_loading(llm, batch, gets)
+    gets.release()
+    step_until(llm, lambda: not engine_requests(llm), {})
+
+    assert while_loading < idle  # not handed to another request while the load writes them
+    assert free_blocks(llm) == idle
+    again = engine.generate(llm, batch)
+    assert again["tokens"] == first["tokens"]
+    assert again["cached"] == [engine.FULL_HIT]
+
+
+def test_a_load_that_fails_after_its_request_was_aborted_frees_its_blocks(
+    llm: Any, holder: MooncakeStore, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    batch = engine.prompts(25, 1)
+    first, records = engine.stored_by(llm, batch)
+    assert llm.reset_prefix_cache()
+    idle = free_blocks(llm)
+    gets = HeldGets(monkeypatch)
+
+    abort_while_loading(llm, batch, gets)
+    for key in {record.key for record in records}:
+        holder.remove(key, force=True)
+    gets.release()
+    step_until(llm, lambda: not engine_requests(llm), {})
+
+    assert free_blocks(llm) == idle
+    again = engine.generate(llm, batch)
+    assert again["tokens"] == first["tokens"]
+    assert again["cached"] == [0]
+
+
+def test_requests_waiting_on_an_aborted_requests_load_of_their_prefix_load_it_themselves(
+    llm: Any, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    batch = engine.family(26, 3)
+    first, _ = engine.stored_by(llm, batch)
+    assert llm.reset_prefix_cache()
+    idle, planned = free_blocks(llm), engine.scheduler(llm).stats["loads_planned"]
+    gets = HeldGets(monkeypatch)
+    outputs: dict[str, list[int]] = {}
+
+    aborted, _ = abort_while_loading(llm, batch, gets)
+    gets.release()
+    step_until(llm, lambda: not engine_requests(llm), outputs)
+
+    others = {f"r{index}": tokens for index, tokens in enumerate(first["tokens"]) if f"r{index}" != aborted}
+    assert outputs == others
+    # the aborted request's load, then one for the rest
+    assert engine.scheduler(llm).stats["loads_planned"] - planned == 2
+    assert free_blocks(llm) == idle

@@ -499,7 +499,9 @@ def test_a_save_leaves_its_copy_to_the_copy_thread_and_stores_the_blocks_as_they
     loader.shutdown(owns_store=False)
 
 
-def test_a_step_start_that_waited_for_the_copies_is_observed_once_and_one_that_did_not_is_not() -> None:
+def test_a_step_start_that_waited_for_the_copies_is_observed_once_and_one_that_did_not_is_not(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
     device = HostThreadDevice()
     saver = worker(MemoryStore(16 << 20), KVCacheLayout.LBHNC, staging_device=device)
     saver.register_kv_caches(engine_views(KVCacheLayout.LBHNC))
@@ -508,11 +510,17 @@ def test_a_step_start_that_waited_for_the_copies_is_observed_once_and_one_that_d
     assert gate.reached.wait(WITHIN_S)
     fence = device._engine_fence
     assert fence is not None
+    joining = threading.Event()
+    join = fence.join
+
+    def announced_join() -> None:
+        joining.set()
+        join()
+
+    monkeypatch.setattr(fence, "join", announced_join)
     next_step = threading.Thread(target=saver.before_step)
     next_step.start()
-    deadline = time.monotonic() + WITHIN_S
-    while not fence._reached._cond._waiters and time.monotonic() < deadline:  # the step start is waiting
-        time.sleep(0.001)
+    assert joining.wait(WITHIN_S)  # the step start found the copies in flight and waits for them
     gate.open()
     next_step.join(WITHIN_S)
 
