@@ -166,6 +166,19 @@ def free_blocks(llm: Any) -> int:
     return int(pool.get_num_free_blocks())
 
 
+def stored_and_forgotten(llm: Any, batch: list[list[int]]) -> tuple[dict[str, Any], list[Any], int]:
+    """``batch`` stored by a pass, then vLLM's prefix cache reset: (the pass, its records, free blocks)."""
+    first, records = engine.stored_by(llm, batch)
+    assert llm.reset_prefix_cache()
+    return first, records, free_blocks(llm)
+
+
+def land(llm: Any, gets: HeldGets, outputs: dict[str, list[int]]) -> None:
+    """Let the held loads go and step until vLLM holds no request (collecting finished ones)."""
+    gets.release()
+    step_until(llm, lambda: not engine_requests(llm), outputs)
+
+
 def abort_while_loading(llm: Any, batch: list[list[int]], gets: HeldGets) -> tuple[str, int]:
     """Add ``batch``, step until a load is in flight, abort its request: (its id, the free blocks then)."""
     add_requests(llm, batch)
@@ -182,14 +195,11 @@ def test_a_request_aborted_while_its_load_is_in_flight_keeps_its_blocks_until_th
     llm: Any, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     batch = engine.prompts(24, 1)
-    first, _ = engine.stored_by(llm, batch)
-    assert llm.reset_prefix_cache()
-    idle = free_blocks(llm)
+    first, _, idle = stored_and_forgotten(llm, batch)
     gets = HeldGets(monkeypatch)
 
     _, while_loading = abort_while_loading(llm, batch, gets)
-    gets.release()
-    step_until(llm, lambda: not engine_requests(llm), {})
+    land(llm, gets, {})
 
     assert while_loading < idle  # not handed to another request while the load writes them
     assert free_blocks(llm) == idle
@@ -202,16 +212,13 @@ def test_a_load_that_fails_after_its_request_was_aborted_frees_its_blocks(
     llm: Any, holder: MooncakeStore, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     batch = engine.prompts(25, 1)
-    first, records = engine.stored_by(llm, batch)
-    assert llm.reset_prefix_cache()
-    idle = free_blocks(llm)
+    first, records, idle = stored_and_forgotten(llm, batch)
     gets = HeldGets(monkeypatch)
 
     abort_while_loading(llm, batch, gets)
     for key in {record.key for record in records}:
         holder.remove(key, force=True)
-    gets.release()
-    step_until(llm, lambda: not engine_requests(llm), {})
+    land(llm, gets, {})
 
     assert free_blocks(llm) == idle
     again = engine.generate(llm, batch)
@@ -223,15 +230,13 @@ def test_requests_waiting_on_an_aborted_requests_load_of_their_prefix_load_it_th
     llm: Any, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     batch = engine.family(26, 3)
-    first, _ = engine.stored_by(llm, batch)
-    assert llm.reset_prefix_cache()
-    idle, planned = free_blocks(llm), engine.scheduler(llm).stats["loads_planned"]
+    first, _, idle = stored_and_forgotten(llm, batch)
+    planned = engine.scheduler(llm).stats["loads_planned"]
     gets = HeldGets(monkeypatch)
     outputs: dict[str, list[int]] = {}
 
     aborted, _ = abort_while_loading(llm, batch, gets)
-    gets.release()
-    step_until(llm, lambda: not engine_requests(llm), outputs)
+    land(llm, gets, outputs)
 
     others = {f"r{index}": tokens for index, tokens in enumerate(first["tokens"]) if f"r{index}" != aborted}
     assert outputs == others
