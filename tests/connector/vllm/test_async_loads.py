@@ -25,6 +25,7 @@ import pytest
 
 from kvpipe.connector.bench.launch import close_llm, kvpipe_transfer
 from kvpipe.connector.store.mooncake import MooncakeStore
+from kvpipe.connector.vllm.metrics import STAGING_SLOTS_IN_USE
 
 from . import engine
 
@@ -174,9 +175,12 @@ def stored_and_forgotten(llm: Any, batch: list[list[int]]) -> tuple[dict[str, An
 
 
 def land(llm: Any, gets: HeldGets, outputs: dict[str, list[int]]) -> None:
-    """Let the held loads go and step until vLLM holds no request (collecting finished ones)."""
+    """Let the held loads go and step until vLLM holds no request (collecting finished ones);
+    then kvpipe holds nothing of them either: no load in flight, no staging slot."""
     gets.release()
     step_until(llm, lambda: not engine_requests(llm), outputs)
+    assert engine.scheduler(llm).loads_in_flight == 0
+    assert engine.worker(llm).gauges().get(STAGING_SLOTS_IN_USE, 0) == 0
 
 
 def abort_while_loading(llm: Any, batch: list[list[int]], gets: HeldGets) -> tuple[str, int]:

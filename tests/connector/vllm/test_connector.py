@@ -165,3 +165,27 @@ def test_saves_and_loads_start_no_openmp_pool_beside_the_engine_s(llm: Any) -> N
 
     assert openmp_workers() <= torch.get_num_threads() - 1  # the engine thread's pool, if any
     assert "kvpipe-staging-copy" in {thread.name for thread in threading.enumerate()}  # the saves' copies ran there
+
+
+def test_a_request_that_skips_the_prefix_cache_computes_and_leaves_the_others_their_hits(llm: Any) -> None:
+    """Prompt logprobs need every prompt token computed, so vLLM zeroes such a request's hit
+    after asking the connector: kvpipe's lookup must leave no load planned behind it."""
+    from vllm import SamplingParams
+
+    batch = engine.family(12, 3)
+    first, _ = engine.stored_by(llm, batch)
+    assert llm.reset_prefix_cache()
+    plain = SamplingParams(max_tokens=engine.MAX_TOKENS, temperature=0, ignore_eos=True, detokenize=False)
+    logprobs = SamplingParams(
+        max_tokens=engine.MAX_TOKENS, temperature=0, ignore_eos=True, detokenize=False, prompt_logprobs=1
+    )
+    prompts = [{"prompt_token_ids": prompt} for prompt in batch]
+    loads = engine.scheduler(llm).loads_in_flight
+
+    outputs = llm.generate(prompts, [logprobs, plain, plain], use_tqdm=False)
+
+    assert [list(output.outputs[0].token_ids) for output in outputs] == first["tokens"]
+    assert outputs[0].num_cached_tokens == 0
+    assert len(outputs[0].prompt_logprobs) == engine.PROMPT_TOKENS
+    assert [output.num_cached_tokens for output in outputs[1:]] == [engine.SHARED] * 2
+    assert engine.scheduler(llm).loads_in_flight == loads == 0
