@@ -123,6 +123,27 @@ TINY_GEMMA3: dict[str, Any] = {
     "sliding_window_pattern": 2,
     "max_position_embeddings": 4096,
 }
+#: A tiny Gemma 4 (text) whose last two layers read the KV of the last earlier layer of their
+#: kind (KV sharing: they have no KV cache of their own), sliding-window (the window of the
+#: Gemma 3 above) and full-attention layers alternating: two groups. No per-layer inputs.
+TINY_GEMMA4: dict[str, Any] = {
+    "architectures": ["Gemma4ForCausalLM"],
+    "model_type": "gemma4_text",
+    "hidden_size": 128,
+    "intermediate_size": 256,
+    "num_hidden_layers": 4,
+    "num_attention_heads": 4,
+    "num_key_value_heads": 2,
+    "head_dim": 32,
+    "global_head_dim": 32,
+    "vocab_size": 1024,
+    "sliding_window": TINY_GEMMA3["sliding_window"],
+    "layer_types": ["sliding_attention", "full_attention", "sliding_attention", "full_attention"],
+    "num_kv_shared_layers": 2,
+    "hidden_size_per_layer_input": 0,
+    "vocab_size_per_layer_input": 1024,
+    "max_position_embeddings": 4096,
+}
 #: A tiny Llama 4 (text): chunked local attention (256-token chunks) in three layers of four, the
 #: fourth full attention without RoPE; four KV-cache groups. Before a position's chunk its
 #: chunked groups' blocks are the null block. Dense MLPs: no layer is a mixture of experts.

@@ -14,6 +14,9 @@
   full-attention ones, two groups. Every whole block of both is stored; a hit loads
   every full-attention block and only the sliding-window blocks attention past the hit
   reads (the engine lists its null block for the others).
+- KV sharing: a tiny Gemma 4, sliding-window and full-attention layers alternating, the
+  last two reading the KV of earlier layers (they have no cache of their own): the same
+  two groups and objects as the Gemma 3, the shared layers adding nothing to them.
 - Chunked local attention: a tiny Llama 4, three chunked-attention layers (256-token chunks)
   and one full-attention layer, four groups: a hit loads the full-attention blocks and, of
   the chunked groups, only the blocks of the chunk the hit ends in.
@@ -116,7 +119,7 @@ def _partial_loads(block_size: int) -> int:
     return math.ceil(TAIL_END / block_size) + MAMBA_GROUPS
 
 
-WINDOW = launch.TINY_GEMMA3["sliding_window"]
+WINDOW = launch.TINY_GEMMA3["sliding_window"]  # and the Gemma 4's
 
 
 def _windowed_objects(block_size: int) -> int:
@@ -158,6 +161,14 @@ KINDS = [
     Kind(
         "gemma3",
         launch.TINY_GEMMA3,
+        {},
+        groups=2,
+        objects_per_prompt=_windowed_objects,
+        loads_per_prompt=_windowed_loads,
+    ),
+    Kind(
+        "gemma4-kv-sharing",
+        launch.TINY_GEMMA4,
         {},
         groups=2,
         objects_per_prompt=_windowed_objects,
