@@ -106,58 +106,49 @@ TINY_QWEN3_NEXT: dict[str, Any] = {
     "partial_rotary_factor": 0.25,
     "tie_word_embeddings": False,
 }
-#: A tiny Gemma 3: sliding-window layers (a 256-token window) between full-attention ones,
-#: two KV-cache groups; past its window a request's sliding-window blocks are the null block.
-TINY_GEMMA3: dict[str, Any] = {
-    "architectures": ["Gemma3ForCausalLM"],
-    "model_type": "gemma3_text",
+#: what the tiny models below share: 4 layers of 4 heads (2 KV heads of 32), a 1,024-token vocabulary
+_SMALL_BODY: dict[str, Any] = {
     "hidden_size": 128,
     "intermediate_size": 256,
     "num_hidden_layers": 4,
     "num_attention_heads": 4,
     "num_key_value_heads": 2,
     "head_dim": 32,
-    "query_pre_attn_scalar": 32,
     "vocab_size": 1024,
+    "max_position_embeddings": 4096,
+}
+#: A tiny Gemma 3: sliding-window layers (a 256-token window) between full-attention ones,
+#: two KV-cache groups; past its window a request's sliding-window blocks are the null block.
+TINY_GEMMA3: dict[str, Any] = {
+    **_SMALL_BODY,
+    "architectures": ["Gemma3ForCausalLM"],
+    "model_type": "gemma3_text",
+    "query_pre_attn_scalar": 32,
     "sliding_window": 256,
     "sliding_window_pattern": 2,
-    "max_position_embeddings": 4096,
 }
 #: A tiny Gemma 4 (text) whose last two layers read the KV of the last earlier layer of their
 #: kind (KV sharing: they have no KV cache of their own), sliding-window (the window of the
 #: Gemma 3 above) and full-attention layers alternating: two groups. No per-layer inputs.
 TINY_GEMMA4: dict[str, Any] = {
+    **_SMALL_BODY,
     "architectures": ["Gemma4ForCausalLM"],
     "model_type": "gemma4_text",
-    "hidden_size": 128,
-    "intermediate_size": 256,
-    "num_hidden_layers": 4,
-    "num_attention_heads": 4,
-    "num_key_value_heads": 2,
-    "head_dim": 32,
     "global_head_dim": 32,
-    "vocab_size": 1024,
     "sliding_window": TINY_GEMMA3["sliding_window"],
     "layer_types": ["sliding_attention", "full_attention", "sliding_attention", "full_attention"],
     "num_kv_shared_layers": 2,
     "hidden_size_per_layer_input": 0,
     "vocab_size_per_layer_input": 1024,
-    "max_position_embeddings": 4096,
 }
 #: A tiny Llama 4 (text): chunked local attention (256-token chunks) in three layers of four, the
 #: fourth full attention without RoPE; four KV-cache groups. Before a position's chunk its
 #: chunked groups' blocks are the null block. Dense MLPs: no layer is a mixture of experts.
 TINY_LLAMA4: dict[str, Any] = {
+    **_SMALL_BODY,
     "architectures": ["Llama4ForCausalLM"],
     "model_type": "llama4_text",
-    "hidden_size": 128,
-    "intermediate_size": 256,
     "intermediate_size_mlp": 256,
-    "num_hidden_layers": 4,
-    "num_attention_heads": 4,
-    "num_key_value_heads": 2,
-    "head_dim": 32,
-    "vocab_size": 1024,
     "attention_chunk_size": 256,
     "no_rope_layers": [1, 1, 1, 0],
     "num_local_experts": 2,
@@ -166,7 +157,6 @@ TINY_LLAMA4: dict[str, Any] = {
     "moe_layers": [],
     "use_qk_norm": False,
     "rope_scaling": None,
-    "max_position_embeddings": 4096,
 }
 #: what a hybrid model needs to reuse a prefix at all: vLLM's prefix cache, mamba ``align``
 HYBRID_ENGINE_ARGS: dict[str, Any] = {"enable_prefix_caching": True, "mamba_cache_mode": "align"}
