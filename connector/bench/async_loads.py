@@ -94,11 +94,8 @@ def _steps(
     any step from the one that sent it to the one that saw it end; sync: the
     step that waited for it), the other steps, and each loader's time to first token.
     """
-    from vllm import SamplingParams
-
     engine = llm.llm_engine
-    decode = SamplingParams(max_tokens=DECODE_TOKENS, temperature=0, ignore_eos=True, detokenize=False)
-    first = SamplingParams(max_tokens=4, temperature=0, ignore_eos=True, detokenize=False)
+    decode, first = launch.greedy(DECODE_TOKENS), launch.greedy(4)
     for index, prompt in enumerate(running):
         engine.add_request(f"run-{index}", {"prompt_token_ids": prompt}, decode)
     waiting: dict[str, float] = {}

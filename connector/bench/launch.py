@@ -313,16 +313,25 @@ class PassResult:
         return asdict(self)
 
 
-def generate(llm: Any, prompts: Sequence[Sequence[int]], max_tokens: int = 8) -> PassResult:
-    """One pass of greedy generation over ``prompts`` (token ids), timed."""
+def greedy(max_tokens: int, **options: Any) -> Any:
+    """The ``SamplingParams`` of every pass here: greedy, ``max_tokens`` tokens whatever EOS says, no text.
+
+    ``options``: more of vLLM's sampling parameters (e.g. ``prompt_logprobs``).
+    """
     from vllm import SamplingParams
 
-    params = SamplingParams(max_tokens=max_tokens, temperature=0, ignore_eos=True, detokenize=False)
-    before = _hit_counters(llm)
+    return SamplingParams(max_tokens=max_tokens, temperature=0, ignore_eos=True, detokenize=False, **options)
+
+
+def generate(llm: Any, prompts: Sequence[Sequence[int]], max_tokens: int = 8) -> PassResult:
+    """One pass of greedy generation over ``prompts`` (token ids), timed."""
+    before = counters(llm, PREFIX_CACHE_HITS, EXTERNAL_PREFIX_CACHE_HITS)
     start = time.perf_counter()
-    outputs = llm.generate([{"prompt_token_ids": list(ids)} for ids in prompts], params, use_tqdm=False)
+    outputs = llm.generate(
+        [{"prompt_token_ids": list(ids)} for ids in prompts], greedy(max_tokens), use_tqdm=False
+    )
     seconds = time.perf_counter() - start
-    after = _hit_counters(llm)
+    after = counters(llm, PREFIX_CACHE_HITS, EXTERNAL_PREFIX_CACHE_HITS)
     return PassResult(
         tokens=[list(o.outputs[0].token_ids) for o in outputs],
         cached=[o.num_cached_tokens or 0 for o in outputs],
@@ -332,12 +341,18 @@ def generate(llm: Any, prompts: Sequence[Sequence[int]], max_tokens: int = 8) ->
     )
 
 
-def _hit_counters(llm: Any) -> dict[str, int]:
-    counters = dict.fromkeys((PREFIX_CACHE_HITS, EXTERNAL_PREFIX_CACHE_HITS), 0)
+def counters(llm: Any, *names: str) -> dict[str, int]:
+    """vLLM's counters ``names`` as they stand (0 for one not reported yet; stats must be on)."""
+    totals = dict.fromkeys(names, 0)
     for metric in llm.get_metrics():
-        if metric.name in counters:
-            counters[metric.name] += int(getattr(metric, "value", 0))
-    return counters
+        if metric.name in totals:
+            totals[metric.name] += int(getattr(metric, "value", 0))
+    return totals
+
+
+def vllm_scheduler(llm: Any) -> Any:
+    """An in-process engine's own scheduler (vLLM's: its requests, block pool, connector)."""
+    return llm.llm_engine.engine_core.engine_core.scheduler
 
 
 def connectors(llm: Any) -> tuple[Any, Any]:
@@ -348,7 +363,7 @@ def connectors(llm: Any) -> tuple[Any, Any]:
     """
     from vllm.distributed.kv_transfer import get_kv_transfer_group
 
-    return llm.llm_engine.engine_core.engine_core.scheduler.connector, get_kv_transfer_group()
+    return vllm_scheduler(llm).connector, get_kv_transfer_group()
 
 
 def sides(llm: Any) -> tuple[Any, Any]:

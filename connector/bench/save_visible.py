@@ -93,13 +93,11 @@ def _engine(master: LocalMaster, nice: int) -> Iterator[Any]:
 
 def _drive(llm: Any, probe: Probe, measured: int, tail_s: float, seed: int) -> Drive:
     """Keep :data:`RUNNING` requests in the engine; hand the measured ones' saves to ``probe``."""
-    from vllm import SamplingParams
-
     from .vllm_timed import CLOCK
     from .vllm_watched import WATCHED
 
     engine = llm.llm_engine
-    params = SamplingParams(max_tokens=DECODE, temperature=0, ignore_eos=True, detokenize=False)
+    params = launch.greedy(DECODE)
     rng = random.Random(seed)
     drive = Drive()
     added = finished_measured = 0

@@ -23,7 +23,7 @@ from typing import Any
 
 import pytest
 
-from kvpipe.connector.bench.launch import close_llm, kvpipe_transfer
+from kvpipe.connector.bench.launch import close_llm, greedy, kvpipe_transfer, vllm_scheduler
 from kvpipe.connector.store.mooncake import MooncakeStore
 from kvpipe.connector.vllm.metrics import STAGING_SLOTS_IN_USE
 
@@ -138,9 +138,7 @@ class HeldGets:
 
 def add_requests(llm: Any, batch: list[list[int]]) -> None:
     """Requests ``r0``, ``r1``, ... of ``batch``, added to the engine without stepping it."""
-    from vllm import SamplingParams
-
-    params = SamplingParams(max_tokens=engine.MAX_TOKENS, temperature=0, ignore_eos=True, detokenize=False)
+    params = greedy(engine.MAX_TOKENS)
     for index, prompt in enumerate(batch):
         llm.llm_engine.add_request(f"r{index}", {"prompt_token_ids": prompt}, params)
 
@@ -158,13 +156,12 @@ def step_until(llm: Any, done: Any, outputs: dict[str, list[int]]) -> None:
 
 def engine_requests(llm: Any) -> dict[str, Any]:
     """vLLM's requests by the id it was given (vLLM adds a suffix of its own)."""
-    requests = llm.llm_engine.engine_core.engine_core.scheduler.requests
+    requests = vllm_scheduler(llm).requests
     return {rid.rsplit("-", 1)[0]: request for rid, request in requests.items()}
 
 
 def free_blocks(llm: Any) -> int:
-    pool = llm.llm_engine.engine_core.engine_core.scheduler.kv_cache_manager.block_pool
-    return int(pool.get_num_free_blocks())
+    return int(vllm_scheduler(llm).kv_cache_manager.block_pool.get_num_free_blocks())
 
 
 def stored_and_forgotten(llm: Any, batch: list[list[int]]) -> tuple[dict[str, Any], list[Any], int]:
@@ -198,7 +195,7 @@ def abort_while_loading(llm: Any, batch: list[list[int]], gets: HeldGets) -> tup
 def test_a_request_aborted_while_its_load_is_in_flight_keeps_its_blocks_until_the_load_lands(
     llm: Any, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    batch = engine.prompts(24, 1)
+    batch = engine.prompts(71, 1)
     first, _, idle = stored_and_forgotten(llm, batch)
     gets = HeldGets(monkeypatch)
 
@@ -215,7 +212,7 @@ def test_a_request_aborted_while_its_load_is_in_flight_keeps_its_blocks_until_th
 def test_a_load_that_fails_after_its_request_was_aborted_frees_its_blocks(
     llm: Any, holder: MooncakeStore, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    batch = engine.prompts(25, 1)
+    batch = engine.prompts(72, 1)
     first, records, idle = stored_and_forgotten(llm, batch)
     gets = HeldGets(monkeypatch)
 
@@ -233,7 +230,7 @@ def test_a_load_that_fails_after_its_request_was_aborted_frees_its_blocks(
 def test_requests_waiting_on_an_aborted_requests_load_of_their_prefix_load_it_themselves(
     llm: Any, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    batch = engine.family(26, 3)
+    batch = engine.family(73, 3)
     first, _, idle = stored_and_forgotten(llm, batch)
     planned = engine.scheduler(llm).stats["loads_planned"]
     gets = HeldGets(monkeypatch)

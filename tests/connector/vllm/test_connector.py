@@ -14,7 +14,7 @@ from typing import Any
 import pytest
 import torch
 
-from kvpipe.connector.bench.launch import close_llm, kvpipe_transfer
+from kvpipe.connector.bench.launch import close_llm, greedy, kvpipe_transfer
 from kvpipe.connector.store.mooncake import MooncakeStore
 from kvpipe.stages import seal_key
 
@@ -170,15 +170,10 @@ def test_saves_and_loads_start_no_openmp_pool_beside_the_engine_s(llm: Any) -> N
 def test_a_request_that_skips_the_prefix_cache_computes_and_leaves_the_others_their_hits(llm: Any) -> None:
     """Prompt logprobs need every prompt token computed, so vLLM zeroes such a request's hit
     after asking the connector: kvpipe's lookup must leave no load planned behind it."""
-    from vllm import SamplingParams
-
-    batch = engine.family(12, 3)
+    batch = engine.family(74, 3)
     first, _ = engine.stored_by(llm, batch)
     assert llm.reset_prefix_cache()
-    plain = SamplingParams(max_tokens=engine.MAX_TOKENS, temperature=0, ignore_eos=True, detokenize=False)
-    logprobs = SamplingParams(
-        max_tokens=engine.MAX_TOKENS, temperature=0, ignore_eos=True, detokenize=False, prompt_logprobs=1
-    )
+    plain, logprobs = greedy(engine.MAX_TOKENS), greedy(engine.MAX_TOKENS, prompt_logprobs=1)
     prompts = [{"prompt_token_ids": prompt} for prompt in batch]
     loads = engine.scheduler(llm).loads_in_flight
 

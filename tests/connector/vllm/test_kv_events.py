@@ -16,7 +16,7 @@ import pytest
 from vllm.distributed.kv_events import MEDIUM_CPU, BlockRemoved, BlockStored
 from vllm.v1.core.kv_cache_utils import maybe_convert_block_hash
 
-from kvpipe.connector.bench.launch import close_llm, kvpipe_transfer
+from kvpipe.connector.bench.launch import close_llm, kvpipe_transfer, vllm_scheduler
 from kvpipe.connector.store.mooncake import MooncakeStore
 from kvpipe.connector.vllm.events import ChunkAnnouncer, ChunkReporter
 from kvpipe.stages import (
@@ -188,7 +188,7 @@ def published(
         publisher._event_queue.join()  # every batch handed to it is published, and in its replay buffer
         return replayer.replay()
 
-    publisher = llm.llm_engine.engine_core.engine_core.scheduler.kv_event_publisher
+    publisher = vllm_scheduler(llm).kv_event_publisher
     try:
         worker = engine.worker(llm)
         prompts = engine.prompts(52)

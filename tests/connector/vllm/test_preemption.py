@@ -15,7 +15,7 @@ from typing import Any
 
 import pytest
 
-from kvpipe.connector.bench.launch import close_llm, kvpipe_transfer, make_llm
+from kvpipe.connector.bench.launch import close_llm, counters, generate, kvpipe_transfer, make_llm
 
 from . import engine
 
@@ -30,18 +30,14 @@ def small_llm(transfer: dict[str, Any] | None) -> Any:
 
 
 def run(llm: Any, batch: list[list[int]]) -> list[list[int]]:
-    from vllm import SamplingParams
-
-    params = SamplingParams(max_tokens=OUTPUT_TOKENS, temperature=0, ignore_eos=True, detokenize=False)
-    outputs = llm.generate([{"prompt_token_ids": prompt} for prompt in batch], params, use_tqdm=False)
-    return [list(output.outputs[0].token_ids) for output in outputs]
+    return generate(llm, batch, OUTPUT_TOKENS).tokens
 
 
 def preemptions(llm: Any) -> int:
-    return sum(int(getattr(m, "value", 0) or 0) for m in llm.get_metrics() if m.name == PREEMPTIONS)
+    return counters(llm, PREEMPTIONS)[PREEMPTIONS]
 
 
-BATCH = engine.prompts(41, 6)
+BATCH = engine.prompts(75, 6)
 
 
 @pytest.fixture(scope="module")
