@@ -17,6 +17,7 @@ failing, and a serving engineer deserves a one-line error in seconds instead.
 from __future__ import annotations
 
 import os
+import random
 import shutil
 import signal
 import socket
@@ -56,19 +57,59 @@ class MasterEndpoints:
         return P2P_HANDSHAKE
 
 
+#: the kernel's range for ports it picks itself (a bind to port 0, an outgoing connection's own port)
+EPHEMERAL_RANGE_FILE = Path("/proc/sys/net/ipv4/ip_local_port_range")
+#: handed-out ports start above those Mooncake's client and transfer engine pick at random for
+#: themselves (12,300-17,000 in our logs)
+HANDOUT_FLOOR = 20000
+_HANDOUT_ATTEMPTS = 1000
+
+
+def handout_range() -> range:
+    """Where :func:`free_ports` picks: from :data:`HANDOUT_FLOOR` up to the kernel's ephemeral range.
+
+    Empty when the ephemeral range starts below the floor (a host configured so):
+    then no port is out of the kernel's reach, and the kernel picks.
+    """
+    try:
+        low = int(EPHEMERAL_RANGE_FILE.read_text().split()[0])
+    except (OSError, ValueError, IndexError):
+        low = 32768  # Linux's default
+    return range(HANDOUT_FLOOR, max(HANDOUT_FLOOR, low))
+
+
 def free_port(host: str = LOOPBACK) -> int:
-    """A port nothing listens on right now (the OS picks it)."""
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as probe:
-        probe.bind((host, 0))
-        return int(probe.getsockname()[1])
+    """One port of :func:`free_ports`."""
+    return free_ports(1, host)[0]
 
 
 def free_ports(count: int, host: str = LOOPBACK) -> list[int]:
-    """``count`` distinct ports nothing listens on right now (held together while picked)."""
-    probes = [socket.socket(socket.AF_INET, socket.SOCK_STREAM) for _ in range(count)]
+    """``count`` distinct ports nothing is bound to now, for processes that bind them later.
+
+    Picked below the kernel's ephemeral range (:func:`handout_range`), so that no port
+    the kernel picks (anyone's bind to port 0, any outgoing connection) can take one
+    before its process binds it. That can be minutes later: a standby master binds its
+    RPC port only once it is promoted, and a port taken meanwhile (seen once in CI)
+    made the promoted standby fail and drop its lease, so no master led again. Ports
+    are held together while picked, so they are distinct.
+
+    :raises MasterError: no free port found in :data:`_HANDOUT_ATTEMPTS` tries.
+    """
+    span = handout_range()
+    probes: list[socket.socket] = []
     try:
-        for probe in probes:
-            probe.bind((host, 0))
+        for _ in range(_HANDOUT_ATTEMPTS if span else count):
+            if len(probes) == count:
+                break
+            probe = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+            try:
+                probe.bind((host, random.choice(span) if span else 0))
+            except OSError:
+                probe.close()
+                continue
+            probes.append(probe)
+        if len(probes) < count:
+            raise MasterError(f"no {count} free ports on {host} in {span} after {_HANDOUT_ATTEMPTS} tries")
         return [int(probe.getsockname()[1]) for probe in probes]
     finally:
         for probe in probes:

@@ -85,13 +85,15 @@ class Running:
             time.sleep(2.0)
 
     def store_events(self) -> str:
-        """What the replicas logged of the store's state (circuit, throttle): a failure's context."""
+        """What the replicas logged of the store's state (circuit, throttle) and the masters' last lines: a failure's context."""
         marks = ("circuit", "store slow", "store fast", "item failed")
         tails = []
         for replica in self.fleet.replicas:
             log = replica.process.log_path
             lines = log.read_text(errors="replace").splitlines() if log.exists() else []
             tails += [f"{replica.name}: {line}" for line in lines if any(m in line for m in marks)][-20:]
+        masters = [] if self.fleet.cluster is None else self.fleet.cluster.masters
+        tails += [f"master {master.endpoints}: {master.log_tail(8)}" for master in masters]
         return "\n".join(tails)
 
     def wait_for_hits(self, since: float, timeout_s: float) -> float:

@@ -379,6 +379,24 @@ def test_a_master_whose_free_port_was_taken_meanwhile_starts_on_new_ports(
             assert master.endpoints.metrics_port == picked[1][-1] != taken
 
 
+def test_ports_handed_out_for_a_later_bind_lie_below_the_kernels_ephemeral_range() -> None:
+    """A standby master binds its port only once promoted: no port the kernel picks meanwhile may be it."""
+    low, _ = (int(part) for part in master_module.EPHEMERAL_RANGE_FILE.read_text().split())
+    ports = master_module.free_ports(8)
+    assert len(set(ports)) == 8
+    assert all(master_module.HANDOUT_FLOOR <= port < low for port in ports)
+
+
+def test_with_no_room_below_the_ephemeral_range_the_kernel_picks_the_ports(
+    monkeypatch: pytest.MonkeyPatch, tmp_path: Path
+) -> None:
+    wide = tmp_path / "ip_local_port_range"
+    wide.write_text("1024\t65535\n")
+    monkeypatch.setattr(master_module, "EPHEMERAL_RANGE_FILE", wide)
+    assert not master_module.handout_range()
+    assert len(set(master_module.free_ports(3))) == 3
+
+
 def round_trip(store: MooncakeStore, key: str, payload: bytes) -> bytes:
     src = ctypes.create_string_buffer(payload, len(payload))
     dst = ctypes.create_string_buffer(len(payload))
