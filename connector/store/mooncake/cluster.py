@@ -42,6 +42,8 @@ from .master import (
     LocalMaster,
     MasterError,
     free_ports,
+    kill_process,
+    spawn,
     stop_process,
     wait_until_listening,
 )
@@ -90,7 +92,7 @@ class StoreNodeProcess:
             *(f"--master-metrics={endpoint}" for endpoint in metrics),
             *disk_flags,
         ]  # fmt: skip
-        self._process = subprocess.Popen(
+        self._process = spawn(
             command, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, stdin=subprocess.DEVNULL
         )
         self.disk = disk
@@ -127,8 +129,7 @@ class StoreNodeProcess:
 
     def kill(self) -> None:
         """SIGKILL, as a lost machine: the master drops its objects after its client TTL."""
-        self._process.kill()
-        self._process.wait()
+        kill_process(self._process)
 
     def stop(self) -> None:
         """SIGTERM: the node unmounts its segment and exits."""
@@ -206,7 +207,7 @@ class LocalCluster:
         self.etcd_port = client_port
         self._data_dir = Path(tempfile.mkdtemp(prefix="kvpipe-etcd-"))
         client, peer = f"http://{LOOPBACK}:{client_port}", f"http://{LOOPBACK}:{peer_port}"
-        self._etcd = subprocess.Popen(
+        self._etcd = spawn(
             [
                 str(find_etcd()),
                 "--data-dir", str(self._data_dir),

@@ -12,6 +12,7 @@ import time
 
 import pytest
 
+from kvpipe.connector.store import memory as memory_module
 from kvpipe.connector.store.memory import Faults, MemoryReplicateConfig, MemoryStore, StoreStats
 from kvpipe.stages.store import Code
 
@@ -112,16 +113,27 @@ def test_the_same_seed_draws_the_same_faults() -> None:
     assert draws() == draws()
 
 
-def test_injected_latency_is_slept_outside_the_lock() -> None:
-    kv = memory_kv(faults=Faults(latency_s={"exist": 0.2}))
-    threads = [threading.Thread(target=kv.exists, args=("k",)) for _ in range(4)]
-    started = time.monotonic()
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join()
-    # four sleeps of 0.2 s under the lock would take 0.8 s; outside it they overlap
-    assert 0.2 <= time.monotonic() - started < 0.8
+def test_injected_latency_is_slept_outside_the_lock(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A call sleeping its latency leaves the store to the others, as a slow network would."""
+    kv = memory_kv(faults=Faults(latency_s={"exist": 60.0}))
+    sleeping, wake = threading.Event(), threading.Event()
+
+    def sleep(seconds: float) -> None:  # the latency's sleep, held until the test lets it go
+        sleeping.set()
+        wake.wait(seconds)
+
+    monkeypatch.setattr(memory_module.time, "sleep", sleep)
+    slow = threading.Thread(target=kv.exists, args=("k",))
+    slow.start()
+    try:
+        assert sleeping.wait(30)
+        put = threading.Thread(target=kv.put, args=({"other": b"v"},))
+        put.start()
+        put.join(30)  # a lock held through the sleep would hold the put until the latency ends
+        assert not put.is_alive() and slow.is_alive()
+    finally:
+        wake.set()
+        slow.join()
 
 
 def test_a_down_store_fails_every_key_of_every_call_with_900_at_once() -> None:
