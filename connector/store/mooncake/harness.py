@@ -19,7 +19,7 @@ from pathlib import Path
 
 from .cluster import LocalCluster
 from .master import LOOPBACK, LocalMaster, MasterError
-from .master_address import etcd_range
+from .master_address import cluster_id, etcd_range
 
 #: the operation log's op codes (Mooncake's format, schema 1)
 _OPLOG_PUT, _OPLOG_REMOVE = 1, 3
@@ -62,7 +62,7 @@ def _signal_and_wait(
     raise MasterError(f"mooncake_master did not {'stop' if stopped else 'continue'} within {timeout_s:g} s")
 
 
-def durable_puts(cluster: LocalCluster, cluster_id: str = "mooncake_cluster") -> set[str]:
+def durable_puts(cluster: LocalCluster) -> set[str]:
     """Keys whose put the leader's operation log holds durably in etcd: what a standby restores.
 
     The leader acknowledges a put before its log record reaches etcd (a group
@@ -77,7 +77,7 @@ def durable_puts(cluster: LocalCluster, cluster_id: str = "mooncake_cluster") ->
     """
     if cluster.etcd_port is None:
         raise MasterError("this cluster is not running")
-    prefix = f"/oplog/{cluster_id}/".encode()
+    prefix = f"/oplog/{cluster_id()}/".encode()
     found = dict(etcd_range(LOOPBACK, cluster.etcd_port, prefix, timeout_s=5.0) or [])
     durable = json.loads(found.get(prefix + b"durable_prefix", b'{"batch_id": 0}'))["batch_id"]
     keys: set[str] = set()

@@ -230,12 +230,14 @@ class LocalMaster:
         client_ttl_s: int | None = None,
         enable_offload: bool = False,
         etcd_endpoints: str | None = None,
+        cluster_id: str | None = None,
         snapshot_dir: Path | None = None,
         snapshot_interval_s: int = 2,
         startup_timeout_s: float = 20.0,
     ) -> None:
         """``etcd_endpoints`` (``host:port;...``) makes it one of an HA group that elects a leader
-        there, with its operation log in etcd (without it a standby takes over with an empty store).
+        there, with its operation log in etcd (without it a standby takes over with an empty store);
+        ``cluster_id`` names the cluster it leads there (Mooncake's default: ``mooncake_cluster``).
 
         ``snapshot_dir`` makes it snapshot its metadata there every ``snapshot_interval_s``
         and restore the latest snapshot when it starts (Mooncake reads the folder from
@@ -251,6 +253,8 @@ class LocalMaster:
         self.ha = etcd_endpoints is not None
         if etcd_endpoints is not None:
             self._flags.update(enable_ha="true", enable_oplog="true", etcd_endpoints=etcd_endpoints)
+        if cluster_id is not None:
+            self._flags["cluster_id"] = cluster_id
         if lease_ttl_ms is not None:
             self._flags["default_kv_lease_ttl"] = str(lease_ttl_ms)
         if eviction_high_watermark is not None:

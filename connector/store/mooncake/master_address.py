@@ -14,12 +14,18 @@ master says nothing (a standby listens on none until it leads, and the leader
 moves), so the check asks what tells the truth: the leader etcd records
 (``mooncake-store/<cluster>/master_view``, its ``host:port``) and whether it
 listens. Behind redis the client's own calls decide (the breaker bounds their cost).
+
+``<cluster>`` is the one the client joins: ``MC_STORE_CLUSTER_ID``, else
+``mooncake_cluster`` (:func:`cluster_id`). One etcd may serve several clusters,
+each its own masters under its own id; the leader of another cluster says nothing
+of ours (it may lead while ours is gone, or be gone while ours leads).
 """
 
 from __future__ import annotations
 
 import base64
 import json
+import os
 import urllib.request
 from dataclasses import dataclass
 from typing import Literal
@@ -27,9 +33,10 @@ from urllib.parse import urlsplit
 
 from .master import is_listening
 
-#: where Mooncake's HA masters record the leader in etcd: ``<prefix><cluster id><suffix>``
-LEADER_KEY_PREFIX = b"mooncake-store/"
-LEADER_KEY_SUFFIX = b"/master_view"
+#: the variable that names the cluster a client joins (its masters' ``--cluster_id``)
+CLUSTER_ID_ENV = "MC_STORE_CLUSTER_ID"
+#: the cluster a client joins and a master leads when none is named
+DEFAULT_CLUSTER_ID = "mooncake_cluster"
 ADDRESS_FORMS = "'host:port', 'etcd://host:port[;host:port...]' or 'redis://[user:password@]host:port'"
 
 
@@ -122,15 +129,23 @@ def etcd_range(host: str, port: int, prefix: bytes, timeout_s: float) -> list[tu
     ]
 
 
-def etcd_leader(host: str, port: int, timeout_s: float) -> tuple[str, int] | None:
-    """The leading master etcd at ``host:port`` records, or None.
+def cluster_id() -> str:
+    """The cluster this process's Mooncake client joins: ``MC_STORE_CLUSTER_ID``, else the default."""
+    return os.environ.get(CLUSTER_ID_ENV) or DEFAULT_CLUSTER_ID
 
-    With several clusters recorded, the first whose leader is a valid address.
-    """
-    for key, value in etcd_range(host, port, LEADER_KEY_PREFIX, timeout_s) or []:
-        if key.endswith(LEADER_KEY_SUFFIX):
+
+def leader_key(cluster: str) -> bytes:
+    """Where ``cluster``'s HA masters record their leader in etcd."""
+    return f"mooncake-store/{cluster}/master_view".encode()
+
+
+def etcd_leader(host: str, port: int, timeout_s: float) -> tuple[str, int] | None:
+    """The leading master of this process's cluster (:func:`cluster_id`) that etcd at ``host:port`` records, or None."""
+    key = leader_key(cluster_id())
+    for found, value in etcd_range(host, port, key, timeout_s) or []:
+        if found == key:
             try:
                 return split_host_port(value.decode())
             except ValueError:
-                continue
+                return None
     return None

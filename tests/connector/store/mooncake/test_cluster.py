@@ -15,8 +15,13 @@ import pytest
 
 from kvpipe.connector.store.mooncake import MooncakeSettings, MooncakeStore
 from kvpipe.connector.store.mooncake.cluster import LocalCluster
-from kvpipe.connector.store.mooncake.master import MasterError, free_port
-from kvpipe.connector.store.mooncake.master_address import MasterAddress
+from kvpipe.connector.store.mooncake.master import LocalMaster, MasterError, free_port
+from kvpipe.connector.store.mooncake.master_address import (
+    CLUSTER_ID_ENV,
+    MasterAddress,
+    etcd_range,
+    leader_key,
+)
 
 ROOT = Path(__file__).resolve().parents[4]
 
@@ -104,6 +109,35 @@ def test_a_client_joins_the_cluster_through_etcd_and_its_leader(cluster: LocalCl
         ]
         assert store.batch_is_exist(["cluster-k", "absent"]) == [1, 0]
         store.unregister_buffer(address)
+
+
+@pytestmark_real
+def test_in_an_etcd_shared_by_clusters_the_leader_is_that_of_the_cluster_this_process_joins(
+    cluster: LocalCluster, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Another cluster's leader ("another" is listed before "mooncake_cluster") says nothing of ours."""
+    assert cluster.etcd_port is not None
+    address = MasterAddress.parse(cluster.master_address)
+    ours = cluster.leader()
+    assert ours is not None and ours.endpoints is not None
+    with LocalMaster(etcd_endpoints=f"127.0.0.1:{cluster.etcd_port}", cluster_id="another") as other:
+        assert other.endpoints is not None
+        deadline = time.monotonic() + 30
+        while not etcd_range("127.0.0.1", cluster.etcd_port, leader_key("another"), timeout_s=1.0):
+            assert time.monotonic() < deadline, "the other cluster's master never led"
+            time.sleep(0.1)
+        assert address.leader(timeout_s=1.0) == ("127.0.0.1", ours.endpoints.rpc_port)
+        monkeypatch.setenv(CLUSTER_ID_ENV, "another")  # a process that joins the other cluster
+        assert address.leader(timeout_s=1.0) == ("127.0.0.1", other.endpoints.rpc_port)
+
+
+@pytestmark_real
+def test_a_local_cluster_leads_the_cluster_its_owners_clients_join(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv(CLUSTER_ID_ENV, "tenant-a")
+    with LocalCluster(masters=1) as tenant:  # it returns once a master leads: it would raise otherwise
+        assert tenant.etcd_port is not None
+        recorded = etcd_range("127.0.0.1", tenant.etcd_port, b"mooncake-store/", timeout_s=1.0) or []
+        assert [key for key, _ in recorded] == [leader_key("tenant-a")]
 
 
 @pytestmark_real
