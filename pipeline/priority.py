@@ -60,14 +60,46 @@ def lower_this_thread(increment: int) -> bool:
     return True
 
 
+#: where Linux (with schedstats) tells a thread its times; ``thread-self`` resolves when opened
+SCHEDSTAT_PATH = "/proc/thread-self/schedstat"
+
+
+class _Schedstat:
+    """One thread's schedstat file, open for as long as the thread lives (-1: none here).
+
+    ``pid``: a forked child's thread inherits the file, which still names the parent's thread.
+    """
+
+    def __init__(self, path: str) -> None:
+        self.path, self.pid = path, os.getpid()
+        try:
+            self.fd = os.open(path, os.O_RDONLY)
+        except OSError:
+            self.fd = -1
+
+    def __del__(self) -> None:  # the thread's locals go with the thread
+        if self.fd >= 0:
+            os.close(self.fd)
+
+
+_this_thread = threading.local()
+
+
 def cpu_wait_seconds() -> float:
     """Seconds the calling thread has spent runnable but waiting for a CPU, since it started.
 
     The second field of ``/proc/thread-self/schedstat`` (Linux with schedstats);
     0.0 where there is none, so a difference of two readings is never negative.
+    Each thread opens the file once and reads it again in place (``pread``): the
+    put stage reads it twice a call, and an open and a close cost 5 us where a
+    read costs 0.7.
     """
+    stats: _Schedstat | None = getattr(_this_thread, "schedstat", None)
+    if stats is None or stats.path != SCHEDSTAT_PATH or stats.pid != os.getpid():
+        stats = _this_thread.schedstat = _Schedstat(SCHEDSTAT_PATH)
+    if stats.fd < 0:
+        return 0.0
     try:
-        with open("/proc/thread-self/schedstat", "rb") as stats:
-            return int(stats.read().split()[1]) / 1e9
+        return int(os.pread(stats.fd, 64, 0).split()[1]) / 1e9
     except (OSError, IndexError, ValueError):
         return 0.0

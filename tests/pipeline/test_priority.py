@@ -5,11 +5,12 @@ from __future__ import annotations
 import os
 import sys
 import threading
+from pathlib import Path
 
 import anyio
 import pytest
 
-from kvpipe.pipeline import Emit, Stage, SyncPipeline
+from kvpipe.pipeline import Emit, Stage, SyncPipeline, priority
 from kvpipe.pipeline.priority import checked_nice, cpu_wait_seconds, lower_this_thread
 
 from .toy_stages import chain
@@ -106,11 +107,24 @@ def test_cpu_wait_is_the_calling_threads_time_in_the_run_queue() -> None:
     assert before <= waited <= after
 
 
-def test_cpu_wait_is_zero_where_the_system_does_not_say(monkeypatch: pytest.MonkeyPatch) -> None:
-    def no_schedstat(*args: object, **kwargs: object) -> None:
-        raise FileNotFoundError("/proc/thread-self/schedstat")
+@pytest.mark.skipif(not os.path.exists("/proc/thread-self/schedstat"), reason="no schedstat here")
+def test_cpu_wait_is_each_threads_own() -> None:
+    cpu_wait_seconds()  # this thread's file is open now
+    readings: list[float] = []
 
-    monkeypatch.setattr("builtins.open", no_schedstat)
+    def another() -> None:
+        readings.extend((_run_queue_seconds(), cpu_wait_seconds(), _run_queue_seconds()))
+
+    thread = threading.Thread(target=another)
+    thread.start()
+    thread.join()
+    before, waited, after = readings
+    assert before <= waited <= after
+
+
+def test_cpu_wait_is_zero_where_the_system_does_not_say(
+    monkeypatch: pytest.MonkeyPatch, tmp_path: Path
+) -> None:
+    monkeypatch.setattr(priority, "SCHEDSTAT_PATH", str(tmp_path / "no-schedstat"))
 
     assert cpu_wait_seconds() == 0.0
-
