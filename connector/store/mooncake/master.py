@@ -64,6 +64,8 @@ EPHEMERAL_RANGE_FILE = Path("/proc/sys/net/ipv4/ip_local_port_range")
 #: themselves (12,300-17,000 in our logs)
 HANDOUT_FLOOR = 20000
 _HANDOUT_ATTEMPTS = 1000
+#: the OS's randomness: a seeded global generator would make two processes pick alike
+_PICKER = random.SystemRandom()
 
 
 def handout_range() -> range:
@@ -104,7 +106,7 @@ def free_ports(count: int, host: str = LOOPBACK) -> list[int]:
                 break
             probe = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
             try:
-                probe.bind((host, random.choice(span) if span else 0))
+                probe.bind((host, _PICKER.choice(span) if span else 0))
             except OSError:
                 probe.close()
                 continue
