@@ -8,23 +8,16 @@ submit's blocked time with it, the vLLM bench the connector's hooks'.
 
 from __future__ import annotations
 
-import os
+from kvpipe.pipeline.priority import ThreadSchedstat
 
 
-class ScheduledTime:
+class ScheduledTime(ThreadSchedstat):
     """Seconds the thread that made this was on a CPU or waiting in the run queue for one.
 
-    The file is opened once and read with ``pread``: a reading costs ~3 us, a tenth
-    of opening ``/proc`` afresh, which matters read around every hook of every step.
+    Read around every hook of every step, hence :class:`ThreadSchedstat`'s one open.
+
+    :raises OSError: (when made) no ``/proc/thread-self/schedstat`` (not Linux, or a kernel without schedstats).
     """
 
-    def __init__(self) -> None:
-        """Open the calling thread's schedstat (``/proc/thread-self`` resolves to it now, for good).
-
-        :raises OSError: no ``/proc/thread-self/schedstat`` (not Linux, or a kernel without schedstats).
-        """
-        self._fd = os.open("/proc/thread-self/schedstat", os.O_RDONLY)
-
     def seconds(self) -> float:
-        on_cpu, in_run_queue, _ = os.pread(self._fd, 128, 0).split()
-        return (int(on_cpu) + int(in_run_queue)) / 1e9
+        return sum(self.times())
