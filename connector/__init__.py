@@ -16,6 +16,10 @@
 - :mod:`.fleet`: a local fleet (``kvpipe fleet``): ``vllm serve`` replicas behind
   vLLM's router over one Mooncake store, every process in a group stopped whole.
 
+Beside the rooms, :mod:`.exit_guard`: every child process a room starts (masters,
+etcd, store nodes, a fleet's replicas and router) is stopped when its owner exits,
+unless the owner stopped it first.
+
 Rooms import downwards only: ``store`` imports neither ``vllm``, ``cli`` nor
 ``bench``; ``vllm`` imports ``store``; ``cli`` and ``bench`` may import all;
 ``fleet`` imports ``store`` and ``bench.launch`` (it runs the connector in processes

@@ -6,7 +6,10 @@ would leave the others running, so each :class:`GroupProcess` starts a new
 session (its own process group), remembers every process seen in that group
 while it runs, and on :meth:`GroupProcess.stop` sends SIGTERM to the group, then
 SIGKILL after a deadline, then checks that none of the processes it saw is left
-(psutil tells a reused pid from the original).
+(psutil tells a reused pid from the original). A group its owner never stops
+(a :class:`~kvpipe.connector.fleet.Fleet` used without ``with``, an error
+between a start and its stop) is stopped when the owner's interpreter exits
+(:mod:`kvpipe.connector.exit_guard`).
 """
 
 from __future__ import annotations
@@ -20,6 +23,11 @@ from pathlib import Path
 from typing import IO
 
 import psutil
+
+from kvpipe.connector import exit_guard
+
+#: how long a group left running by its owner gets to end on SIGTERM, at the owner's exit
+EXIT_STOP_S = 10.0
 
 
 class ProcessError(RuntimeError):
@@ -68,6 +76,7 @@ class GroupProcess:
             env=self._env,
             start_new_session=True,  # its own process group: stop() ends its children too
         )
+        exit_guard.guard(self, lambda: self.stop(EXIT_STOP_S))
         self.track()
 
     def track(self) -> None:
@@ -137,6 +146,7 @@ class GroupProcess:
             if still:
                 raise ProcessError(f"{self.name}: processes survived SIGKILL: {[p.pid for p in still]}")
         finally:
+            exit_guard.release(self)
             self._process = None
             if self._log is not None:
                 self._log.close()

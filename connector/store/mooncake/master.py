@@ -16,7 +16,6 @@ failing, and a serving engineer deserves a one-line error in seconds instead.
 
 from __future__ import annotations
 
-import atexit
 import os
 import random
 import shutil
@@ -33,6 +32,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from types import FrameType
 from typing import Any, NoReturn, Self
+
+from kvpipe.connector import exit_guard
 
 LOOPBACK = "127.0.0.1"
 P2P_HANDSHAKE = "P2PHANDSHAKE"
@@ -136,42 +137,30 @@ def wait_until_listening(host: str, port: int, timeout_s: float, what: str = "mo
         time.sleep(0.05)
 
 
-#: children :func:`spawn` started and nothing stopped yet, each with the pid of the process that started it
-_UNSTOPPED: dict[subprocess.Popen[bytes], int] = {}
-
-
 def spawn(command: Sequence[str], **options: Any) -> subprocess.Popen[bytes]:
     """``subprocess.Popen(command, **options)``, stopped when this interpreter exits unless stopped before.
 
     An owner that never stops its master, etcd or store node (a script without
     ``with``, an error between a start and its stop) would otherwise leave it
-    running after the owner exits, holding its ports and its memory. Only
-    SIGKILL of the owner escapes this (a SIGTERM'd command line unwinds first:
+    running after the owner exits, holding its ports and its memory
+    (:mod:`kvpipe.connector.exit_guard`; a SIGTERM'd command line unwinds first:
     :func:`sigterm_unwinds`).
     """
     process: subprocess.Popen[bytes] = subprocess.Popen(command, **options)
-    _UNSTOPPED[process] = os.getpid()
+    exit_guard.guard(process, lambda: stop_process(process))
     return process
-
-
-@atexit.register
-def _stop_the_unstopped() -> None:
-    """A forked child (an engine's worker) inherits the table: it stops nothing of its parent's."""
-    for process, owner in list(_UNSTOPPED.items()):
-        if owner == os.getpid():
-            stop_process(process)
 
 
 def kill_process(process: subprocess.Popen[bytes]) -> None:
     """SIGKILL, as a crash would, and reap it."""
-    _UNSTOPPED.pop(process, None)
+    exit_guard.release(process)
     process.kill()
     process.wait()
 
 
 def stop_process(process: subprocess.Popen[bytes], timeout_s: float = 5.0) -> None:
     """End a child: SIGCONT (a stopped one cannot act on SIGTERM), SIGTERM, SIGKILL after ``timeout_s``."""
-    _UNSTOPPED.pop(process, None)
+    exit_guard.release(process)
     if process.poll() is not None:
         return
     process.send_signal(signal.SIGCONT)
