@@ -17,6 +17,8 @@ from kvpipe.pipeline.stage import Emit, Stage
 from .chunks import Chunk, full_chunks, tail_chunks
 from .keys import object_key_prefix
 from .model import (
+    BlockBuffers,
+    BlockLayout,
     KVCache,
     ProjectedRequest,
     Records,
@@ -38,22 +40,36 @@ def chunk_records(
     # Groups interleave by prefix length. (One chunk needs no sorting: the common case.)
     if len(chunks) > 1 and len({chunk.group.store_group for chunk in chunks}) > 1:
         chunks = sorted(chunks, key=lambda chunk: (chunk.tokens_end, chunk.group.store_group))
-    records = []
+    # The key prefix and layout of a (shard, group) are the same for all its chunks:
+    # looked up once per call, not once per record (a save makes one record per
+    # chunk per rank, and most of a record's cost was finding these again).
+    per_group: dict[int, list[tuple[str, BlockLayout]]] = {}  # by store group
+    records: list[StoreObject] = []
+    append = records.append
     for chunk in chunks:
         group, chunk_hash, block_id, _ = chunk
+        store_group = group.store_group
+        targets = per_group.get(store_group)
+        if targets is None:
+            targets = per_group[store_group] = [
+                (object_key_prefix(shard.namespace, store_group), shard.layouts[group.engine_group])
+                for shard in shards
+            ]
         hex_hash = chunk_hash.hex()
         reuse = reused_chunks.get(chunk_hash, 0) if reused_chunks else 0
-        for shard in shards:
-            records.append(
+        block_index = chunk.block_index
+        for prefix, layout in targets:
+            append(
                 StoreObject(
-                    object_key_prefix(shard.namespace, group.store_group) + hex_hash,
+                    prefix + hex_hash,
                     chunk_hash,
-                    group.store_group,
-                    shard.layouts[group.engine_group].buffers(block_id),
+                    store_group,
+                    BlockBuffers(layout, block_id),
                     None,
                     request_id,
-                    chunk.block_index,
-                    reuse=reuse,
+                    block_index,
+                    None,
+                    reuse,
                 )
             )
     return tuple(records)

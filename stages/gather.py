@@ -59,6 +59,8 @@ class GatherParams(BaseModel):
     mode: Literal["auto", "always", "never"] = "auto"
     pool_bytes: int = Field(64 * MiB, gt=0)
     below_bytes: int = Field(64 * KiB, gt=0)
+    #: take each gathered object's checksum as it is copied, for the put's seals
+    checksum: bool = False
 
 
 def largest_object(kv: KVCache) -> int:
@@ -74,6 +76,7 @@ class GatherStage(BatchStage):
 
     def __init__(self, params: GatherParams, kv: KVCache, store: SavingStore) -> None:
         self._mode = "never" if params.mode == "auto" and store.local_transfers else params.mode
+        self._checksums = params.checksum
         self._below_bytes = params.below_bytes
         slot_bytes = largest_object(kv)
         slots = max(2, params.pool_bytes // slot_bytes) if slot_bytes else 0
@@ -134,7 +137,7 @@ class GatherStage(BatchStage):
                 if not self._pool.allocated:
                     await self.run_blocking(self._pool.allocate)
                 slots = await self._pool.acquire_run(len(todo))
-                await self.run_blocking(gather_into_slots, records, slots)
+                await self.run_blocking(gather_into_slots, records, slots, self._checksums)
             except Exception as error:  # the engine's buffers are still good: send those
                 for slot in slots:
                     slot.release()

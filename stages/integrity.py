@@ -240,9 +240,14 @@ def fingerprint(kv: KVCache) -> bytes:
     return hashlib.blake2b(encoded, digest_size=FINGERPRINT_BYTES).digest()
 
 
-def entry_of(key: str, addresses: Sequence[int], sizes: Sequence[int]) -> SealEntry:
-    """A seal's entry for the object ``key`` whose bytes lie at ``addresses``/``sizes``."""
-    return SealEntry(key_id(key), sum(sizes), checksum(addresses, sizes))
+def entry_of(
+    key: str, addresses: Sequence[int], sizes: Sequence[int], known: int | None = None
+) -> SealEntry:
+    """A seal's entry for the object ``key`` whose bytes lie at ``addresses``/``sizes``.
+
+    ``known``: their :func:`checksum`, if it was taken already (as they were staged).
+    """
+    return SealEntry(key_id(key), sum(sizes), checksum(addresses, sizes) if known is None else known)
 
 
 class Vouch(NamedTuple):

@@ -93,10 +93,17 @@ class BlockLayout:
     regions: tuple[Region, ...]
     object_size: int = field(init=False, compare=False, repr=False)
     sizes: tuple[int, ...] = field(init=False, compare=False, repr=False)
+    _hash: int = field(init=False, compare=False, repr=False)
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "sizes", tuple(r.bytes_per_block for r in self.regions))
         object.__setattr__(self, "object_size", sum(self.sizes))
+        object.__setattr__(self, "_hash", hash(self.regions))
+
+    def __hash__(self) -> int:
+        # Computed once: a save groups its records by layout, and hashing a 64-layer
+        # layout anew (64 regions) cost ~20 us a record, a fifth of a TCP save's time.
+        return self._hash
 
     def buffers(self, block_id: int) -> BlockBuffers:
         return BlockBuffers(self, block_id)
@@ -258,6 +265,10 @@ class StagedCopy(Protocol):
 
     @property
     def address(self) -> int: ...
+
+    @property
+    def checksum(self) -> int | None:
+        """The copy's checksum (:func:`.integrity.checksum`), taken as it was copied; None if not taken."""
 
     def release(self) -> None: ...
 

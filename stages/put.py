@@ -476,7 +476,7 @@ class PutStage(BatchStage):
             layout = _CallLayout.of(call, spans, slab)
             seal = None
             if slab is not None:
-                seal = functools.partial(self._write_seals, slab, spans, layout)
+                seal = functools.partial(self._write_seals, slab, call, spans, layout)
             codes = await self._timed_call(layout.keys, layout.ptrs, layout.sizes, layout.group_ids, seal, pin)
         finally:
             if slab is not None:
@@ -492,11 +492,18 @@ class PutStage(BatchStage):
         }
         return data_codes, unsealed
 
-    def _write_seals(self, slab: SealSlab, spans: Sequence[Sequence[int]], layout: _CallLayout) -> None:
+    def _write_seals(
+        self,
+        slab: SealSlab,
+        call: Sequence[StoreObject],
+        spans: Sequence[Sequence[int]],
+        layout: _CallLayout,
+    ) -> None:
         """Write each span's seal into its slot of ``slab`` (in the worker thread that makes the call).
 
         Sealing there reads the very bytes the put sends (a staging slot, or the
-        engine's blocks) and costs no hop of its own.
+        engine's blocks) and costs no hop of its own; a staged copy whose checksum
+        the gather took as it copied is not read again.
         """
         fingerprint_ = self._fingerprint
         assert fingerprint_ is not None
@@ -504,7 +511,15 @@ class PutStage(BatchStage):
             entries = []
             for index in span:
                 position = layout.data_positions[index]
-                entries.append(entry_of(layout.keys[position], layout.ptrs[position], layout.sizes[position]))
+                staged = call[index].staging
+                entries.append(
+                    entry_of(
+                        layout.keys[position],
+                        layout.ptrs[position],
+                        layout.sizes[position],
+                        None if staged is None else staged.checksum,
+                    )
+                )
             slab.write(number, Seal(fingerprint_, tuple(entries)))
 
     async def _timed_call(

@@ -45,7 +45,7 @@ DEFAULT_SAVE_PIPELINE: dict[str, Any] = {
             "type": "gather",
             "after": "filter",
             "batch": {"max_items": 64, "max_wait_ms": 0},
-            "params": {"mode": "auto", "pool_bytes": 64 << 20},
+            "params": {"mode": "auto", "pool_bytes": 64 << 20, "checksum": True},
         },
         {
             "name": "put",
@@ -98,6 +98,7 @@ def default_save_graph(
     stages["gather"]["params"]["mode"] = gather
     stages["put"]["params"]["throttle"] = None if throttle is None else throttle.model_dump()
     stages["put"]["params"]["seal"] = Integrity(integrity) is not Integrity.OFF
+    stages["gather"]["params"]["checksum"] = stages["put"]["params"]["seal"]  # for the seals
     stages["put"]["params"]["max_pinned_bytes"] = max_pinned_bytes
     stages["put"]["params"]["soft_pin_ttl_s"] = soft_pin_ttl_s
     return build_graph(

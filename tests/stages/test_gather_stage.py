@@ -7,6 +7,7 @@ import threading
 import anyio
 import pytest
 import torch
+import xxhash
 from pydantic import ValidationError
 
 from kvpipe.connector.store.memory import Faults, MemoryStore
@@ -15,19 +16,25 @@ from kvpipe.pipeline.testing import RecordingEmit, batch_of
 from kvpipe.stages import (
     DEFAULT_SAVE_PIPELINE,
     KV_STAGES,
+    BlockLayout,
     Buffer,
     FullChunksStage,
     GatherParams,
     GatherStage,
     ProjectedRequest,
+    Region,
+    Seal,
     StagingPool,
     StagingSlot,
     StoreObject,
     copy_into_slots,
     default_save_graph,
     gather_into_slots,
+    seal_key,
+    staging,
     storable_groups,
 )
+from kvpipe.stages.integrity import SEAL_SIZE
 
 from .kv_fixtures import make_kv, make_request
 from .openmp import openmp_workers
@@ -317,3 +324,69 @@ async def test_slots_out_of_order_get_the_same_bytes_as_a_run():
     copy_into_slots(records, scattered)
     for record, slot in zip(records, scattered, strict=True):
         assert ctypes.string_at(slot.address, record.size) == b"".join(_read(b) for b in record.buffers)
+
+
+def _checksum_of(record: StoreObject) -> int:
+    return xxhash.xxh3_64_intdigest(b"".join(_read(buffer) for buffer in record.buffers))
+
+
+def _grid_records(count: int) -> list[StoreObject]:
+    """``count`` objects whose buffers are rows of one tensor (every layer's blocks in one grid)."""
+    grid = torch.randn(LAYERS, 16, 256)  # 1 KiB rows
+    layout = BlockLayout(tuple(Region(layer.data_ptr(), 1024) for layer in grid))
+    _grid_records.keep = grid  # type: ignore[attr-defined]  # alive while the test reads it
+    return [StoreObject(f"grid-{b}", bytes([b]) * 32, 0, layout.buffers(b)) for b in range(1, count + 1)]
+
+
+@pytest.mark.parametrize("piece_objects", [1, 3, 64], ids=["a piece each", "pieces of 3", "one piece"])
+@pytest.mark.parametrize("order", ["a run", "out of order", "not rows of one region", "rows of one grid"])
+async def test_a_copy_asked_for_checksums_gives_each_slot_its_objects_checksum(order, piece_objects, monkeypatch):
+    fixture = make_kv(layers=LAYERS)
+    records = list(await _records(fixture.kv, tokens=96))  # 6 objects, each layer a tensor of its own
+    if order == "not rows of one region":  # copied one object at a time
+        records[1] = StoreObject("shuffled", records[1].chunk_hash, 0, records[1].buffers[::-1])
+    if order == "rows of one grid":  # copied by one indexed copy per piece
+        records = _grid_records(6)
+    monkeypatch.setattr(staging, "HASHED_PIECE_BYTES", piece_objects * records[0].size)
+    pool = StagingPool(_NoRegistration(), slots=8, slot_bytes=records[0].size)
+    pool.allocate()
+    indexes = (7, 1, 5, 3, 0, 2) if order == "out of order" else range(6)
+    slots = [StagingSlot(pool, index) for index in indexes]
+    copy_into_slots(records, slots, checksums=True)
+    assert [slot.checksum for slot in slots] == [_checksum_of(record) for record in records]
+
+
+async def test_a_copy_not_asked_for_checksums_takes_none():
+    fixture = make_kv(layers=LAYERS)
+    records = await _records(fixture.kv)
+    pool = StagingPool(_NoRegistration(), slots=4, slot_bytes=records[0].size)
+    pool.allocate()
+    slots = [StagingSlot(pool, index) for index in range(len(records))]
+    copy_into_slots(records, slots)
+    assert [slot.checksum for slot in slots] == [None] * len(records)
+
+
+async def _saved_through_the_default_graph(fixture, store, integrity):
+    async with Pipeline(default_save_graph(fixture.kv, store, gather="always", integrity=integrity)) as pipeline:
+        job = await pipeline.submit(make_request(fixture.kv, 64))
+        await pipeline.close()
+    assert job.counts["put"] == 4
+
+
+async def test_the_default_graph_seals_gathered_objects_with_the_checksums_taken_as_they_were_copied(monkeypatch):
+    monkeypatch.setattr(staging, "checksum", lambda addresses, sizes: 42)  # what the gather took, if used
+    fixture = make_kv(layers=LAYERS)
+    store = NetworkStore()
+    await _saved_through_the_default_graph(fixture, store, "verify")
+    anchor = (await _records(fixture.kv))[0]
+    destination = ctypes.create_string_buffer(SEAL_SIZE)
+    assert store.batch_get_into([seal_key(anchor.key)], [ctypes.addressof(destination)], [SEAL_SIZE]) == [SEAL_SIZE]
+    seal = Seal.unpack(destination.raw)
+    assert seal is not None and [entry.checksum for entry in seal.entries] == [42] * 4
+
+
+async def test_the_default_graph_without_seals_takes_no_checksum_at_the_gather(monkeypatch):
+    taken = []
+    monkeypatch.setattr(staging, "checksum", lambda addresses, sizes: taken.append(addresses) or 42)
+    await _saved_through_the_default_graph(make_kv(layers=LAYERS), NetworkStore(), "off")
+    assert taken == []
