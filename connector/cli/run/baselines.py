@@ -8,7 +8,8 @@ both go, and the store holds what the run left):
 
 - :func:`pipeline_alone`: the run's save requests again, all at once, through the
   same save graph under the cache prefix :data:`ALONE_PREFIX`, from the first
-  submit to the last job's end (its existence filter skips what it stored itself);
+  submit to the last job's end (its existence filter skips what it stored itself),
+  with no observer: what it stored is asked of the store once the clock stopped;
 - :func:`raw_put`: the same objects put once each with plain
   ``batch_put_from_multi_buffers`` calls of :data:`BATCH` objects one after
   another, keys under :data:`RAW_PREFIX`, the whole loop timed.
@@ -25,8 +26,8 @@ from dataclasses import dataclass, replace
 
 from kvpipe.connector.store.protocol import Store
 from kvpipe.pipeline import Graph, SyncPipeline
-from kvpipe.stages import KVCache, ObjectStatus, SaveRequest, StoreObject
-from kvpipe.stages.keys import deployment_key_pattern
+from kvpipe.stages import EXISTS, KVCache, SaveRequest, StoreObject, storable_groups
+from kvpipe.stages.keys import deployment_key_pattern, object_key_prefix
 from kvpipe.stages.object_status import ObjectObserver
 
 #: objects per call: a batch of the size the save stages send
@@ -70,7 +71,7 @@ class Baselines:
 
 
 def measure(
-    make_graph: Callable[[KVCache, ObjectObserver], Graph],
+    make_graph: Callable[[KVCache, ObjectObserver | None], Graph],
     kv: KVCache,
     store: Store,
     requests: Sequence[SaveRequest],
@@ -82,7 +83,8 @@ def measure(
     alone_kv = under_prefix(kv, ALONE_PREFIX)
     try:
         return Baselines(
-            pipeline_alone(make_graph, alone_kv, store, requests, queue_capacity), raw_put(store, objects)
+            pipeline_alone(make_graph, alone_kv, store, requests, renamed(objects, kv, alone_kv), queue_capacity),
+            raw_put(store, objects),
         )
     finally:
         store.remove_by_regex(deployment_key_pattern(alone_kv.shards[0].namespace), True)
@@ -119,35 +121,45 @@ def under_prefix(kv: KVCache, cache_prefix: str) -> KVCache:
     return replace(kv, shards=shards)
 
 
+def renamed(objects: Sequence[StoreObject], kv: KVCache, other: KVCache) -> dict[str, int]:
+    """The keys ``objects`` (of ``kv``) have in ``other`` (the same cache under other namespaces), with their sizes."""
+    prefixes = {
+        object_key_prefix(ours.namespace, group.store_group): object_key_prefix(theirs.namespace, group.store_group)
+        for ours, theirs in zip(kv.shards, other.shards, strict=True)
+        for group in storable_groups(kv)
+    }
+    keys = {}
+    for record in objects:
+        hex_hash = record.chunk_hash.hex()
+        keys[prefixes[record.key[: -len(hex_hash)]] + hex_hash] = record.size
+    return keys
+
+
 def pipeline_alone(
-    make_graph: Callable[[KVCache, ObjectObserver], Graph],
+    make_graph: Callable[[KVCache, ObjectObserver | None], Graph],
     kv: KVCache,
     store: Store,
     requests: Sequence[SaveRequest],
+    expected: dict[str, int],
     queue_capacity: int,
 ) -> Measured:
     """The save requests through ``make_graph``'s pipeline on ``kv`` with nothing else running; its objects stay.
 
-    Its bytes are those of the distinct objects it put: two requests in flight at
-    once may both put one object, and the second put stores nothing new.
+    Its bytes are those of the ``expected`` objects (key: size) the store holds
+    once it ran, asked after the clock stopped: an observer told of every object
+    would be timed with the pipeline, and the raw puts have none.
     """
-    stored: dict[str, int] = {}
-    failed: set[str] = set()
-
-    def observe(record: StoreObject, status: ObjectStatus) -> None:
-        if status is ObjectStatus.PUT:
-            stored[record.key] = record.size
-        elif status is ObjectStatus.FAILED:
-            failed.add(record.key)
-
-    pipeline = SyncPipeline(
-        make_graph(kv, observe), queue_capacity=queue_capacity, when_full="wait", name="alone"
-    )
+    pipeline = SyncPipeline(make_graph(kv, None), queue_capacity=queue_capacity, when_full="wait", name="alone")
+    failed = 0
     with pipeline:
         began = time.perf_counter()
         for request in requests:
             pipeline.submit(request)
         for _ in requests:
-            pipeline.next_completed(timeout_s=None)
+            job = pipeline.next_completed(timeout_s=None)
+            assert job is not None  # no timeout: it waits for the job
+            failed += job.counts.get("failed", 0)
         seconds = time.perf_counter() - began
-    return Measured(seconds, sum(stored.values()), len(failed))
+    keys = list(expected)
+    stored = sum(expected[key] for key, answer in zip(keys, store.batch_is_exist(keys), strict=True) if answer == EXISTS)
+    return Measured(seconds, stored, failed)
