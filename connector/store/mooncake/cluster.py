@@ -47,7 +47,7 @@ from .master import (
     stop_process,
     wait_until_listening,
 )
-from .master_address import MasterAddress, cluster_id
+from .master_address import MasterAddress
 from .settings import DiskTier, PositiveSize
 
 
@@ -224,11 +224,7 @@ class LocalCluster:
         wait_until_listening(LOOPBACK, client_port, timeout_s=self._startup_timeout_s, what="etcd")
         for _ in range(self._count):
             self.masters.append(
-                LocalMaster(
-                    etcd_endpoints=f"{LOOPBACK}:{client_port}",
-                    cluster_id=cluster_id(),  # the one this process's clients join
-                    enable_offload=self._offload,
-                ).start()
+                LocalMaster(etcd_endpoints=f"{LOOPBACK}:{client_port}", enable_offload=self._offload).start()
             )
         self.wait_for_leader(self._startup_timeout_s)
         for _ in range(self._node_count):

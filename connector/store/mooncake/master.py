@@ -228,7 +228,8 @@ class LocalMaster:
     ) -> None:
         """``etcd_endpoints`` (``host:port;...``) makes it one of an HA group that elects a leader
         there, with its operation log in etcd (without it a standby takes over with an empty store);
-        ``cluster_id`` names the cluster it leads there (Mooncake's default: ``mooncake_cluster``).
+        ``cluster_id`` names the cluster it leads there; by default the one this process's
+        clients join (``MC_STORE_CLUSTER_ID``, else Mooncake's ``mooncake_cluster``).
 
         ``snapshot_dir`` makes it snapshot its metadata there every ``snapshot_interval_s``
         and restore the latest snapshot when it starts (Mooncake reads the folder from
@@ -244,6 +245,11 @@ class LocalMaster:
         self.ha = etcd_endpoints is not None
         if etcd_endpoints is not None:
             self._flags.update(enable_ha="true", enable_oplog="true", etcd_endpoints=etcd_endpoints)
+            if cluster_id is None:
+                # imported here: master_address imports this module (its listening check)
+                from .master_address import cluster_id as joined_cluster
+
+                cluster_id = joined_cluster()
         if cluster_id is not None:
             self._flags["cluster_id"] = cluster_id
         if lease_ttl_ms is not None:

@@ -141,6 +141,24 @@ def test_a_local_cluster_leads_the_cluster_its_owners_clients_join(monkeypatch: 
 
 
 @pytestmark_real
+def test_an_ha_master_leads_by_default_the_cluster_its_owners_clients_join(
+    cluster: LocalCluster, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    assert cluster.etcd_port is not None
+    monkeypatch.setenv(CLUSTER_ID_ENV, "tenant-b")
+    with LocalMaster(etcd_endpoints=f"127.0.0.1:{cluster.etcd_port}") as master:
+        assert master.endpoints is not None
+        deadline = time.monotonic() + 30
+        while not etcd_range("127.0.0.1", cluster.etcd_port, leader_key("tenant-b"), timeout_s=1.0):
+            assert time.monotonic() < deadline, "the master never led tenant-b"
+            time.sleep(0.1)
+        assert MasterAddress.parse(cluster.master_address).leader(timeout_s=1.0) == (
+            "127.0.0.1",
+            master.endpoints.rpc_port,
+        )
+
+
+@pytestmark_real
 def test_a_process_joins_one_etcd_cluster_only(
     cluster: LocalCluster, monkeypatch: pytest.MonkeyPatch
 ) -> None:
