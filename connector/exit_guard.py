@@ -41,8 +41,16 @@ def guarded() -> int:
 
 @atexit.register
 def _stop_the_guarded() -> None:
+    """Every stop runs though one before it raised (a group that survived SIGKILL must not
+    leave the older children running); the first error is raised after them, for atexit to print."""
     owner = os.getpid()
+    first_error: Exception | None = None
     for key, (stop, started_by) in reversed(list(_GUARDED.items())):
         if started_by == owner:
             _GUARDED.pop(key, None)
-            stop()
+            try:
+                stop()
+            except Exception as error:  # noqa: BLE001 - raised below, once every child was stopped
+                first_error = first_error or error
+    if first_error is not None:
+        raise first_error

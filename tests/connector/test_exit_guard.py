@@ -18,8 +18,12 @@ log = Path(sys.argv[1])
 def stopper(name):
     return lambda: log.open("a").write(f"{name} stopped by {os.getpid()}\\n")
 
+def failing():
+    raise RuntimeError("this child would not stop")
+
 exit_guard.guard("first", stopper("first"))
 exit_guard.guard("second", stopper("second"))
+exit_guard.guard("failing", failing)  # the newest: stopped first, and it raises
 exit_guard.guard("released", stopper("released"))
 exit_guard.release("released")
 if (child := os.fork()) == 0:
@@ -35,11 +39,14 @@ def run_owner(tmp_path: Path) -> tuple[str, list[str]]:
         [sys.executable, "-c", OWNER, str(log)], capture_output=True, text=True, timeout=60, check=True
     )
     pid, guarded = owner.stdout.split()
-    assert guarded == "2"
+    assert guarded == "3"
+    assert "this child would not stop" in owner.stderr  # raised, once the others were stopped
     return pid, log.read_text().splitlines() if log.exists() else []
 
 
-def test_what_an_owner_guards_and_never_releases_is_stopped_at_its_exit_newest_first(tmp_path: Path) -> None:
+def test_what_an_owner_guards_and_never_releases_is_stopped_at_its_exit_newest_first_though_one_raises(
+    tmp_path: Path,
+) -> None:
     pid, stopped = run_owner(tmp_path)
     assert stopped == [f"second stopped by {pid}", f"first stopped by {pid}"]
 
