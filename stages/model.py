@@ -15,7 +15,27 @@ from __future__ import annotations
 from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from enum import StrEnum
-from typing import NamedTuple, Protocol, overload
+from typing import NamedTuple, Protocol, TypeVar, overload
+
+from typing_extensions import dataclass_transform
+
+_Record = TypeVar("_Record")
+
+
+@dataclass_transform(frozen_default=True)
+def hot_record(cls: type[_Record]) -> type[_Record]:
+    """A frozen dataclass to the type checker, a plain slotted one at run time.
+
+    For the records made per request or per object at every step (a
+    :class:`StoreObject` per chunk per rank): a frozen dataclass's ``__init__``
+    sets each field through ``object.__setattr__``, and building a StoreObject
+    took 1.45 us that way against 0.23 us plainly, the largest single cost of
+    turning a request into records. mypy (strict, on every package) refuses an
+    assignment to a field of a ``hot_record`` as it would a frozen one's;
+    equality, hashing and :func:`dataclasses.replace` are those of a frozen
+    dataclass.
+    """
+    return dataclass(slots=True, unsafe_hash=True)(cls)
 
 
 class GroupKind(StrEnum):
@@ -211,7 +231,7 @@ class KVCache:
     byte_facts: tuple[tuple[str, str], ...] = ()
 
 
-@dataclass(frozen=True, slots=True)
+@hot_record
 class SaveRequest:
     """One request's progress, as the engine reports it at a step.
 
@@ -252,7 +272,7 @@ class StoreGroup:
     spec: GroupSpec
 
 
-@dataclass(frozen=True, slots=True)
+@hot_record
 class ProjectedRequest:
     """A request restricted to the storable groups, as ``project`` emits it."""
 
@@ -273,7 +293,7 @@ class StagedCopy(Protocol):
     def release(self) -> None: ...
 
 
-@dataclass(frozen=True, slots=True)
+@hot_record
 class StoreObject:
     """One store object: everything about it in one immutable record.
 

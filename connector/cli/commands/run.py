@@ -33,8 +33,8 @@ def add_parser(commands: Any) -> None:
     parser.add_argument(
         "--baselines",
         action="store_true",
-        help="after the run, time the pipeline alone and raw puts on its objects "
-        "(the store needs room for another copy of what the run puts)",
+        help="after the run, time the pipeline alone and raw puts on its objects, taking turns "
+        "(medians of 5 rounds; the store needs room for two more copies of what the run puts)",
     )
     parser.add_argument("--dump-objects", type=Path, metavar="FILE", help="write one JSON line per object")
     parser.set_defaults(command=command)

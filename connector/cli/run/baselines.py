@@ -2,9 +2,7 @@
 
 After the run, two measurements of storing the run's distinct objects, like with
 like: each under a key namespace of its own, so neither finds, overwrites or
-removes the other's objects, and each writes into memory no object of the run
-or of the other measurement holds (both copies stay until both are timed; then
-both go, and the store holds what the run left):
+removes the other's objects or the run's:
 
 - :func:`pipeline_alone`: the run's save requests again, all at once, through the
   same save graph under the cache prefix :data:`ALONE_PREFIX`, from the first
@@ -14,7 +12,13 @@ both go, and the store holds what the run left):
   ``batch_put_from_multi_buffers`` calls of :data:`BATCH` objects one after
   another, keys under :data:`RAW_PREFIX`, the whole loop timed.
 
-The store needs room for two more copies of the run's objects.
+They take turns, :data:`ROUNDS` timed rounds each after an untimed one, on a
+frozen heap, as every ``kvpipe bench`` workload times its contenders (one round of
+either moves by tens of percent on a busy machine; a full garbage collection of the
+run's own objects landed in every third round). Before each round the
+measurement removes its own previous copy, untimed, so each writes into memory
+only its own last round freed, while the other's copy stays. The store needs
+room for two more copies of the run's objects.
 """
 
 from __future__ import annotations
@@ -24,6 +28,7 @@ import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, replace
 
+from kvpipe.connector.bench.timing import alternate
 from kvpipe.connector.store.protocol import Store
 from kvpipe.pipeline import Graph, SyncPipeline
 from kvpipe.stages import EXISTS, KVCache, SaveRequest, StoreObject, storable_groups
@@ -36,6 +41,8 @@ BATCH = 64
 RAW_PREFIX = "kvpipe-raw-put"
 #: the cache prefix the pipeline-alone replay stores under
 ALONE_PREFIX = "kvpipe-pipeline-alone"
+#: timed rounds of each measurement (their medians are reported)
+ROUNDS = 5
 
 
 @dataclass(frozen=True)
@@ -77,18 +84,35 @@ def measure(
     requests: Sequence[SaveRequest],
     objects: Sequence[StoreObject],
     queue_capacity: int,
+    rounds: int = ROUNDS,
 ) -> Baselines:
-    """Time the pipeline alone on ``requests``, then raw puts of ``objects`` (the distinct objects they
-    store); remove both copies once both are timed, also when a measurement raises."""
+    """Time the pipeline alone on ``requests`` and raw puts of ``objects`` (the distinct objects they
+    store), taking turns for ``rounds`` rounds; their median seconds, with the bytes and failures of
+    each one's last round. Both copies are removed at the end, also when a measurement raises."""
     alone_kv = under_prefix(kv, ALONE_PREFIX)
+    expected = renamed(objects, kv, alone_kv)
+    alone_keys = deployment_key_pattern(alone_kv.shards[0].namespace)
+    raw_keys = f"^{re.escape(RAW_PREFIX)}@"
+    last: dict[str, Measured] = {}
+
+    def alone() -> float:
+        store.remove_by_regex(alone_keys, True)
+        last["alone"] = pipeline_alone(make_graph, alone_kv, store, requests, expected, queue_capacity)
+        return last["alone"].seconds
+
+    def raw() -> float:
+        store.remove_by_regex(raw_keys, True)
+        last["raw"] = raw_put(store, objects)
+        return last["raw"].seconds
+
     try:
+        medians = alternate({"alone": alone, "raw": raw}, rounds)
         return Baselines(
-            pipeline_alone(make_graph, alone_kv, store, requests, renamed(objects, kv, alone_kv), queue_capacity),
-            raw_put(store, objects),
+            replace(last["alone"], seconds=medians["alone"]), replace(last["raw"], seconds=medians["raw"])
         )
     finally:
-        store.remove_by_regex(deployment_key_pattern(alone_kv.shards[0].namespace), True)
-        store.remove_by_regex(f"^{re.escape(RAW_PREFIX)}@", True)
+        store.remove_by_regex(alone_keys, True)
+        store.remove_by_regex(raw_keys, True)
 
 
 def raw_put(store: Store, records: Sequence[StoreObject], batch: int = BATCH) -> Measured:

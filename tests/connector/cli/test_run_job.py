@@ -1,8 +1,10 @@
 """``kvpipe run``'s job: a synthetic workload saved, read back and counted."""
 
+from collections import Counter
+
 import pytest
 
-from kvpipe.connector.cli.run.baselines import ALONE_PREFIX, RAW_PREFIX
+from kvpipe.connector.cli.run.baselines import ALONE_PREFIX, RAW_PREFIX, ROUNDS
 from kvpipe.connector.cli.run.config import RunConfig
 from kvpipe.connector.cli.run.job import run
 from kvpipe.connector.store.memory import Faults, MemoryStore
@@ -132,16 +134,35 @@ def test_the_baselines_each_store_the_runs_objects_under_keys_of_their_own_and_k
     result = run(_config(SMALL), store=store, baselines=True)
 
     run_keys = {key for key, (_, status) in result.objects.items() if status is not ObjectStatus.FAILED}
-    alone = [(keys, held) for keys, held in store.puts if keys[0].startswith(f"{ALONE_PREFIX}@")]
-    raw = [(keys, held) for keys, held in store.puts if keys[0].startswith(f"{RAW_PREFIX}@")]
-    raw_keys = [key for keys, _ in raw for key in keys]
-    assert sorted(raw_keys) == sorted(f"{RAW_PREFIX}@{key}" for key in run_keys)  # each object once
-    alone_objects = {key for keys, _ in alone for key in keys if not key.endswith(SEAL_SUFFIX)}
+    raw_keys = Counter(key for keys, _ in store.puts for key in keys if key.startswith(f"{RAW_PREFIX}@"))
+    # each object once a round: the untimed first round and the timed ones
+    assert raw_keys == {f"{RAW_PREFIX}@{key}": ROUNDS + 1 for key in run_keys}
+    alone_keys = {key for keys, _ in store.puts for key in keys if key.startswith(f"{ALONE_PREFIX}@")}
+    alone_objects = {key for key in alone_keys if not key.endswith(SEAL_SUFFIX)}
     assert alone_objects == {f"{ALONE_PREFIX}@{key}" for key in run_keys}
-    alone_seals = {key for keys, _ in alone for key in keys if key.endswith(SEAL_SUFFIX)}
-    run_left = alone[0][1]  # objects held (seals too) when the pipeline alone began
-    # when the raw puts began: the run's, and the alone's copy of them (its seals as its calls made them)
-    assert raw[0][1] == run_left + len(alone_objects) + len(alone_seals)
+
+
+def test_each_baseline_round_writes_while_the_others_copy_stays_and_its_own_is_gone():
+    store = _PutLog()
+    run(_config(SMALL), store=store, baselines=True)
+
+    def measurement(keys: list[str]) -> str:
+        return keys[0].split("@")[0]
+
+    # (measurement, objects held when its round began), one per round, in order
+    rounds = [
+        (measurement(keys), held)
+        for index, (keys, held) in enumerate(store.puts)
+        if measurement(keys) in (ALONE_PREFIX, RAW_PREFIX)
+        and (index == 0 or measurement(store.puts[index - 1][0]) != measurement(keys))
+    ]
+    assert [name for name, _ in rounds] == [ALONE_PREFIX, RAW_PREFIX] * (ROUNDS + 1)
+    run_left = rounds[0][1]  # the run's objects (and seals), before any measurement
+    alone_copy = rounds[1][1] - run_left  # its objects and seals, there when the raw puts began
+    raw_copy = rounds[2][1] - run_left  # the raw puts' objects, there when the alone's second round began
+    assert alone_copy > 0 and raw_copy > 0
+    assert all(held == run_left + alone_copy for name, held in rounds[1::2])
+    assert all(held == run_left + raw_copy for name, held in rounds[2::2])
 
 
 def test_a_second_run_on_the_kept_store_finds_every_object_and_puts_none():
