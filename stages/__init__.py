@@ -9,7 +9,7 @@ from .chunks import Chunk, chunk_hash_at, chunks_to_save, full_chunks, tail_chun
 from .errors import ConfigError
 from .filter import FilterStage
 from .flags import StrictFlag, parse_flag
-from .full_and_tail import FullChunksStage, TailStage, chunk_records
+from .full_and_tail import FullChunksStage, RecordMaker, TailStage
 from .gather import GatherParams, GatherStage
 from .group_ids import GroupIdsParams, GroupIdsStage
 from .integrity import Integrity, Seal, SealEntry, Verdict, fingerprint, is_seal_key, seal_key
@@ -92,6 +92,7 @@ __all__ = [
     "ProjectionError",
     "PutParams",
     "PutStage",
+    "RecordMaker",
     "Records",
     "Region",
     "SaveRequest",
@@ -112,7 +113,6 @@ __all__ = [
     "ThrottleParams",
     "Verdict",
     "chunk_hash_at",
-    "chunk_records",
     "chunks_to_save",
     "copy_into_slots",
     "gather_into_slots",

@@ -30,49 +30,58 @@ from .model import (
 from .storable import storable_groups
 
 
-def chunk_records(
-    chunks: Sequence[Chunk],
-    shards: Sequence[Shard],
-    request_id: str,
-    reused_chunks: Mapping[bytes, int] | None = None,
-) -> tuple[StoreObject, ...]:
-    """One record per chunk per shard, earliest prefix first, each with its chunk's ``reused_chunks`` count."""
-    # Groups interleave by prefix length. (One chunk needs no sorting: the common case.)
-    if len(chunks) > 1 and len({chunk.group.store_group for chunk in chunks}) > 1:
-        chunks = sorted(chunks, key=lambda chunk: (chunk.tokens_end, chunk.group.store_group))
-    # The key prefix and layout of a (shard, group) are the same for all its chunks:
-    # looked up once per call, not once per record (a save makes one record per
-    # chunk per rank, and most of a record's cost was finding these again).
-    per_group: dict[int, list[tuple[str, BlockLayout]]] = {}  # by store group
-    records: list[StoreObject] = []
-    append = records.append
-    for chunk in chunks:
-        group, chunk_hash, block_id, _ = chunk
-        store_group = group.store_group
-        targets = per_group.get(store_group)
-        if targets is None:
-            targets = per_group[store_group] = [
-                (object_key_prefix(shard.namespace, store_group), shard.layouts[group.engine_group])
-                for shard in shards
-            ]
-        hex_hash = chunk_hash.hex()
-        reuse = reused_chunks.get(chunk_hash, 0) if reused_chunks else 0
-        block_index = chunk.block_index
-        for prefix, layout in targets:
-            append(
-                StoreObject(
-                    prefix + hex_hash,
-                    chunk_hash,
-                    store_group,
-                    BlockBuffers(layout, block_id),
-                    None,
-                    request_id,
-                    block_index,
-                    None,
-                    reuse,
+class RecordMaker:
+    """Makes the records of one KV cache's chunks: one per chunk per shard.
+
+    What a record shares with every other of its (shard, store group), the key
+    prefix and the block layout, is found once per store group for the maker's
+    life, not once per request: a save makes records for every request at
+    every step, and finding these again was most of a record's cost.
+    """
+
+    def __init__(self, shards: Sequence[Shard]) -> None:
+        self._shards = shards
+        # per store group: (key prefix, layout) per shard. A maker serves one cache,
+        # whose projection maps each store group to one engine group for good.
+        self._targets: dict[int, list[tuple[str, BlockLayout]]] = {}
+
+    def records(
+        self, chunks: Sequence[Chunk], request_id: str, reused_chunks: Mapping[bytes, int] | None = None
+    ) -> tuple[StoreObject, ...]:
+        """One record per chunk per shard, earliest prefix first, each with its chunk's ``reused_chunks`` count."""
+        # Groups interleave by prefix length. (One chunk needs no sorting: the common case.)
+        if len(chunks) > 1 and len({chunk.group.store_group for chunk in chunks}) > 1:
+            chunks = sorted(chunks, key=lambda chunk: (chunk.tokens_end, chunk.group.store_group))
+        all_targets = self._targets
+        records: list[StoreObject] = []
+        append = records.append
+        for chunk in chunks:
+            group, chunk_hash, block_id, _ = chunk
+            store_group = group.store_group
+            targets = all_targets.get(store_group)
+            if targets is None:
+                targets = all_targets[store_group] = [
+                    (object_key_prefix(shard.namespace, store_group), shard.layouts[group.engine_group])
+                    for shard in self._shards
+                ]
+            hex_hash = chunk_hash.hex()
+            reuse = reused_chunks.get(chunk_hash, 0) if reused_chunks else 0
+            block_index = chunk.block_index
+            for prefix, layout in targets:
+                append(
+                    StoreObject(
+                        prefix + hex_hash,
+                        chunk_hash,
+                        store_group,
+                        BlockBuffers(layout, block_id),
+                        None,
+                        request_id,
+                        block_index,
+                        None,
+                        reuse,
+                    )
                 )
-            )
-    return tuple(records)
+        return tuple(records)
 
 
 class _CollectStage(Stage):
@@ -85,7 +94,7 @@ class _CollectStage(Stage):
 
     def __init__(self, kv: KVCache) -> None:
         storable_groups(kv)  # refuse at build time a cache whose shards lack a layout
-        self._shards = kv.shards
+        self._records = RecordMaker(kv.shards)
         self._hash_block_size = kv.hash_block_size
 
     async def process(self, item: ProjectedRequest, emit: Emit) -> None:
@@ -95,7 +104,7 @@ class _CollectStage(Stage):
             chunks: Sequence[Chunk] = self._chunks(request, groups[0])
         else:
             chunks = [chunk for group in groups for chunk in self._chunks(request, group)]
-        records = chunk_records(chunks, self._shards, request.request_id, request.reused_chunks)
+        records = self._records.records(chunks, request.request_id, request.reused_chunks)
         if not records:
             emit.drop("no chunk to save")
             return

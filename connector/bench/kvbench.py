@@ -27,12 +27,12 @@ from kvpipe.stages import (
     GroupSpec,
     KeyNamespace,
     KVCache,
+    RecordMaker,
     Region,
     SaveRequest,
     Shard,
     StoreGroup,
     StoreObject,
-    chunk_records,
     default_save_graph,
     full_chunks,
     storable_groups,
@@ -115,7 +115,11 @@ class BenchCache:
         chunks = [
             chunk for group in self.store_groups for chunk in full_chunks(request, group, hash_block_size)
         ]
-        return chunk_records(chunks, self.kv.shards, request.request_id)
+        return self._records.records(chunks, request.request_id)
+
+    @functools.cached_property
+    def _records(self) -> RecordMaker:
+        return RecordMaker(self.kv.shards)
 
 
 #: the save pipeline without seals (``integrity: off``), beside the default one: what seals cost

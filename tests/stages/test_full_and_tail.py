@@ -78,6 +78,31 @@ async def test_each_record_carries_its_own_key_hash_and_block_buffers():
     assert all(r.group_id is None and r.request_id == "req-7" for r in records)
 
 
+async def test_a_stage_gives_each_later_request_its_own_groups_keys_and_blocks():
+    kv = make_kv([FULL, RING, MAMBA_ALIGN], shards=2).kv
+    stage = FullChunksStage(kv)
+    groups = storable_groups(kv)
+    first = make_request(kv, tokens=40, request_id="req-1")  # group 0 only: no mamba state at 40
+    second = make_request(kv, tokens=16, request_id="req-2")  # groups 0 and 1
+
+    await stage.process(ProjectedRequest(first, groups), RecordingEmit())
+    await stage.process(ProjectedRequest(second, groups), emit := RecordingEmit())
+
+    (records,) = emit.emitted["out"]
+    chunk_hash = second.block_hashes[0]
+    assert list(records) == [
+        StoreObject(
+            key=object_key(shard.namespace, store_group, chunk_hash),
+            chunk_hash=chunk_hash,
+            store_group=store_group,
+            buffers=shard.layouts[engine_group].buffers(1),
+            request_id="req-2",
+        )
+        for store_group, engine_group in ((0, 0), (1, 2))
+        for shard in kv.shards
+    ]
+
+
 async def test_full_records_put_the_earlier_prefix_first():
     # chunks end every 32 tokens in group 0, every 16 in group 1
     kv = make_kv([BIG, FULL], hash_block_size=16).kv
