@@ -39,8 +39,10 @@ class RecordMaker:
     every step, and finding these again was most of a record's cost.
     """
 
-    def __init__(self, shards: Sequence[Shard]) -> None:
+    def __init__(self, shards: Sequence[Shard], groups: Sequence[StoreGroup]) -> None:
+        """``groups``: the cache's storable groups (with one, a request's chunks never need sorting)."""
         self._shards = shards
+        self._groups_interleave = len(groups) > 1
         # per store group: (key prefix, layout) per shard. A maker serves one cache,
         # whose projection maps each store group to one engine group for good.
         self._targets: dict[int, list[tuple[str, BlockLayout]]] = {}
@@ -50,7 +52,7 @@ class RecordMaker:
     ) -> tuple[StoreObject, ...]:
         """One record per chunk per shard, earliest prefix first, each with its chunk's ``reused_chunks`` count."""
         # Groups interleave by prefix length. (One chunk needs no sorting: the common case.)
-        if len(chunks) > 1 and len({chunk.group.store_group for chunk in chunks}) > 1:
+        if self._groups_interleave and len(chunks) > 1 and len({chunk.group.store_group for chunk in chunks}) > 1:
             chunks = sorted(chunks, key=lambda chunk: (chunk.tokens_end, chunk.group.store_group))
         all_targets = self._targets
         records: list[StoreObject] = []
@@ -93,8 +95,8 @@ class _CollectStage(Stage):
     output_types: ClassVar[dict[str, Any]] = {"out": Records}
 
     def __init__(self, kv: KVCache) -> None:
-        storable_groups(kv)  # refuse at build time a cache whose shards lack a layout
-        self._records = RecordMaker(kv.shards)
+        # storable_groups refuses at build time a cache whose shards lack a layout
+        self._records = RecordMaker(kv.shards, storable_groups(kv))
         self._hash_block_size = kv.hash_block_size
 
     async def process(self, item: ProjectedRequest, emit: Emit) -> None:

@@ -119,7 +119,7 @@ class BenchCache:
 
     @functools.cached_property
     def _records(self) -> RecordMaker:
-        return RecordMaker(self.kv.shards)
+        return RecordMaker(self.kv.shards, self.store_groups)
 
 
 #: the save pipeline without seals (``integrity: off``), beside the default one: what seals cost
