@@ -22,6 +22,22 @@ async def _collect(stage_class, kv, request):
     return emit
 
 
+def _first_block_records(kv, request):
+    """The records of ``request``'s first chunk (block 1) in the FULL (0) and MAMBA_ALIGN (engine group 2) groups."""
+    chunk_hash = request.block_hashes[0]
+    return [
+        StoreObject(
+            key=object_key(shard.namespace, store_group, chunk_hash),
+            chunk_hash=chunk_hash,
+            store_group=store_group,
+            buffers=shard.layouts[engine_group].buffers(1),
+            request_id=request.request_id,
+        )
+        for store_group, engine_group in ((0, 0), (1, 2))
+        for shard in kv.shards
+    ]
+
+
 async def test_full_makes_one_record_per_chunk_per_storable_group_per_shard():
     kv = make_kv([FULL, RING], shards=2).kv
     request = make_request(kv, tokens=40)
@@ -62,19 +78,7 @@ async def test_each_record_carries_its_own_key_hash_and_block_buffers():
 
     (records,) = (await _collect(FullChunksStage, kv, request)).emitted["out"]
 
-    chunk_hash = request.block_hashes[0]
-    expected = [
-        StoreObject(
-            key=object_key(shard.namespace, store_group, chunk_hash),
-            chunk_hash=chunk_hash,
-            store_group=store_group,
-            buffers=shard.layouts[engine_group].buffers(1),
-            request_id="req-7",
-        )
-        for store_group, engine_group in ((0, 0), (1, 2))
-        for shard in kv.shards
-    ]
-    assert list(records) == expected
+    assert list(records) == _first_block_records(kv, request)
     assert all(r.group_id is None and r.request_id == "req-7" for r in records)
 
 
@@ -89,18 +93,7 @@ async def test_a_stage_gives_each_later_request_its_own_groups_keys_and_blocks()
     await stage.process(ProjectedRequest(second, groups), emit := RecordingEmit())
 
     (records,) = emit.emitted["out"]
-    chunk_hash = second.block_hashes[0]
-    assert list(records) == [
-        StoreObject(
-            key=object_key(shard.namespace, store_group, chunk_hash),
-            chunk_hash=chunk_hash,
-            store_group=store_group,
-            buffers=shard.layouts[engine_group].buffers(1),
-            request_id="req-2",
-        )
-        for store_group, engine_group in ((0, 0), (1, 2))
-        for shard in kv.shards
-    ]
+    assert list(records) == _first_block_records(kv, second)
 
 
 async def test_full_records_put_the_earlier_prefix_first():
