@@ -1,10 +1,11 @@
 """What the store workloads share: a KV cache in real memory, requests, and the contenders.
 
 Every contender gets the same requests over the same memory. The raw loops get
-their keys and buffers precomputed (``records_of``, outside the timing), built by
-the same functions the pipeline's collect stage uses, so both send identical
-objects; the pipeline starts from the engine's :class:`SaveRequest`, as a
-connector would.
+their records (keys and buffers) from ``records_of``, built by the same
+:class:`~kvpipe.stages.RecordMaker` the pipeline's collect stage uses, so both send
+identical objects: precomputed outside the timing in ``local`` and ``tcp``, made in
+the loop in ``small-requests`` (as its per-request designs would). The pipeline
+starts from the engine's :class:`SaveRequest`, as a connector would.
 """
 
 from __future__ import annotations
