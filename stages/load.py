@@ -47,7 +47,7 @@ from .integrity import (
     seal_key,
 )
 from .keys import object_key
-from .model import KVCache, Shard, StoreGroup, StoreObject, spans
+from .model import KVCache, Shard, StoreGroup, StoreObject, hot_record, spans
 from .object_status import DEADLINE_PASSED
 from .put import MAX_BUFFERS_PER_CALL, split_into_calls
 from .retention import LoadedKeys
@@ -114,7 +114,7 @@ class LoadObserver(Protocol):
     def __call__(self, request: LoadRequest, failed_block_ids: frozenset[int]) -> None: ...
 
 
-@dataclass(frozen=True, slots=True)
+@hot_record
 class LoadTarget:
     """One object to read and the engine block it lands in."""
 

@@ -35,16 +35,15 @@ from __future__ import annotations
 import functools
 import math
 from collections.abc import Iterable, Mapping, Sequence
-from dataclasses import dataclass
 from typing import NamedTuple
 
 from .chunks import chunk_hash_at, first_read_block, is_recurrent, reads_window
 from .integrity import seal_candidates
 from .keys import key_chunk_hex, object_key_prefix
-from .model import Shard, StoreGroup
+from .model import Shard, StoreGroup, hot_record
 
 
-@dataclass(frozen=True, slots=True)
+@hot_record
 class LookupRequest:
     """How many tokens of this request can the store give back?
 
