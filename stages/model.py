@@ -15,9 +15,7 @@ from __future__ import annotations
 from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from enum import StrEnum
-from typing import NamedTuple, Protocol, TypeVar, overload
-
-from typing_extensions import dataclass_transform
+from typing import NamedTuple, Protocol, TypeVar, dataclass_transform, overload
 
 _Record = TypeVar("_Record")
 
