@@ -34,18 +34,22 @@ class RecordMaker:
     """Makes the records of one KV cache's chunks: one per chunk per shard.
 
     What a record shares with every other of its (shard, store group), the key
-    prefix and the block layout, is found once per store group for the maker's
-    life, not once per request: a save makes records for every request at
-    every step, and finding these again was most of a record's cost.
+    prefix and the block layout, is found once, when the maker is made, not once
+    per request: a save makes records for every request at every step, and
+    finding these again was most of a record's cost.
     """
 
     def __init__(self, shards: Sequence[Shard], groups: Sequence[StoreGroup]) -> None:
         """``groups``: the cache's storable groups (with one, a request's chunks never need sorting)."""
-        self._shards = shards
         self._groups_interleave = len(groups) > 1
-        # per store group: (key prefix, layout) per shard. A maker serves one cache,
-        # whose projection maps each store group to one engine group for good.
-        self._targets: dict[int, list[tuple[str, BlockLayout]]] = {}
+        #: per store group: (key prefix, layout) per shard
+        self._targets: dict[int, list[tuple[str, BlockLayout]]] = {
+            group.store_group: [
+                (object_key_prefix(shard.namespace, group.store_group), shard.layouts[group.engine_group])
+                for shard in shards
+            ]
+            for group in groups
+        }
 
     def records(
         self, chunks: Sequence[Chunk], request_id: str, reused_chunks: Mapping[bytes, int] | None = None
@@ -60,12 +64,7 @@ class RecordMaker:
         for chunk in chunks:
             group, chunk_hash, block_id, _ = chunk
             store_group = group.store_group
-            targets = all_targets.get(store_group)
-            if targets is None:
-                targets = all_targets[store_group] = [
-                    (object_key_prefix(shard.namespace, store_group), shard.layouts[group.engine_group])
-                    for shard in self._shards
-                ]
+            targets = all_targets[store_group]
             hex_hash = chunk_hash.hex()
             reuse = reused_chunks.get(chunk_hash, 0) if reused_chunks else 0
             block_index = chunk.block_index
