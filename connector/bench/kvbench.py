@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import functools
 import hashlib
-import time
 import warnings
 from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
@@ -20,7 +19,7 @@ from dataclasses import dataclass
 
 from kvpipe.connector.store.mooncake import MooncakeSettings, MooncakeStore
 from kvpipe.connector.store.protocol import Store
-from kvpipe.pipeline import SyncPipeline
+from kvpipe.pipeline import Job, SyncPipeline
 from kvpipe.stages import (
     EXISTS,
     BlockLayout,
@@ -38,6 +37,8 @@ from kvpipe.stages import (
     full_chunks,
     storable_groups,
 )
+
+from .timing import Timed, timed
 
 with warnings.catch_warnings():  # this CPU torch build warns at import that numpy is absent
     warnings.filterwarnings("ignore", message="Failed to initialize NumPy")
@@ -149,16 +150,19 @@ class PipelineContender:
     def __exit__(self, *exc: object) -> None:
         self._bridge.stop(deadline_s=60)
 
-    def round(self, requests: Sequence[SaveRequest]) -> float:
-        """Seconds from the first submit to the last job's end.
+    def round(self, requests: Sequence[SaveRequest]) -> Timed:
+        """From the first submit to the last job's end.
 
         :raises BenchError: an object failed.
         """
-        started = time.perf_counter()
-        jobs = [self._bridge.submit(request) for request in requests]
-        for job in jobs:
-            job.wait()
-        elapsed = time.perf_counter() - started
+        jobs: list[Job] = []
+
+        def work() -> None:
+            jobs.extend(self._bridge.submit(request) for request in requests)
+            for job in jobs:
+                job.wait()
+
+        elapsed = timed(work)
         failed = sum(job.counts["failed"] for job in jobs)
         if failed:
             first = next(job.first_error for job in jobs if job.counts["failed"])

@@ -15,7 +15,7 @@ from __future__ import annotations
 
 from .kvbench import UNSEALED, BenchCache, MiB, PipelineContender, clear, open_local_store, put_each
 from .result import BenchOptions, Target, WorkloadResult, contest_result
-from .timing import alternate, seconds
+from .timing import Timed, alternate, timed
 
 LAYERS = 4
 BUFFER_BYTES = 512 * 1024
@@ -35,19 +35,19 @@ def run(options: BenchOptions) -> WorkloadResult:
         requests = cache.requests([chunks] * requests_count, salt="local")
         records = [cache.records_of(request) for request in requests]
 
-        def raw() -> float:
+        def raw() -> Timed:
             clear(store)
-            return seconds(lambda: put_each(store, records))
+            return timed(lambda: put_each(store, records))
 
-        def pipeline() -> float:
+        def pipeline() -> Timed:
             clear(store)
             return ours.round(requests)
 
-        def pipeline_unsealed() -> float:
+        def pipeline_unsealed() -> Timed:
             clear(store)
             return unsealed.round(requests)
 
-        medians = alternate({"raw": raw, "pipeline": pipeline, UNSEALED: pipeline_unsealed}, repeats)
+        medians, cores = alternate({"raw": raw, "pipeline": pipeline, UNSEALED: pipeline_unsealed}, repeats)
     return contest_result(
         workload="local",
         description=(
@@ -55,6 +55,7 @@ def run(options: BenchOptions) -> WorkloadResult:
             f"{cache.object_bytes // MiB} MiB ({LAYERS} buffers); median of {repeats} alternating rounds"
         ),
         medians=medians,
+        cores=cores,
         rate=("GB/s", total / 1e9),
         baselines=["raw", UNSEALED],
         targets=[

@@ -115,6 +115,7 @@ def contest_result(
     workload: str,
     description: str,
     medians: dict[str, float],
+    cores: dict[str, float],
     rate: tuple[str, float],
     baselines: Sequence[str],
     targets: Sequence[Target],
@@ -125,7 +126,9 @@ def contest_result(
 
     ``rate`` is the column's name and the amount of work one round does (bytes in
     GB, requests, ...), divided by each contender's seconds; ``baselines`` get a
-    "vs <name>" column each: how many times faster than that contender.
+    "vs <name>" column each: how many times faster than that contender. ``cores``:
+    each contender's median cores busy (:attr:`.timing.Timed.cores`), its own
+    column (empty for a contender without one).
     """
     unit, amount = rate
     rates = {name: amount / seconds for name, seconds in medians.items()}
@@ -133,6 +136,7 @@ def contest_result(
         {
             "contender": name,
             "seconds": seconds,
+            **({"cores": cores[name]} if name in cores else {}),
             unit: rates[name],
             **{f"vs {baseline}": medians[baseline] / seconds for baseline in baselines},
         }
@@ -149,7 +153,7 @@ def contest_result(
     return WorkloadResult(
         workload=workload,
         description=description,
-        columns=["contender", "seconds", unit, *(f"vs {baseline}" for baseline in baselines)],
+        columns=["contender", "seconds", "cores", unit, *(f"vs {baseline}" for baseline in baselines)],
         rows=rows,
         targets=list(targets),
         plots=[str(plot)],

@@ -18,7 +18,7 @@ from __future__ import annotations
 
 from .kvbench import UNSEALED, BenchCache, MiB, PipelineContender, clear, open_local_store, put_records
 from .result import BenchOptions, Target, WorkloadResult, contest_result
-from .timing import alternate, seconds
+from .timing import Timed, alternate, timed
 
 LAYERS = 4
 BUFFER_BYTES = 4096
@@ -45,16 +45,16 @@ def run(options: BenchOptions) -> WorkloadResult:
             for start in range(0, len(stored_half), 1024):
                 put_records(store, stored_half[start : start + 1024])
 
-        def sequential() -> float:
+        def sequential() -> Timed:
             prepare()
 
             def work() -> None:
                 for request in requests:
                     put_records(store, cache.records_of(request))
 
-            return seconds(work)
+            return timed(work)
 
-        def raw_batched() -> float:
+        def raw_batched() -> Timed:
             prepare()
 
             def work() -> None:
@@ -62,17 +62,17 @@ def run(options: BenchOptions) -> WorkloadResult:
                     batch = requests[start : start + BATCH_REQUESTS]
                     put_records(store, [record for request in batch for record in cache.records_of(request)])
 
-            return seconds(work)
+            return timed(work)
 
-        def pipeline() -> float:
+        def pipeline() -> Timed:
             prepare()
             return ours.round(requests)
 
-        def pipeline_unsealed() -> float:
+        def pipeline_unsealed() -> Timed:
             prepare()
             return unsealed.round(requests)
 
-        medians = alternate(
+        medians, cores = alternate(
             {
                 "sequential": sequential,
                 "raw batched": raw_batched,
@@ -89,6 +89,7 @@ def run(options: BenchOptions) -> WorkloadResult:
             f"half stored already; median of {repeats} alternating rounds"
         ),
         medians=medians,
+        cores=cores,
         rate=("requests/s", count),
         baselines=["sequential", "raw batched", UNSEALED],
         targets=[

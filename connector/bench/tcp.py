@@ -25,7 +25,7 @@ from kvpipe.connector.store.mooncake.master import LocalMaster
 from .kvbench import UNSEALED, BenchCache, MiB, PipelineContender, clear, put_contiguous, put_each
 from .peer import remote_segment
 from .result import BenchOptions, Target, WorkloadResult, contest_result
-from .timing import alternate, seconds
+from .timing import Timed, alternate, timed
 
 with warnings.catch_warnings():
     warnings.filterwarnings("ignore", message="Failed to initialize NumPy")
@@ -64,28 +64,28 @@ def run(options: BenchOptions) -> WorkloadResult:
                 for i, batch in enumerate(records)
             ]
 
-            def raw_multi() -> float:
+            def raw_multi() -> Timed:
                 clear(store)
-                return seconds(lambda: put_each(store, records))
+                return timed(lambda: put_each(store, records))
 
-            def raw_single() -> float:
+            def raw_single() -> Timed:
                 clear(store)
 
                 def work() -> None:
                     for keys, addresses in flat:
                         put_contiguous(store, keys, addresses, cache.object_bytes)
 
-                return seconds(work)
+                return timed(work)
 
-            def pipeline() -> float:
+            def pipeline() -> Timed:
                 clear(store)
                 return ours.round(requests)
 
-            def pipeline_unsealed() -> float:
+            def pipeline_unsealed() -> Timed:
                 clear(store)
                 return unsealed.round(requests)
 
-            medians = alternate(
+            medians, cores = alternate(
                 {
                     "raw multi-buffer": raw_multi,
                     "raw single-buffer": raw_single,
@@ -104,6 +104,7 @@ def run(options: BenchOptions) -> WorkloadResult:
             f"median of {repeats} alternating rounds"
         ),
         medians=medians,
+        cores=cores,
         rate=("GB/s", total / 1e9),
         baselines=["raw multi-buffer", "raw single-buffer", UNSEALED],
         targets=[

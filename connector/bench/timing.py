@@ -1,4 +1,12 @@
-"""Side-by-side timing: contenders run alternately, each figure is a median."""
+"""Side-by-side timing: contenders run alternately, each figure is a median.
+
+Beside each contender's seconds, how many cores' worth of CPU its process kept busy
+meanwhile (:attr:`Timed.cores`): a contender whose rounds read ~1.0 is bound by one
+thread's worth of work (Python under one interpreter lock, or a store call that
+holds it); one well below 1.0 waits for something (a transfer, a reply). That is
+what says whether overlapping work can still pay, and which contender's limit is
+the machine's rather than its own.
+"""
 
 from __future__ import annotations
 
@@ -7,28 +15,63 @@ import statistics
 import time
 from collections.abc import Callable, Iterator, Mapping
 from contextlib import contextmanager
+from typing import NamedTuple
 
 
-def alternate(contenders: Mapping[str, Callable[[], float | None]], repeats: int) -> dict[str, float]:
-    """Median seconds per contender over ``repeats`` rounds, the contenders taking turns.
+class Timed(NamedTuple):
+    """A span of work: its wall seconds, and the CPU seconds of the whole process (every thread) over it."""
+
+    seconds: float
+    cpu_seconds: float
+
+    @property
+    def cores(self) -> float:
+        """CPU over wall: how many cores' worth the process kept busy (0.0 for an empty span)."""
+        return self.cpu_seconds / self.seconds if self.seconds > 0 else 0.0
+
+
+class Medians(NamedTuple):
+    """Per contender: the median round's seconds, and the median of its rounds' :attr:`Timed.cores`.
+
+    ``cores`` names only the contenders that reported a :class:`Timed` (one that
+    times itself and reports bare seconds has no CPU figure).
+    """
+
+    seconds: dict[str, float]
+    cores: dict[str, float]
+
+
+def alternate(contenders: Mapping[str, Callable[[], Timed | float | None]], repeats: int) -> Medians:
+    """Medians per contender over ``repeats`` rounds, the contenders taking turns.
 
     Taking turns spreads the machine's slow and fast moments over all of them, which
     is what makes their ratios hold when absolute times do not. One untimed round
     of each comes first, so first-use costs (page faults, registrations, a pool's
     allocation) are paid by no timed round; the timed rounds run on a frozen heap
-    (:func:`frozen_heap`). A contender may return its own
-    measured seconds (to leave its set-up out); ``None`` means "time the whole call".
+    (:func:`frozen_heap`). A contender may return its own measurement, to leave its
+    set-up out: a :class:`Timed` (from :func:`timed`), or bare seconds; ``None``
+    means "time the whole call".
     """
     for contender in contenders.values():
         contender()
     samples: dict[str, list[float]] = {name: [] for name in contenders}
+    cores: dict[str, list[float]] = {}
     with frozen_heap():
         for _ in range(repeats):
             for name, contender in contenders.items():
-                started = time.perf_counter()
+                started = time.perf_counter(), time.process_time()
                 own = contender()
-                samples[name].append(own if own is not None else time.perf_counter() - started)
-    return {name: statistics.median(values) for name, values in samples.items()}
+                if own is None:
+                    own = Timed(time.perf_counter() - started[0], time.process_time() - started[1])
+                if isinstance(own, Timed):
+                    samples[name].append(own.seconds)
+                    cores.setdefault(name, []).append(own.cores)
+                else:
+                    samples[name].append(own)
+    return Medians(
+        {name: statistics.median(values) for name, values in samples.items()},
+        {name: statistics.median(values) for name, values in cores.items()},
+    )
 
 
 @contextmanager
@@ -48,8 +91,8 @@ def frozen_heap() -> Iterator[None]:
         gc.unfreeze()
 
 
-def seconds(work: Callable[[], object]) -> float:
-    """How long ``work()`` took."""
-    started = time.perf_counter()
+def timed(work: Callable[[], object]) -> Timed:
+    """How long ``work()`` took, and the CPU its process spent meanwhile."""
+    wall, cpu = time.perf_counter(), time.process_time()
     work()
-    return time.perf_counter() - started
+    return Timed(time.perf_counter() - wall, time.process_time() - cpu)

@@ -106,7 +106,7 @@ def measure(
         return last["raw"].seconds
 
     try:
-        medians = alternate({"alone": alone, "raw": raw}, rounds)
+        medians, _ = alternate({"alone": alone, "raw": raw}, rounds)
         return Baselines(
             replace(last["alone"], seconds=medians["alone"]), replace(last["raw"], seconds=medians["raw"])
         )

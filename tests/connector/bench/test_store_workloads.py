@@ -34,7 +34,7 @@ def options(tmp_path):
 def test_a_store_workload_times_every_contender_and_states_its_targets(workload, contenders, options):
     result = workload_runner(workload)(options)
     assert {row["contender"] for row in result.rows} == contenders
-    assert all(row["seconds"] > 0 for row in result.rows)
+    assert all(row["seconds"] > 0 and row["cores"] > 0 for row in result.rows)
     assert result.targets and all(target.measured > 0 for target in result.targets)
     assert [Path(plot).name for plot in result.plots] == [f"{workload}.png"]
     assert all(Path(plot).stat().st_size > 0 for plot in result.plots)
