@@ -9,6 +9,8 @@
 - :mod:`.reachability`: whether a master serves, checked before ``setup()``.
 - :mod:`.segment_liveness`: which store nodes are alive between the master's heartbeats,
   and so which objects are readable (replica checks).
+- :mod:`.replica_places`: where each object's replicas lie, remembered between lookups so
+  that a check asks the master only about keys it has not placed lately.
 - :mod:`.registry`: the process-wide state (shared clients, the etcd joined, the
   environment the user set), in one object.
 - :mod:`.environment`: the settings the native client reads from the environment only.

@@ -61,6 +61,7 @@ from .master_address import MasterAddress
 from .master_resolution import ResolvedMaster, resolve_master
 from .reachability import check_reachable
 from .registry import REGISTRY
+from .replica_places import ReplicaPlaces
 from .segment_liveness import SegmentLiveness
 from .settings import DiskTier, MooncakeSettings, mib_text
 
@@ -156,6 +157,7 @@ class MooncakeStore:
         self._address = MasterAddress.parse(master.master_address)
         self.rpc_timeout_s = rpc_timeout_ms(settings) / 1000  # the deadline the client really has
         self._liveness = SegmentLiveness(probe_timeout_s=min(0.2, self.rpc_timeout_s))
+        self._places = ReplicaPlaces()  # where present objects lie, for the liveness checks
         # the client in a list the finalizer empties: ending the native object is part of a release
         self._release = weakref.finalize(self, _release, [client], master)
 
@@ -271,14 +273,18 @@ class MooncakeStore:
 
         The master counts a dead node's objects for its client TTL (10 s) after the
         node died, and every read of them fails: :mod:`.segment_liveness` tells
-        them apart (``verify_replicas``), at the cost of one more RPC when any key exists.
+        them apart (``verify_replicas``), at the cost of one more RPC when a key exists
+        whose replicas' places it does not remember (:mod:`.replica_places`).
         A read may go to any of an object's replicas, and one that goes to a node cut
         off by the network (packets dropped, not refused) waits for the kernel to give
         up its connection, tens of seconds (measured: ~33 s): so an object is present
         only when every replica it may be read from is on a node that answers.
         """
         answers = self._master_call(len(keys), lambda c: c.batch_is_exist(list(keys)))
-        if not self.settings.verify_replicas or 1 not in answers:
+        if not self.settings.verify_replicas:
+            return answers
+        self._places.forget([key for key, answer in zip(keys, answers, strict=True) if answer == 0])
+        if EXISTS not in answers:
             return answers
         present = [key for key, answer in zip(keys, answers, strict=True) if answer == EXISTS]
         lost = self._on_lost_nodes(present)
@@ -288,19 +294,30 @@ class MooncakeStore:
         ]
 
     def _on_lost_nodes(self, keys: list[str]) -> set[str]:
-        """Those of ``keys`` with a replica on a node that does not accept connections (none if unknown)."""
+        """Those of ``keys`` with a replica on a node that does not accept connections.
+
+        The master is asked where only the keys whose places are not remembered
+        lie (:mod:`.replica_places`); a key it cannot say counts as readable.
+        """
+        if unknown := self._places.unknown(keys):
+            replicas = self._replicas(unknown)
+            if replicas is not None:
+                from mooncake.store import ReplicaStatus
+
+                self._places.learn(unknown, replicas, ReplicaStatus.COMPLETE)
+        return self._liveness.lost_keys(keys, self._places.endpoints)
+
+    def _replicas(self, keys: list[str]) -> dict[str, Any] | None:
+        """The client's replica descriptors of ``keys``; None if it cannot give them (closed, or this wheel)."""
         if not self._enter():
-            return set()
+            return None
         try:
-            replicas = self._client.batch_get_replica_desc(keys)
+            return self._client.batch_get_replica_desc(keys)  # type: ignore[no-any-return]
         except Exception:  # a descriptor this wheel cannot give: keep the master's word
             log.debug("mooncake: batch_get_replica_desc failed; replicas not verified", exc_info=True)
-            return set()
+            return None
         finally:
             self._leave()
-        from mooncake.store import ReplicaStatus
-
-        return self._liveness.lost_keys(keys, replicas, ReplicaStatus.COMPLETE)
 
     def batch_put_from_multi_buffers(
         self,

@@ -8,9 +8,10 @@ no longer load as hits.
 
 :class:`SegmentLiveness` closes that window from the client's side. An object's
 replicas name the transfer endpoint (``host:port``) of the segment that holds
-them; a node that is gone refuses a connection there (or, a machine that is gone,
-lets it time out). Each endpoint is probed at most once per ``ttl_s`` and the answer
-cached, so a lookup costs one more master RPC (the replica descriptors). Only an
+them (remembered per key: :mod:`.replica_places`); a node that is gone refuses a
+connection there (or, a machine that is gone, lets it time out). Each endpoint is
+probed at most once per ``ttl_s`` and the answer cached, so a lookup costs one
+more master RPC, and only for keys whose places it does not know. Only an
 endpoint never seen is probed on the caller's thread; an answer past its ``ttl_s``
 is given as it stands while a probe in a thread of its own renews it. A lookup runs
 on the engine's thread at every step: renewing in place would hold it for a connect
@@ -32,8 +33,7 @@ import math
 import queue
 import threading
 import time
-from collections.abc import Callable, Iterable, Mapping, Sequence
-from typing import Any
+from collections.abc import Callable, Iterable, Sequence
 
 from .master import is_listening
 from .master_address import split_host_port
@@ -111,25 +111,17 @@ class SegmentLiveness:
             self._known[endpoint] = (alive, now)
         return alive
 
-    def lost_keys(
-        self, keys: Iterable[str], replicas: Mapping[str, Sequence[Any]], complete: object
-    ) -> set[str]:
-        """Those of ``keys`` with a replica in state ``complete`` on a node that does not answer.
+    def lost_keys(self, keys: Iterable[str], endpoints_of: Callable[[str], Sequence[str]]) -> set[str]:
+        """Those of ``keys`` with a replica on a node that does not answer.
 
-        ``replicas`` are the client's descriptors by key (``batch_get_replica_desc``); a key
-        without any counts as readable. Each endpoint is asked once per call: most keys
-        share their nodes.
+        ``endpoints_of(key)``: where the key's replicas that a read may go to lie
+        (:class:`~.replica_places.ReplicaPlaces`); a key with none counts as readable.
+        Each endpoint is asked once per call: most keys share their nodes.
         """
         alive: dict[str, bool] = {}
         lost: set[str] = set()
         for key in keys:
-            for replica in replicas.get(key, ()):
-                # the state compared as the enum it is: its ``str`` costs ~3.6 us, most of a
-                # lookup's verification once (800 stored keys: its Python 5.0 -> ~2 ms); and
-                # no generator per key: this runs on the engine's thread at every lookup
-                if replica.status != complete or not replica.is_memory_replica():
-                    continue  # a disk replica is not probed: it counts as alive
-                endpoint = replica.get_memory_descriptor().buffer_descriptor.transport_endpoint
+            for endpoint in endpoints_of(key):
                 answer = alive.get(endpoint)
                 if answer is None:
                     answer = alive[endpoint] = self.alive(endpoint)

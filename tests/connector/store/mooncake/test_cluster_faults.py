@@ -239,6 +239,23 @@ def test_a_lost_store_node_costs_its_objects_and_no_lookup_counts_them(cluster: 
     )
 
 
+def test_a_node_lost_after_lookups_learned_where_its_objects_lie_stops_counting_them_in_seconds(
+    cluster: LocalCluster,
+) -> None:
+    """Lookups remember where objects lie; the node's liveness, probed again each second, still
+    decides: within a few seconds, not the master's client TTL (10 s), its objects are misses."""
+    keys = [f"placed-then-lost-{i}" for i in range(48)]
+    with store_nodes(cluster, 3) as nodes, engine_client(cluster) as (store, values):
+        assert values.put(keys) == [0] * len(keys)
+        assert store.batch_is_exist(keys) == [1] * len(keys)  # every place learned, every node alive
+        nodes[0].kill()
+        assert wait_until(lambda: store.batch_is_exist(keys).count(1) < len(keys), timeout_s=5)
+        hits = [key for key, answer in zip(keys, store.batch_is_exist(keys), strict=True) if answer == 1]
+        good, wrong = values.read(keys)
+    assert wrong == [] and sorted(hits) == sorted(good)  # every hit loads, and every object that loads is a hit
+    print(f"\nlooked up, then one of 3 store nodes killed: {len(keys) - len(hits)} of {len(keys)} objects misses")
+
+
 def test_with_two_replicas_a_lost_store_node_loses_no_object(cluster: LocalCluster) -> None:
     keys = [f"two-replicas-{i}" for i in range(48)]
     with store_nodes(cluster, 3) as nodes, engine_client(cluster, replicas=2) as (store, values):

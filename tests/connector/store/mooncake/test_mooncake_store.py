@@ -530,6 +530,37 @@ def test_torch_tensor_memory_registers_and_round_trips(spawned: MooncakeStore) -
             assert spawned.unregister_buffer(t.data_ptr()) == 0
 
 
+class _CountingClient:
+    """The native client, noting each call that asks where objects lie."""
+
+    def __init__(self, client: Any) -> None:
+        self._client = client
+        self.replica_asks: list[list[str]] = []
+
+    def batch_get_replica_desc(self, keys: list[str]) -> Any:
+        self.replica_asks.append(list(keys))
+        return self._client.batch_get_replica_desc(keys)
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._client, name)
+
+
+def test_lookups_ask_where_a_stored_object_lies_once_until_it_is_found_absent(
+    spawned: MooncakeStore, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    round_trip(spawned, "placed-once", b"kv")
+    counting = _CountingClient(spawned._client)
+    monkeypatch.setattr(spawned, "_client", counting)
+
+    assert [spawned.batch_is_exist(["placed-once", "never-put"]) for _ in range(3)] == [[1, 0]] * 3
+    assert counting.replica_asks == [["placed-once"]]
+    assert spawned.remove_by_regex("^placed-once$", True) == 1
+    assert spawned.batch_is_exist(["placed-once"]) == [0]  # absent: its place is forgotten
+    round_trip(spawned, "placed-once", b"kv")  # put again: it may lie elsewhere now
+    assert spawned.batch_is_exist(["placed-once"]) == [1]
+    assert counting.replica_asks == [["placed-once"]] * 2
+
+
 def test_after_close_every_call_returns_900_and_the_spawned_master_is_stopped() -> None:
     store = MooncakeStore.open(MooncakeSettings(global_segment_size="16MB", local_buffer_size=0))
     assert store.endpoints is not None

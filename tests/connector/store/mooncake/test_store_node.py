@@ -9,9 +9,7 @@ import subprocess
 import sys
 import threading
 import time
-from dataclasses import dataclass
 from pathlib import Path
-from types import SimpleNamespace
 
 import psutil
 import pytest
@@ -140,30 +138,11 @@ def test_an_endpoint_that_cannot_be_probed_counts_as_alive() -> None:
     assert liveness.alive("") and liveness.alive("rdma-device-0") and probes.calls == []
 
 
-@dataclass
-class _Replica:
-    """A stand-in replica descriptor: its state, and its endpoint where it is in memory."""
-
-    endpoint: str
-    status: str = "complete"
-
-    def is_memory_replica(self) -> bool:
-        return bool(self.endpoint)
-
-    def get_memory_descriptor(self) -> SimpleNamespace:
-        return SimpleNamespace(buffer_descriptor=SimpleNamespace(transport_endpoint=self.endpoint))
-
-
-def test_an_object_is_lost_when_any_complete_replica_is_on_a_node_that_does_not_answer() -> None:
-    """A read may go to any complete replica: one on a lost node makes the object unreadable."""
+def test_an_object_is_lost_when_any_of_its_places_is_a_node_that_does_not_answer() -> None:
+    """A read may go to any of its replicas: one on a lost node makes the object unreadable."""
     liveness = SegmentLiveness(probe=lambda host, port, timeout: port == 2)
-    replicas = {
-        "live": [_Replica("h:2"), _Replica("h:2")],
-        "one-lost": [_Replica("h:2"), _Replica("h:1")],
-        "lost-one-incomplete": [_Replica("h:2"), _Replica("h:1", status="processing")],
-        "on-disk": [_Replica("")],
-    }
-    assert liveness.lost_keys([*replicas, "no-descriptor"], replicas, "complete") == {"one-lost"}
+    places = {"live": ("h:2", "h:2"), "one-lost": ("h:2", "h:1"), "nowhere": ()}
+    assert liveness.lost_keys(places, places.__getitem__) == {"one-lost"}
 
 
 # -- the command on a real master -------------------------------------------------------------
