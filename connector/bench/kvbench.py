@@ -150,8 +150,8 @@ class PipelineContender:
     def __exit__(self, *exc: object) -> None:
         self._bridge.stop(deadline_s=60)
 
-    def round(self, requests: Sequence[SaveRequest]) -> Timed:
-        """From the first submit to the last job's end.
+    def round(self, requests: Sequence[SaveRequest], helpers: Sequence[int] = ()) -> Timed:
+        """From the first submit to the last job's end (``helpers``: as :func:`.timing.timed`'s).
 
         :raises BenchError: an object failed.
         """
@@ -162,7 +162,7 @@ class PipelineContender:
             for job in jobs:
                 job.wait()
 
-        elapsed = timed(work)
+        elapsed = timed(work, helpers)
         failed = sum(job.counts["failed"] for job in jobs)
         if failed:
             first = next(job.first_error for job in jobs if job.counts["failed"])
