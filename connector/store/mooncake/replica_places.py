@@ -10,14 +10,16 @@ step, the same keys again and again (remembered: 0.63 ms, 0.26 ms of CPU).
 
 An object stays where it was put until it is removed, so the endpoints are
 remembered per key and only keys not seen lately are asked about. Two things move
-an object, and both are bounded:
+an object:
 
 - removed (evicted) and put again, perhaps on another node: a lookup that finds
-  the key absent in between forgets it (:meth:`ReplicaPlaces.forget`); one that
-  does not is bounded by ``max_age_s``;
-- moved between tiers (offloaded to disk): a disk replica is never probed, so a
-  remembered memory endpoint can only make a lookup miss an object it could have
-  read, never count one it cannot.
+  the key absent in between forgets it (:meth:`ReplicaPlaces.forget`);
+- moved between tiers (offloaded to disk, promoted back to memory elsewhere).
+
+A place learned before such a move is trusted for ``max_age_s`` at most: until
+then a lookup may count an object whose new replica lies on a node lost since (its
+load fails, and the engine computes the chunk instead, as for any stale hit), or
+miss one whose old place was lost.
 
 ``max_age_s`` (10 s) is the master's default client TTL: the time for which a
 dead node's objects are still listed, i.e. the window the verification exists for.
