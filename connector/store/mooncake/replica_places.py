@@ -30,6 +30,7 @@ from __future__ import annotations
 
 import threading
 import time
+from collections import OrderedDict
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from typing import Any
 
@@ -58,7 +59,8 @@ class ReplicaPlaces:
         self._max_keys = max_keys
         self._clock = clock
         self._lock = threading.Lock()
-        self._places: dict[str, tuple[tuple[str, ...], float]] = {}  # key -> (endpoints, when learned)
+        # key -> (endpoints, when learned), the longest known first (dropped in O(1), unlike a dict's first key)
+        self._places: OrderedDict[str, tuple[tuple[str, ...], float]] = OrderedDict()
 
     def __len__(self) -> int:
         return len(self._places)
@@ -93,10 +95,10 @@ class ReplicaPlaces:
         with self._lock:
             places = self._places
             for key, place in learned:
-                places.pop(key, None)  # to the end of the order: the newest are dropped last
                 places[key] = place
+                places.move_to_end(key)  # learned again: the newest, dropped last
             while len(places) > self._max_keys:
-                del places[next(iter(places))]
+                places.popitem(last=False)
 
     def forget(self, keys: Iterable[str]) -> None:
         """Forget ``keys`` (the master says they are absent: put again, they may lie elsewhere)."""
