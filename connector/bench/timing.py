@@ -1,11 +1,11 @@
 """Side-by-side timing: contenders run alternately, each figure is a median.
 
-Beside each contender's seconds, how many cores' worth of CPU its process kept busy
-meanwhile (:attr:`Timed.cores`): a contender whose rounds read ~1.0 is bound by one
-thread's worth of work (Python under one interpreter lock, or a store call that
-holds it); one well below 1.0 waits for something (a transfer, a reply). That is
-what says whether overlapping work can still pay, and which contender's limit is
-the machine's rather than its own.
+Beside each contender's seconds, how many cores' worth of CPU its process (and the
+processes that work for it) kept busy meanwhile (:attr:`Timed.cores`): a contender
+whose rounds read ~1.0 is bound by one thread's worth of work (its Python runs
+under one interpreter lock); one well below 1.0 waits for something (a transfer, a
+reply). That is what says whether overlapping work can still pay, and which
+contender's limit is the machine's rather than its own.
 """
 
 from __future__ import annotations
