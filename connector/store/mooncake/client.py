@@ -281,10 +281,7 @@ class MooncakeStore:
         only when every replica it may be read from is on a node that answers.
         """
         answers = self._master_call(len(keys), lambda c: c.batch_is_exist(list(keys)))
-        if not self.settings.verify_replicas:
-            return answers
-        self._places.forget([key for key, answer in zip(keys, answers, strict=True) if answer == 0])
-        if EXISTS not in answers:
+        if not self.settings.verify_replicas or EXISTS not in answers:
             return answers
         present = [key for key, answer in zip(keys, answers, strict=True) if answer == EXISTS]
         lost = self._on_lost_nodes(present)

@@ -50,14 +50,6 @@ def test_places_are_asked_for_again_once_older_than_their_max_age() -> None:
     assert places.unknown(["k"]) == ["k"]
 
 
-def test_a_key_found_absent_is_forgotten() -> None:
-    places = ReplicaPlaces()
-    places.learn(["gone", "kept"], {"gone": [_Replica("h:1")], "kept": [_Replica("h:1")]}, "complete")
-    places.forget(["gone", "never-learned"])
-    assert places.unknown(["gone", "kept"]) == ["gone"]
-    assert places.endpoints("gone") == ()
-
-
 def test_only_the_most_recently_learned_keys_are_kept() -> None:
     places = ReplicaPlaces(max_keys=2)
     for key in ("a", "b"):
