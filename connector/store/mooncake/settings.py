@@ -235,8 +235,8 @@ class MooncakeSettings(BaseModel):
     with 2 or more, each object lives in that many segments (of different store
     nodes where there are enough), so losing one node loses no object. The
     master places what it can: fewer segments than ``replicas`` store fewer
-    copies, not an error. ``verify_replicas`` makes lookups count no object whose
-    every replica is on a store node that is gone (:mod:`.segment_liveness`).
+    copies, not an error. ``verify_replicas`` makes lookups count no object with a
+    replica a read may go to on a store node that is gone (:mod:`.segment_liveness`).
 
     ``disk`` mounts a local-disk segment behind this client's memory one
     (:class:`DiskTier`): what the master evicts from memory goes there instead of
