@@ -41,16 +41,15 @@ class Medians(NamedTuple):
     cores: dict[str, float]
 
 
-def alternate(contenders: Mapping[str, Callable[[], Timed | float | None]], repeats: int) -> Medians:
+def alternate(contenders: Mapping[str, Callable[[], Timed | float]], repeats: int) -> Medians:
     """Medians per contender over ``repeats`` rounds, the contenders taking turns.
 
     Taking turns spreads the machine's slow and fast moments over all of them, which
     is what makes their ratios hold when absolute times do not. One untimed round
     of each comes first, so first-use costs (page faults, registrations, a pool's
     allocation) are paid by no timed round; the timed rounds run on a frozen heap
-    (:func:`frozen_heap`). A contender may return its own measurement, to leave its
-    set-up out: a :class:`Timed` (from :func:`timed`), or bare seconds; ``None``
-    means "time the whole call".
+    (:func:`frozen_heap`). A contender returns its own measurement, which leaves its
+    set-up out: a :class:`Timed` (from :func:`timed`), or bare seconds.
     """
     for contender in contenders.values():
         contender()
@@ -59,10 +58,7 @@ def alternate(contenders: Mapping[str, Callable[[], Timed | float | None]], repe
     with frozen_heap():
         for _ in range(repeats):
             for name, contender in contenders.items():
-                started = time.perf_counter(), time.process_time()
                 own = contender()
-                if own is None:
-                    own = Timed(time.perf_counter() - started[0], time.process_time() - started[1])
                 if isinstance(own, Timed):
                     samples[name].append(own.seconds)
                     cores.setdefault(name, []).append(own.cores)
