@@ -65,7 +65,7 @@ class ReplicaPlaces:
         return len(self._places)
 
     def unknown(self, keys: Iterable[str]) -> list[str]:
-        """Those of ``keys`` whose places were never learned, forgotten, or learned ``max_age_s`` ago."""
+        """Those of ``keys`` whose places were never learned, dropped for room, or learned ``max_age_s`` ago."""
         oldest = self._clock() - self._max_age_s
         places = self._places
         return [key for key in keys if (known := places.get(key)) is None or known[1] <= oldest]
