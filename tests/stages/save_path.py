@@ -29,6 +29,17 @@ from kvpipe.stages import (
 )
 
 
+def put_params(**params: Any) -> PutParams:
+    """The put stage's params with its slow-store throttle off unless ``params`` name one.
+
+    The throttle reads how long each store call took on the wall clock: a test on a
+    busy machine (a garbage collection in the calling thread, a descheduled worker)
+    can see a scripted store "slow" and have later calls shed, which no test but the
+    throttle's own (with its clock and CPU wait injected) should depend on.
+    """
+    return PutParams(**{"throttle": None, **params})
+
+
 @dataclass
 class SaveRun:
     records: list[StoreObject]  # every record the collect stages made, with its group id
@@ -53,6 +64,7 @@ async def run_save_path(
     put: PutParams | None = None,
     sealed: bool = True,
 ) -> SaveRun:
+    """Save ``requests`` into ``store``; ``put``: the put stage's params (default :func:`put_params`)."""
     project = ProjectStage(kv)
     collectors = {"full": FullChunksStage(kv), "tail": TailStage(kv)}
     group_ids = GroupIdsStage(GroupIdsParams(enable_group_semantics=group_semantics), kv, store)
@@ -72,7 +84,7 @@ async def run_save_path(
     filter_batch = batch_of(named_records)
     await FilterStage(store).process_batch(filter_batch)
     put_batch = batch_of(out for entry in filter_batch for out in entry.emit.emitted["out"])
-    put_stage = PutStage(put or PutParams(), store, fingerprint=fingerprint(kv) if sealed else None)
+    put_stage = PutStage(put or put_params(), store, fingerprint=fingerprint(kv) if sealed else None)
     try:
         await put_stage.process_batch(put_batch)
     finally:  # its seal memory is unregistered: the store outlives this helper

@@ -13,12 +13,12 @@ import anyio
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from kvpipe.stages import GroupKind, GroupSpec, PutParams, StoreObject, is_seal_key
+from kvpipe.stages import GroupKind, GroupSpec, StoreObject, is_seal_key
 from kvpipe.stages.integrity import SEAL_SIZE
 from kvpipe.stages.keys import sealed_key
 
 from .kv_fixtures import make_kv, make_request
-from .save_path import run_save_path
+from .save_path import put_params, run_save_path
 from .stores import RecordingStore, ScriptedStore, by_first_sight
 
 HASH_BLOCK = 4
@@ -102,7 +102,7 @@ def test_put_calls_stay_aligned_and_every_record_ends_once(
     fixture, requests = scenario
     exist, put = by_first_sight(exist_script), by_first_sight(put_script)
     store = RecordingStore(ScriptedStore(exist, put, supports_group_ids=store_has_group_ids))
-    params = PutParams(max_buffers_per_call=budget, backoff_initial_s=0, backoff_max_s=0)
+    params = put_params(max_buffers_per_call=budget, backoff_initial_s=0, backoff_max_s=0)
 
     async def save():
         return await run_save_path(

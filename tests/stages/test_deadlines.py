@@ -2,10 +2,10 @@
 
 from kvpipe.connector.store.memory import MemoryStore
 from kvpipe.pipeline.testing import batch_of
-from kvpipe.stages import FilterStage, LoadParams, LoadRequest, LoadStage, PutParams, PutStage
+from kvpipe.stages import FilterStage, LoadParams, LoadRequest, LoadStage, PutStage
 
 from .kv_fixtures import FULL, make_kv, make_request
-from .save_path import run_save_path
+from .save_path import put_params, run_save_path
 from .stores import RecordingStore, ScriptedStore, fake_record
 
 
@@ -31,7 +31,7 @@ async def test_put_sends_only_records_of_jobs_within_their_deadline():
     store = RecordingStore(ScriptedStore())
     batch = _expire(batch_of([(fake_record("late"),), (fake_record("on-time"),)]), 0)
 
-    await PutStage(PutParams(), store).process_batch(batch)
+    await PutStage(put_params(), store).process_batch(batch)
 
     assert store.put_keys == ["on-time"]
     assert (batch[0].emit.counts["failed"], batch[1].emit.counts["put"]) == (1, 1)
@@ -61,7 +61,7 @@ async def test_a_job_whose_deadline_passes_during_an_earlier_call_of_the_batch_i
         return 0
 
     store = RecordingStore(ScriptedStore(put=put))
-    await PutStage(PutParams(max_buffers_per_call=1), store).process_batch(batch)
+    await PutStage(put_params(max_buffers_per_call=1), store).process_batch(batch)
 
     assert store.put_keys == ["first"]
     assert batch[1].emit.failures == ["put second: the job's deadline passed; not sent"]
@@ -75,7 +75,7 @@ async def test_a_put_refused_for_space_is_not_tried_again_once_its_job_is_past_i
         return -200
 
     store = RecordingStore(ScriptedStore(put=full))
-    await PutStage(PutParams(backoff_initial_s=0), store).process_batch(batch)
+    await PutStage(put_params(backoff_initial_s=0), store).process_batch(batch)
 
     assert store.put_keys == ["a"]
     assert batch[0].emit.failures == ["put a: -200 (NO_SPACE)"]

@@ -19,11 +19,12 @@ from kvpipe.stages import (
 )
 
 from .kv_fixtures import make_kv, make_request
+from .save_path import put_params
 from .stores import RecordingStore, ScriptedStore, by_first_sight, fake_record
 
 
 def _stage(store, **params):
-    return PutStage(PutParams(**params), store)
+    return PutStage(put_params(**params), store)
 
 
 def _scripted(codes, **kwargs):

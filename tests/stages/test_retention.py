@@ -7,10 +7,11 @@ import torch
 
 from kvpipe.connector.store.memory import MemoryStore
 from kvpipe.pipeline.testing import batch_of
-from kvpipe.stages import Buffer, Code, PutParams, PutStage, StoreObject
+from kvpipe.stages import Buffer, Code, PutStage, StoreObject
 from kvpipe.stages.retention import LoadedKeys, PinBudget, ReuseCounter
 
 from .clock import Clock
+from .save_path import put_params
 from .stores import RecordingStore, ScriptedStore, fake_record
 
 HOT = b"\x01" * 16
@@ -211,7 +212,7 @@ def _record(key: str, reuse: int = 0) -> StoreObject:
 
 
 def _put_stage(store, **params) -> PutStage:
-    return PutStage(PutParams(**params), store)
+    return PutStage(put_params(**params), store)
 
 
 def _pin_ttl_of(store: RecordingStore) -> dict[str, int | None]:
@@ -237,7 +238,7 @@ async def test_marked_records_are_put_soft_pinned_with_the_ttl_and_the_rest_unpi
 
 async def test_a_seal_is_pinned_with_its_object():
     store = RecordingStore(ScriptedStore())
-    stage = PutStage(PutParams(max_pinned_bytes=1 << 20), store, fingerprint=b"f" * 16)
+    stage = PutStage(put_params(max_pinned_bytes=1 << 20), store, fingerprint=b"f" * 16)
 
     await stage.process_batch(batch_of([(_record("hot", reuse=2),)]))
 
