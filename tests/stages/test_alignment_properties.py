@@ -102,7 +102,8 @@ def test_put_calls_stay_aligned_and_every_record_ends_once(
     fixture, requests = scenario
     exist, put = by_first_sight(exist_script), by_first_sight(put_script)
     store = RecordingStore(ScriptedStore(exist, put, supports_group_ids=store_has_group_ids))
-    params = put_params(max_buffers_per_call=budget, backoff_initial_s=0, backoff_max_s=0)
+    # no space wait: a refusal for space is scripted to last, and waiting it out adds nothing but time
+    params = put_params(max_buffers_per_call=budget, backoff_initial_s=0, backoff_max_s=0, space_wait_s=0)
 
     async def save():
         return await run_save_path(
