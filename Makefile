@@ -107,7 +107,8 @@ COMPAT_TESTS := tests/connector/vllm/test_kv_layout.py tests/connector/vllm/test
 	tests/connector/vllm/test_settings.py tests/connector/vllm/test_connector_lifecycle.py \
 	tests/connector/vllm/test_staging.py tests/connector/vllm/test_worker_side.py \
 	tests/connector/vllm/test_prom.py tests/connector/vllm/test_kv_events.py tests/connector/vllm/test_store_format.py \
-	tests/connector/vllm/test_context_parallel.py
+	tests/connector/vllm/test_context_parallel.py tests/connector/vllm/test_hit_rule.py \
+	tests/connector/vllm/test_speculative.py
 compat: $(COMPAT_STAMP)
 	PYTHONPATH=$(abspath $(COMPAT_DIR)) VLLM_TARGET_DEVICE=cpu \
 		$(PY) -m pytest -p tests.compat.engine_free --engine-free --expect-vllm $(COMPAT_VLLM) \

@@ -75,6 +75,16 @@ def reads_window(spec: GroupSpec) -> bool:
     return read_reach(spec) is not None
 
 
+def whole_prefix(group: StoreGroup) -> bool:
+    """Whether ``group``'s attention reads every token before a position: neither a window nor a state.
+
+    Such a group's tail (its tokens up to a hash block inside a block) holds every
+    shorter prefix of its block too, so any tail of a block can serve a hit that
+    ends before it in that block.
+    """
+    return not (is_recurrent(group) or reads_window(group.spec))
+
+
 def first_read_block(group: StoreGroup, tokens: int) -> int:
     """The first of ``group``'s blocks that a prefix of ``tokens`` tokens needs (0 unless it reads a window)."""
     return unread_tokens(group.spec, tokens) // group.spec.block_size

@@ -34,7 +34,7 @@ from pydantic import BaseModel, ConfigDict, Field
 from kvpipe.pipeline.stage import BatchEntry, BatchStage, Emit
 
 from .batch_calls import StoreCallError, call_per_key, remove_each, sizes_of
-from .chunks import chunk_hash_at, first_read_block, is_recurrent, read_reach
+from .chunks import chunk_hash_at, first_read_block, is_recurrent, read_reach, whole_prefix
 from .integrity import (
     REFUSED,
     SEAL_SIZE,
@@ -79,6 +79,13 @@ class LoadRequest:
     0 (as the engine lists them), so chunk ``i`` of a group lands in its
     ``block_ids[g][i]``. Both bounds must fall on a chunk boundary of every
     storable group: the engine's local hit and the lookup's hit always do.
+
+    ``tail_ends``: (store group, end) where the object the lookup found for the
+    block ``end_tokens`` cuts ends, if not at ``end_tokens``: a tail further into
+    that block, or the whole block, holds its first tokens too
+    (:meth:`.lookup.LookupPlan.cut_block_sources`). Only an end inside that
+    block, of a group that reads the whole prefix, is used; the rest load the
+    tail at ``end_tokens``.
     """
 
     request_id: str
@@ -86,6 +93,7 @@ class LoadRequest:
     block_ids: tuple[tuple[int, ...], ...]
     start_tokens: int
     end_tokens: int
+    tail_ends: tuple[tuple[int, int], ...] = ()
 
     def __post_init__(self) -> None:
         if not 0 <= self.start_tokens <= self.end_tokens:
@@ -137,8 +145,9 @@ def load_chunks(
     """The chunks of ``[start_tokens, end_tokens)``, every storable group, earliest prefix first.
 
     ``end_tokens`` may end inside a block (a partial hit): that block is loaded
-    from the tail stored at ``end_tokens``, whole, and the engine recomputes the
-    tokens past it. A recurrent group (mamba) has one chunk: its state at
+    from the tail stored at ``end_tokens`` (or the object ``tail_ends`` names in
+    that block, for a group that reads the whole prefix), whole, and the engine
+    recomputes the tokens past it. A recurrent group (mamba) has one chunk: its state at
     ``end_tokens``, into the block the engine lists for the range's last chunk.
     A group that reads a window (sliding window) has the blocks attention past
     ``end_tokens`` reads (:func:`~.chunks.first_read_block`): the engine lists
@@ -163,6 +172,13 @@ def load_chunks(
         raise ValueError(
             f"load {request.request_id!r}: end_tokens {end} is not a multiple of hash_block_size {hash_block_size}"
         )
+    tail_ends = dict(request.tail_ends)
+    for store_group, tail in tail_ends.items():
+        if tail % hash_block_size or tail > len(request.block_hashes) * hash_block_size:
+            raise ValueError(
+                f"load {request.request_id!r}: tail_ends[{store_group}] {tail} is not a multiple of "
+                f"hash_block_size {hash_block_size} within the {len(request.block_hashes)} hash blocks given"
+            )
     chunks: list[tuple[int, int, LoadChunk]] = []
     for group in groups:
         block_size = group.spec.block_size
@@ -182,7 +198,10 @@ def load_chunks(
         first = _first_loaded(group, start, end)
         ends = [(index, (index + 1) * block_size) for index in range(first, end // block_size)]
         if end % block_size:
-            ends.append((end // block_size, end))
+            source = tail_ends.get(group.store_group, end)
+            if not (end < source <= (end // block_size + 1) * block_size and whole_prefix(group)):
+                source = end  # the tail at the end itself
+            ends.append((end // block_size, source))
         if is_recurrent(group):
             ends = ends[-1:]  # one state: the one at the end of the range
         for index, tokens_end in ends:

@@ -82,6 +82,22 @@ def partial_hit_alignment(groups: tuple[GroupSpec, ...], alignment: int | None) 
     return tokens if 0 < tokens < unit else None
 
 
+def recomputes_last_block(vllm_config: VllmConfig) -> bool:
+    """Whether the engine recomputes the last block of every prefix hit (vLLM's EAGLE block drop).
+
+    A drafter that reads the target model's hidden states (EAGLE, EAGLE-3, MTP)
+    needs those of the tokens before the first it computes, so the engine drops
+    the last block of its own prefix-cache hits, unless told not to
+    (``disable_eagle_block_drop``); a store hit must stop short the same way.
+    vLLM versions without the switch drop it whenever the drafter is such a one.
+    """
+    speculative = getattr(vllm_config, "speculative_config", None)
+    if speculative is None:
+        return False
+    block_drop = getattr(speculative, "use_eagle_block_drop", None) or speculative.use_eagle
+    return bool(block_drop())
+
+
 def groups_of(
     kv_cache_config: KVCacheConfig, mamba_mode: str | None, dcp_size: int = 1
 ) -> tuple[GroupSpec, ...]:
@@ -114,6 +130,8 @@ class EngineCache:
     #: where a hit may end (vLLM's ``cache_hit_alignment_tokens``: below a prefix unit
     #: when the engine allows partial hits); None: whole prefix units
     hit_alignment: int | None = None
+    #: the engine recomputes the last block of a hit (:func:`recomputes_last_block`)
+    recomputes_last_block: bool = False
     #: TP ranks that hold byte-identical objects (MLA: every rank; GQA with more ranks
     #: than KV heads: tp_size // heads); they share one key, every one of them loads it
     tp_replicas: int = 1
@@ -173,6 +191,7 @@ class EngineCache:
             num_blocks=int(kv_cache_config.num_blocks),
             layout_name=layout_name,
             hit_alignment=partial_hit_alignment(groups, alignment),
+            recomputes_last_block=recomputes_last_block(vllm_config),
             tp_replicas=tp_replicas(
                 kv_cache_config,
                 tp_size,

@@ -133,6 +133,7 @@ class _Request:
     finished: bool = False  # vLLM has finished it
     # what its lookups found, for its allocation
     local_hit: int = 0  # vLLM's own prefix-cache hit: vLLM does not pass it to update_state_after_alloc
+    tail_ends: tuple[tuple[int, int], ...] = ()  # where the objects holding the hit's cut blocks end
     load_async: bool = False  # whether the last lookup's hit loads async
     deferred: bool = False  # told to wait for another request's load of its prefix
     miss_once: bool = False  # its load failed: its next lookup misses
@@ -270,6 +271,8 @@ class SchedulerSide:
             return None, False
         self.stats[LOOKUP_HIT_TOKENS] += new
         state.load_async = bool(new) and self._loads_async()
+        # a hit inside a block loads that block from the object the lookup found in it
+        state.tail_ends = plan.cut_block_sources(exists, hit) if new and self.cache.hit_alignment else ()
         return new, state.load_async
 
     def _landing_extends(self, plan: LookupPlan, exists: dict[str, bool], hit: int) -> bool:
@@ -336,6 +339,7 @@ class SchedulerSide:
                 lookup,
                 cache.hit_alignment,
                 self._sealed,
+                cache.recomputes_last_block,
             )
         return plan
 
@@ -404,14 +408,14 @@ class SchedulerSide:
         state.waiting = False
         state.plans.clear()  # allocated: it is not looked up again until it waits again
         state.progress = state.progress or _SaveProgress()
-        local, load_async, deferred = state.local_hit, state.load_async, state.deferred
-        state.local_hit, state.load_async, state.deferred = 0, False, False  # taken
+        local, load_async, deferred, tail_ends = state.local_hit, state.load_async, state.deferred, state.tail_ends
+        state.local_hit, state.load_async, state.deferred, state.tail_ends = 0, False, False, ()  # taken
         if deferred and num_external_tokens == 0 and local > 0:
             self.stats[LOADS_SPARED] += 1  # another request's load put its prefix in the local cache
         if num_external_tokens > 0:
             block_ids = tuple(tuple(ids) for ids in blocks.get_block_ids())
             load = LoadRequest(
-                rid, tuple(request.block_hashes), block_ids, local, local + num_external_tokens
+                rid, tuple(request.block_hashes), block_ids, local, local + num_external_tokens, tail_ends
             )
             if state.planned is None:  # last: loads go out in the order they were planned
                 self._requests[rid] = self._requests.pop(rid)

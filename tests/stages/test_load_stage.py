@@ -477,3 +477,22 @@ async def test_a_partial_hit_loads_its_last_block_whole_from_the_tail_stored_whe
 
     assert (emit.counts["loaded"], failed) == (3, {"req-1": frozenset()})
     assert all(_moved(source, target, groups=(0,), shards=1).values())  # blocks 1, 2 and the tail's block 3
+
+
+async def test_a_block_a_hit_cuts_loads_whole_from_the_object_the_lookup_named_in_that_block():
+    """An object of a block holds the block's shorter prefixes too: a hit of 24 tokens whose cut block
+    (tokens 16-32, saved from block 2) the lookup found whole loads that object, not a tail at 24."""
+    source = make_kv([FULL], shards=1, seed=0, hash_block_size=8)
+    store = GetRecorder(MemoryStore(lease_ttl_s=0))
+    saved = make_request(source.kv, 40, finished=True)  # chunks 0-1 and the tail 32-40 of block 3
+    await run_save_path(source.kv, store, [saved])
+    target = make_kv([FULL], shards=1, seed=1, hash_block_size=8)
+    request = _load_request(saved, end=24)
+    request = LoadRequest(request.request_id, request.block_hashes, request.block_ids, 0, 24, ((0, 32),))
+
+    (emit,), failed = await _load(target.kv, store, request)
+
+    assert (emit.counts["loaded"], failed) == (2, {"req-1": frozenset()})
+    namespace = source.kv.shards[0].namespace
+    assert store.object_keys == [[object_key(namespace, 0, saved.block_hashes[i]) for i in (1, 3)]]
+    assert all(_moved(source, target, groups=(0,), shards=1, chunks=range(2)).values())

@@ -294,3 +294,66 @@ async def test_a_partial_hit_of_a_hybrid_needs_the_mamba_state_where_it_ends():
     assert store.remove(object_key(kv.shards[0].namespace, 1, saved.block_hashes[4])) == 0  # the state at 40
     exists = _answers(store, plan.keys)
     assert plan.hit(exists) == 32  # the state at 32
+
+
+async def test_a_partial_hit_may_end_inside_a_stored_block_and_loads_that_block_whole():
+    """A block's object holds every shorter prefix of its block: with the mamba state at 40 and block 2
+    (tokens 32-48) stored whole, a hit ends at 40 with no tail there, its block 2 loaded from the block's."""
+    kv = _partial_kv((FULL, RING, MAMBA_ALIGN))
+    store = MemoryStore(lease_ttl_s=0)
+    await run_save_path(kv, store, [make_request(kv, 40, finished=True)])  # chunks 0-1, tail and state at 40
+    saved = make_request(kv, 48, saved=40)  # a later request to 48: block 2, the state at 48
+    await run_save_path(kv, store, [saved])
+    namespace = kv.shards[0].namespace
+    assert store.remove(object_key(namespace, 0, saved.block_hashes[4])) == 0  # the tail at 40
+    assert store.remove(object_key(namespace, 1, saved.block_hashes[5])) == 0  # the state at 48
+    groups, request = storable_groups(kv), _asking(saved, num_tokens=100)
+    plan = LookupPlan(groups, kv.shards, 8, request, alignment=8)
+    exists = _answers(store, plan.keys)
+
+    hit = plan.hit(exists)
+
+    assert hit == 40
+    assert plan.cut_block_sources(exists, hit) == ((0, 48),)
+
+
+# -- an engine that recomputes the last block of a hit (EAGLE, MTP) -------------------------------
+
+
+def _recomputing(kv, request, alignment=None):
+    return LookupPlan(storable_groups(kv), kv.shards, kv.hash_block_size, request, alignment, recomputes_last_block=True)
+
+
+async def test_an_engine_that_recomputes_a_hits_last_block_hits_one_block_short_of_what_is_stored():
+    kv = make_kv([FULL]).kv
+    store, saved = await _saved(kv, 64)
+    plan = _recomputing(kv, _asking(saved, num_tokens=100))
+
+    assert plan.hit(_answers(store, plan.keys)) == 48
+
+
+async def test_groups_of_several_kinds_look_for_the_recomputed_block_past_the_longest_hit_allowed():
+    """vLLM's rule for hybrids: the block to recompute may lie past ``num_tokens - 1``; a single kind's may not."""
+    hybrid = make_kv([FULL, WINDOW]).kv
+    store, saved = await _saved(hybrid, 64)
+    plan = _recomputing(hybrid, _asking(saved, num_tokens=64))
+
+    assert plan.hit(_answers(store, plan.keys)) == 48  # 48 + 16 is stored, though past the 63 allowed
+    single = make_kv([FULL]).kv
+    store, saved = await _saved(single, 64)
+    plan = _recomputing(single, _asking(saved, num_tokens=64))
+    assert plan.hit(_answers(store, plan.keys)) == 32
+
+
+async def test_with_partial_hits_the_recomputed_part_is_one_hash_block_and_the_cut_block_loads_from_past_it():
+    kv = _partial_kv()
+    store = MemoryStore(lease_ttl_s=0)
+    await run_save_path(kv, store, [make_request(kv, 40, finished=True)])  # chunks 0-1, the tail at 40
+    plan = _recomputing(kv, _asking(make_request(kv, 64), num_tokens=100), alignment=8)
+    exists = _answers(store, plan.keys)
+
+    assert plan.hit(exists) == 32
+    await run_save_path(kv, store, [make_request(kv, 48)])  # block 2 whole: a hit of 40 loads it
+    exists = _answers(store, plan.keys)
+    assert plan.hit(exists) == 40
+    assert plan.cut_block_sources(exists, 40) == ((0, 48),)

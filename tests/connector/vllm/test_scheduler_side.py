@@ -7,6 +7,7 @@ the scheduler side reads.
 from __future__ import annotations
 
 import ctypes
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from types import SimpleNamespace
 from typing import Any
@@ -53,14 +54,18 @@ class Harness:
 
     def store_chunks(self, count: int, group: int = 0) -> list[str]:
         """Store the first ``count`` chunks of the shared prefix (one byte each: a lookup asks only existence)."""
-        keys = [object_key(self.side.cache.namespace(0), group, h) for h in self.hashes[:count]]
+        return self.store_objects(self.hashes[:count], group)
+
+    def store_objects(self, chunk_hashes: Sequence[bytes], group: int = 0) -> list[str]:
+        """Store ``group``'s objects of these chunks, one byte each."""
+        keys = [object_key(self.side.cache.namespace(0), group, h) for h in chunk_hashes]
         value = bytearray(1)
         address = ctypes.addressof((ctypes.c_char * 1).from_buffer(value))
         assert self.store.register_buffer(address, 1) == 0
         codes = self.store.batch_put_from(
-            keys, [address] * count, [1] * count, self.store.new_replicate_config()
+            keys, [address] * len(keys), [1] * len(keys), self.store.new_replicate_config()
         )
-        assert codes == [0] * count
+        assert codes == [0] * len(keys)
         self.store.unregister_buffer(address)
         return keys
 
@@ -411,6 +416,28 @@ def test_with_partial_hits_the_prompts_tail_is_offered_once_on_the_step_that_rea
         request.num_computed_tokens += scheduled
 
     assert planned == [(32, False, 32), (40, True, 40)]
+
+
+def test_a_partial_hit_loads_the_block_it_cuts_from_the_object_the_lookup_found_in_that_block() -> None:
+    """Hash blocks of 8 in blocks of 16: the mamba state at 40 and block 2 (tokens 32-48) stored whole
+    make a hit of 40 with no tail stored at 40; the load reads block 2 from the block's own object."""
+    groups = (
+        GroupSpec(GroupKind.FULL_ATTENTION, BLOCK),
+        GroupSpec(GroupKind.MAMBA, BLOCK, mamba_mode="align"),
+    )
+    harness = make_harness(cache=engine_cache(groups=groups, hash_block_size=8, hit_alignment=8))
+    hashes = chain_hashes(12, salt="cut")
+    harness.store_objects([hashes[1], hashes[3], hashes[5]], group=0)  # blocks 0-2
+    harness.store_objects([hashes[4]], group=1)  # the state at 40
+    request = Request("a", hashes, num_tokens=100, num_prompt_tokens=100)
+    harness.side.on_new_request(request)
+
+    new, _ = harness.side.get_num_new_matched_tokens(request, 0)
+    blocks = SimpleNamespace(get_block_ids=lambda: ([10, 11, 12, 13], [20, 21, 22, 23]))
+    harness.side.update_state_after_alloc(request, blocks, new)
+
+    assert new == 40
+    assert [(load.end_tokens, load.tail_ends) for load in harness.step().loads] == [(40, ((0, 48),))]
 
 
 def test_only_an_alignment_below_the_prefix_unit_lets_a_hit_end_inside_a_block() -> None:

@@ -1,0 +1,61 @@
+"""Speculative decoding that drafts from the target's hidden states (EAGLE) in the real engine.
+
+Such a drafter needs the hidden states of the tokens before the first the engine
+computes, so the engine recomputes the last block of every prefix hit, its own
+prefix cache's included. A store hit must stop there too: the tiny Llama with a
+one-layer EAGLE head (dummy weights), on the session's master.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from types import SimpleNamespace
+from typing import Any
+
+import pytest
+
+from kvpipe.connector.bench import launch
+from kvpipe.connector.vllm.engine_cache import recomputes_last_block
+
+from . import engine
+
+EAGLE_HEAD = launch.model_dir("tiny-eagle", {**launch.TINY_LLAMA, "num_hidden_layers": 1})
+
+
+@pytest.fixture(scope="module")
+def llm(store_section: dict[str, Any]) -> Iterator[Any]:
+    transfer = {**launch.kvpipe_transfer({"store": store_section}), "kv_load_failure_policy": "recompute"}
+    speculative = {"method": "eagle", "model": str(EAGLE_HEAD), "num_speculative_tokens": 2}
+    instance = launch.make_llm(engine.MODEL_DIR, transfer, speculative_config=speculative)
+    yield instance
+    launch.close_llm(instance)
+
+
+def test_an_eagle_engine_gets_from_the_store_the_hit_its_own_prefix_cache_gives(llm: Any) -> None:
+    """Every whole block of the prompts is stored; both hits leave the last one to recompute."""
+    batch = engine.prompts(906)
+    first = engine.generate(llm, batch)
+    assert engine.worker(llm).drain(10.0)
+    own = engine.generate(llm, batch)  # the engine's own prefix cache holds the prompts
+    assert llm.reset_prefix_cache()
+    from_store = engine.generate(llm, batch)
+
+    assert own["local_hits"] == from_store["connector_hits"] == 2 * (engine.FULL_HIT - engine.BLOCK)
+    assert own["connector_hits"] == from_store["local_hits"] == 0
+    assert from_store["tokens"] == first["tokens"]
+
+
+@pytest.mark.parametrize(
+    ("speculative", "recomputes"),
+    [
+        (None, False),
+        (SimpleNamespace(use_eagle_block_drop=lambda: True, use_eagle=lambda: True), True),
+        (SimpleNamespace(use_eagle_block_drop=lambda: False, use_eagle=lambda: True), False),  # switched off
+        (SimpleNamespace(use_eagle=lambda: True), True),  # a vLLM without the switch
+        (SimpleNamespace(use_eagle=lambda: False), False),  # e.g. n-gram drafts
+    ],
+)
+def test_the_last_block_is_recomputed_where_the_engine_drops_it_from_its_own_hits(
+    speculative: Any, recomputes: bool
+) -> None:
+    assert recomputes_last_block(SimpleNamespace(speculative_config=speculative)) is recomputes
