@@ -9,24 +9,28 @@ one-layer EAGLE head (dummy weights), on the session's master.
 from __future__ import annotations
 
 from collections.abc import Iterator
+from pathlib import Path
 from types import SimpleNamespace
 from typing import Any
 
 import pytest
 
 from kvpipe.connector.bench import launch
+from kvpipe.connector.bench.vllm_engine import EngineProcess
 from kvpipe.connector.vllm.engine_cache import recomputes_last_block
 
 from . import engine
 
 EAGLE_HEAD = launch.model_dir("tiny-eagle", {**launch.TINY_LLAMA, "num_hidden_layers": 1})
+SPECULATIVE = {"method": "eagle", "model": str(EAGLE_HEAD), "num_speculative_tokens": 2}
+#: a prompt's hit when all its whole blocks are stored: the last one is recomputed
+SHORT_HIT = engine.FULL_HIT - engine.BLOCK
 
 
 @pytest.fixture(scope="module")
 def llm(store_section: dict[str, Any]) -> Iterator[Any]:
     transfer = {**launch.kvpipe_transfer({"store": store_section}), "kv_load_failure_policy": "recompute"}
-    speculative = {"method": "eagle", "model": str(EAGLE_HEAD), "num_speculative_tokens": 2}
-    instance = launch.make_llm(engine.MODEL_DIR, transfer, speculative_config=speculative)
+    instance = launch.make_llm(engine.MODEL_DIR, transfer, speculative_config=SPECULATIVE)
     yield instance
     launch.close_llm(instance)
 
@@ -40,9 +44,35 @@ def test_an_eagle_engine_gets_from_the_store_the_hit_its_own_prefix_cache_gives(
     assert llm.reset_prefix_cache()
     from_store = engine.generate(llm, batch)
 
-    assert own["local_hits"] == from_store["connector_hits"] == 2 * (engine.FULL_HIT - engine.BLOCK)
+    assert own["local_hits"] == from_store["connector_hits"] == 2 * SHORT_HIT
     assert own["connector_hits"] == from_store["local_hits"] == 0
     assert from_store["tokens"] == first["tokens"]
+
+
+def test_vllms_connector_and_kvpipe_load_what_the_other_stored_and_both_leave_the_last_block(
+    llm: Any, mooncake_json: Path
+) -> None:
+    """vLLM's ``MooncakeStoreConnector`` under the same EAGLE head, in a process of its own."""
+    ours, theirs = engine.prompts(907), engine.prompts(908)
+    stored, _ = engine.stored_by(llm, ours)
+    spec = {
+        "model": str(engine.MODEL_DIR),
+        "transfer": launch.mooncake_transfer(),
+        "engine_args": {"speculative_config": SPECULATIVE},
+    }
+    with EngineProcess(spec, launch.vllm_mooncake_env(mooncake_json)) as process:
+        hit, own, _ = (
+            process.call(command)
+            for command in (
+                {"generate": ours, "max_tokens": engine.MAX_TOKENS},
+                {"generate": theirs, "max_tokens": engine.MAX_TOKENS},
+                {"sleep": 1},  # its saves land
+            )
+        )
+    back = engine.generate(llm, theirs)
+
+    assert hit["cached"] == back["cached"] == [SHORT_HIT, SHORT_HIT]
+    assert (hit["tokens"], back["tokens"]) == (stored["tokens"], own["tokens"])
 
 
 @pytest.mark.parametrize(
