@@ -552,9 +552,11 @@ def test_a_killed_master_replaced_on_the_same_ports_is_picked_up(master: LocalMa
         run.mark("back")
         recovery(run, run.marks["back"])
         time.sleep(0.5)
-    # While the master is gone calls answer -900 and the breaker fails them fast; a call
-    # made as the new master comes up can wait for it (~1.1 s).
-    assert run.store.breaker.opened >= 1 and run.store.breaker.refused > 0
+    # While the master is gone calls fail and the breaker opens. Whether it then refuses a
+    # call is timing, not the code's: its half-open probe may be the one call in flight until
+    # the new master answers (a call to a killed master can take ~2 s), and jobs past their
+    # deadline make no call to refuse. Failing calls fast is the stopped-master test's check.
+    assert run.store.breaker.opened >= 1
     check_jobs(run, longest_call_s=1.5)
 
 
