@@ -17,6 +17,7 @@ offending stage's path too.
 
 from __future__ import annotations
 
+import re
 from collections.abc import Callable, Hashable, Mapping, Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -186,11 +187,24 @@ def _build_stage(
     )
 
 
-class _UniqueKeyLoader(yaml.SafeLoader):
-    """``yaml.safe_load``'s loader, but a key given twice in one mapping is an error.
+_BOOL = "tag:yaml.org,2002:bool"
 
-    (PyYAML keeps the last silently, so a second ``model:`` section would drop the first.)
+
+class ConfigLoader(yaml.SafeLoader):
+    """``yaml.safe_load``'s loader, but a key given twice in one mapping is an error,
+    and only ``true``/``false`` are booleans (YAML 1.2's rule).
+
+    PyYAML keeps the last of two equal keys silently, so a second ``model:`` section
+    would drop the first. And it reads YAML 1.1, where ``off``, ``on``, ``yes`` and
+    ``no`` are booleans: ``integrity: off`` would reach the settings as ``False``, not
+    the word they accept. Plain boolean settings still take those words (pydantic
+    reads ``"off"`` as false); strict flags refuse them, as they do from JSON.
     """
+
+    yaml_implicit_resolvers = {
+        first: [(tag, pattern) for tag, pattern in resolvers if tag != _BOOL]
+        for first, resolvers in yaml.SafeLoader.yaml_implicit_resolvers.items()
+    }
 
     def construct_mapping(self, node: yaml.MappingNode, deep: bool = False) -> dict[Any, Any]:
         seen: set[Any] = set()
@@ -207,6 +221,9 @@ class _UniqueKeyLoader(yaml.SafeLoader):
         return super().construct_mapping(node, deep)
 
 
+ConfigLoader.add_implicit_resolver(_BOOL, re.compile(r"^(?:true|True|TRUE|false|False|FALSE)$"), list("tTfF"))
+
+
 def load_yaml(source: str | Path) -> Any:
     """Parse a YAML file (a Path) or YAML text (a str); a one-line error if unreadable or malformed.
 
@@ -218,8 +235,8 @@ def load_yaml(source: str | Path) -> Any:
     try:
         if isinstance(source, Path):
             with source.open(encoding="utf-8") as handle:
-                return yaml.load(handle, _UniqueKeyLoader)
-        return yaml.load(source, _UniqueKeyLoader)
+                return yaml.load(handle, ConfigLoader)
+        return yaml.load(source, ConfigLoader)
     except FileNotFoundError:
         raise BuildError(f"{source}: no such file") from None
     except IsADirectoryError:

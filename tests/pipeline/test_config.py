@@ -133,6 +133,18 @@ def test_a_value_yaml_cannot_construct_is_a_build_error(value):
         load_yaml(f"a: {value}")
 
 
+def test_only_true_and_false_are_booleans():
+    # YAML 1.1 would read ``off``/``on``/``yes``/``no`` as booleans: ``integrity: off`` is a word
+    assert load_yaml("a: off\nb: on\nc: yes\nd: no\ne: true\nf: False\n") == {
+        "a": "off",
+        "b": "on",
+        "c": "yes",
+        "d": "no",
+        "e": True,
+        "f": False,
+    }
+
+
 def test_a_missing_file_is_a_build_error(tmp_path: Path):
     with pytest.raises(BuildError, match="no such file"):
         graph_from_yaml(tmp_path / "absent.yaml", registry)

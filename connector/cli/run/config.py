@@ -15,6 +15,7 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationInfo, field_validat
 
 from kvpipe.connector.store.configs import MemoryStoreConfig, StoreConfig
 from kvpipe.pipeline import WhenFull
+from kvpipe.pipeline.config import ConfigLoader
 from kvpipe.stages import MAX_BUFFERS_PER_CALL, GroupKind, GroupSpec, Integrity, StrictFlag, project_groups
 from kvpipe.stages.storable import MAMBA_ALIGN_MODE, savable_mode
 
@@ -154,7 +155,7 @@ def apply_override(document: dict[str, Any], assignment: str) -> None:
             raise ValueError(f"--set {assignment!r}: {'.'.join(keys[: depth + 1])} is not a section")
         target = child
     try:
-        target[keys[-1]] = yaml.safe_load(raw)
+        target[keys[-1]] = yaml.load(raw, ConfigLoader)
     except yaml.YAMLError as exc:
         # only marked errors (scanner, parser) carry .problem; a ReaderError (a control character) does not
         problem = exc.problem if isinstance(exc, yaml.MarkedYAMLError) else exc

@@ -56,6 +56,11 @@ def test_set_overrides_a_yaml_value(small_config, capsys):
     assert json.loads(capsys.readouterr().out)["requests"] == 7
 
 
+def test_a_setting_whose_value_is_the_word_off_is_that_word(small_config, capsys):
+    assert main(["run", str(small_config), "--json", "--set", "save.integrity=off"]) == 0
+    assert json.loads(capsys.readouterr().out)["objects"]["failed"] == 0
+
+
 def test_dump_objects_writes_one_json_line_per_object(small_config, tmp_path, capsys):
     dump = tmp_path / "objects.jsonl"
     assert main(["run", str(small_config), "--json", "--dump-objects", str(dump)]) == 0

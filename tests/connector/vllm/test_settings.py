@@ -7,7 +7,7 @@ from pathlib import Path
 import pytest
 
 from kvpipe.connector.vllm import KVPipeStats, settings_from
-from kvpipe.stages import ConfigError
+from kvpipe.stages import ConfigError, Integrity
 
 
 def test_defaults_and_inline_values() -> None:
@@ -67,6 +67,12 @@ def test_a_kvpipe_yaml_gives_defaults_and_inline_keys_win(tmp_path: Path) -> Non
     assert settings.cache_prefix == "team-b"
     with pytest.raises(ConfigError, match="config"):
         settings_from({"config": str(tmp_path / "missing.yaml")})
+
+
+def test_a_kvpipe_yaml_takes_the_word_off(tmp_path: Path) -> None:
+    path = tmp_path / "kvpipe.yaml"
+    path.write_text("save:\n  integrity: off\n")
+    assert settings_from({"config": str(path)}).integrity is Integrity.OFF
 
 
 def test_stats_aggregate_and_reduce() -> None:
