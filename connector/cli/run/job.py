@@ -14,7 +14,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
-from kvpipe.connector.store.configs import open_store
+from kvpipe.connector.store.configs import MemoryStoreConfig, open_store
 from kvpipe.connector.store.protocol import Store
 from kvpipe.pipeline import Graph, SyncPipeline, build_graph
 from kvpipe.stages import (
@@ -26,6 +26,7 @@ from kvpipe.stages import (
     default_save_graph,
     storable_groups,
 )
+from kvpipe.stages.gather import largest_object
 
 from . import baselines as baseline_runs
 from . import workload
@@ -77,13 +78,24 @@ def run(
     the run stored). Without it their report fields are None.
 
     :raises ValueError: the model cannot hold the workload (``model.num_blocks`` too
-        small for the longest request), or the store groups cannot be projected.
+        small for the longest request), the memory store cannot hold one object, or
+        the store groups cannot be projected.
     Raises what :func:`~kvpipe.connector.store.configs.connect` raises when it opens the store.
     """
     if store is not None:
         return _run_on(config, store, on_progress, baselines)
     with open_store(config.store) as opened:
         return _run_on(config, opened, on_progress, baselines)
+
+
+def _check_an_object_fits(config: RunConfig, cache: SyntheticCache) -> None:
+    """Refuse a memory store smaller than one object: every put would be refused, after waiting for room."""
+    largest = largest_object(cache.kv)
+    if isinstance(config.store, MemoryStoreConfig) and config.store.capacity < largest:
+        raise ValueError(
+            f"store.capacity: {config.store.capacity:,} bytes cannot hold one object of this model "
+            f"(its largest is {largest:,} bytes); raise it"
+        )
 
 
 def _run_on(
@@ -94,6 +106,7 @@ def _run_on(
 ) -> RunResult:
     cache = build_cache(config)
     groups = storable_groups(cache.kv)  # refuses an unsupported cache before any work
+    _check_an_object_fits(config, cache)
     w = config.workload
     requests = workload.generate(
         seed=w.seed,

@@ -199,6 +199,11 @@ COMMAND_LINES = [
         "got 5",
     ),
     case("too-few-blocks", run_set("model.num_blocks=4"), "model.num_blocks: 4 blocks cannot hold"),
+    case(
+        "store-smaller-than-an-object",
+        run_set("store.capacity=1KB"),
+        "store.capacity: 1,024 bytes cannot hold one object",
+    ),
     # the store's whereabouts
     case(
         "existing-master-without-metadata",
