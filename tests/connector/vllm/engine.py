@@ -8,7 +8,9 @@ in another process is the bench's :class:`~kvpipe.connector.bench.vllm_engine.En
 from __future__ import annotations
 
 import random
-from collections.abc import Mapping, Sequence
+from collections import Counter
+from collections.abc import Iterator, Mapping, Sequence
+from contextlib import contextmanager
 from typing import Any
 
 from kvpipe.connector.bench import launch
@@ -42,6 +44,16 @@ def make_llm(transfer: Mapping[str, Any] | None) -> Any:
     return launch.make_llm(MODEL_DIR, transfer)
 
 
+@contextmanager
+def running(transfer: Mapping[str, Any], **engine_args: Any) -> Iterator[Any]:
+    """An engine on the tiny model with ``transfer`` and ``engine_args``, closed on the way out."""
+    instance = launch.make_llm(MODEL_DIR, transfer, **engine_args)
+    try:
+        yield instance
+    finally:
+        launch.close_llm(instance)
+
+
 def generate(llm: Any, batch: list[list[int]]) -> dict[str, Any]:
     """One pass, as a dict: the same shape an engine process answers with."""
     return launch.generate(llm, batch, MAX_TOKENS).as_dict()
@@ -62,6 +74,15 @@ def worker(llm: Any) -> Any:
     side = launch.sides(llm)[1]
     assert side.started
     return side
+
+
+def rerun(llm: Any, batch: list[list[int]]) -> tuple[dict[str, Any], Counter[str]]:
+    """The batch again after vLLM's prefix cache is cleared: the pass, and the worker's counts it added."""
+    before = Counter(worker(llm).stats)
+    assert llm.reset_prefix_cache()
+    result = generate(llm, batch)
+    assert worker(llm).drain(10.0)
+    return result, Counter(worker(llm).stats) - before
 
 
 def run_engine_process(

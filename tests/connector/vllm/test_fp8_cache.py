@@ -8,7 +8,6 @@ such objects must never be loaded.
 
 from __future__ import annotations
 
-from collections import Counter
 from collections.abc import Iterator
 from typing import Any
 
@@ -28,18 +27,8 @@ def _transfer(store_section: dict[str, Any]) -> dict[str, Any]:
 
 @pytest.fixture(scope="module")
 def llm(store_section: dict[str, Any]) -> Iterator[Any]:
-    instance = launch.make_llm(engine.MODEL_DIR, _transfer(store_section), kv_cache_dtype="fp8_e5m2")
-    yield instance
-    launch.close_llm(instance)
-
-
-def _rerun(llm: Any, batch: list[list[int]]) -> tuple[dict[str, Any], Counter[str]]:
-    """The batch again after vLLM's prefix cache is cleared: the pass, and the worker's counts it added."""
-    before = Counter(engine.worker(llm).stats)
-    assert llm.reset_prefix_cache()
-    result = engine.generate(llm, batch)
-    assert engine.worker(llm).drain(10.0)
-    return result, Counter(engine.worker(llm).stats) - before
+    with engine.running(_transfer(store_section), kv_cache_dtype="fp8_e5m2") as instance:
+        yield instance
 
 
 def test_an_fp8_cache_is_stored_and_loaded_whole(llm: Any) -> None:
@@ -47,7 +36,7 @@ def test_an_fp8_cache_is_stored_and_loaded_whole(llm: Any) -> None:
     first = engine.generate(llm, batch)
     assert engine.worker(llm).drain(10.0)
 
-    again, counts = _rerun(llm, batch)
+    again, counts = engine.rerun(llm, batch)
 
     assert again["connector_hits"] == 2 * engine.FULL_HIT and again["local_hits"] == 0
     assert again["tokens"] == first["tokens"]
@@ -66,6 +55,6 @@ def test_objects_of_the_other_fp8_format_under_the_same_keys_are_never_loaded(
     with EngineProcess(spec) as e4m3:  # its saves are drained when it closes
         e4m3.call({"generate": batch, "max_tokens": engine.MAX_TOKENS})
 
-    _, counts = _rerun(llm, batch)
+    _, counts = engine.rerun(llm, batch)
 
     assert counts["integrity_failures_foreign"] == PER_BATCH and counts["chunks_loaded"] == 0

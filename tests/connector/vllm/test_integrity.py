@@ -9,7 +9,6 @@ reaches the engine: ``test_integrity_off.py``.)
 
 from __future__ import annotations
 
-from collections import Counter
 from collections.abc import Callable, Iterator
 from typing import Any
 
@@ -51,15 +50,6 @@ def _read(holder: MooncakeStore, key: str, size: int) -> torch.Tensor:
     return value
 
 
-def _rerun(llm: Any, batch: list[list[int]]) -> tuple[dict[str, Any], Counter[str]]:
-    """The batch again after vLLM's prefix cache is cleared: the pass, and the worker's counts it added."""
-    before = Counter(engine.worker(llm).stats)
-    assert llm.reset_prefix_cache()
-    result = engine.generate(llm, batch)
-    assert engine.worker(llm).drain(10.0)
-    return result, Counter(engine.worker(llm).stats) - before
-
-
 def _same_size_garbage(holder: MooncakeStore, keys: list[str], size: int) -> None:
     engine.overwrite(holder, keys, torch.randint(0, 255, (size,), dtype=torch.uint8))
 
@@ -85,7 +75,7 @@ def test_an_object_whose_bytes_are_not_as_sealed_is_recomputed_and_replaced(
     keys = list(dict.fromkeys(record.key for record in records))
     damage(holder, keys, records[0].size)
 
-    again, counts = _rerun(llm, batch)
+    again, counts = engine.rerun(llm, batch)
 
     assert again["tokens"] == reference[seed]
     assert counts["integrity_failures_corrupt"] == PER_BATCH and counts["chunks_verified"] == 0
@@ -104,7 +94,7 @@ def test_a_chunk_whose_seals_are_missing_loads_unverified(
         holder.remove(seal_key(key), force=True)  # the seals lie under some of them: the first of each run
     assert holder.batch_is_exist([seal_key(key) for key in keys]) == [0] * len(keys)
 
-    again, counts = _rerun(llm, batch)
+    again, counts = engine.rerun(llm, batch)
 
     assert again["cached"] == [engine.FULL_HIT, engine.FULL_HIT]
     assert again["tokens"] == reference[63]
@@ -123,7 +113,7 @@ def test_objects_an_engine_of_another_dtype_wrote_under_the_same_keys_are_never_
     with EngineProcess(spec) as float16:  # its saves are drained when it closes, at the block's end
         float16.call({"generate": batch, "max_tokens": engine.MAX_TOKENS})
 
-    again, counts = _rerun(llm, batch)
+    again, counts = engine.rerun(llm, batch)
 
     assert again["tokens"] == reference[64]
     assert counts["integrity_failures_foreign"] == PER_BATCH and counts["chunks_loaded"] == 0

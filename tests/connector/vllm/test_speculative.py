@@ -30,9 +30,8 @@ SHORT_HIT = engine.FULL_HIT - engine.BLOCK
 @pytest.fixture(scope="module")
 def llm(store_section: dict[str, Any]) -> Iterator[Any]:
     transfer = {**launch.kvpipe_transfer({"store": store_section}), "kv_load_failure_policy": "recompute"}
-    instance = launch.make_llm(engine.MODEL_DIR, transfer, speculative_config=SPECULATIVE)
-    yield instance
-    launch.close_llm(instance)
+    with engine.running(transfer, speculative_config=SPECULATIVE) as instance:
+        yield instance
 
 
 def test_an_eagle_engine_gets_from_the_store_the_hit_its_own_prefix_cache_gives(llm: Any) -> None:
