@@ -108,6 +108,10 @@ def describe_validation_error(
             and not isinstance(problem["input"], dict)
         ):
             line += f", got {problem['input']!r}"  # (a whole section as "value" would bury the message)
+        if problem["type"] == "string_type" and isinstance(problem["input"], (bool, int, float)):
+            # ``cache_prefix: 2024`` is a number to YAML and JSON; the fix is not obvious from the type name
+            kind = "boolean" if isinstance(problem["input"], bool) else "number"
+            line += f" (a {kind}, not text: write it in quotes)"
         lines.append(line)
     return "\n".join(lines)
 

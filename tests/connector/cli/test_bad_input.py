@@ -200,6 +200,11 @@ COMMAND_LINES = [
     ),
     case("too-few-blocks", run_set("model.num_blocks=4"), "model.num_blocks: 4 blocks cannot hold"),
     case(
+        "number-for-text",
+        run_set("save.cache_prefix=2024"),
+        "save.cache_prefix: input should be a valid string, got 2024 (a number, not text: write it in quotes)",
+    ),
+    case(
         "store-smaller-than-an-object",
         run_set("store.capacity=1KB"),
         "store.capacity: 1,024 bytes cannot hold one object",
@@ -330,6 +335,9 @@ EXTRA_CONFIGS = [
     pytest.param({"queue_capacity": -1}, "queue_capacity", "got -1", id="negative-queue-capacity"),
     pytest.param({"max_buffers_per_call": "many"}, "max_buffers_per_call", "'many'", id="string-for-int"),
     pytest.param({"cache_prefix": ["a"]}, "cache_prefix", "['a']", id="list-for-string"),
+    pytest.param(
+        {"cache_prefix": 2024}, "cache_prefix", "got 2024 (a number, not text: write it in quotes)", id="number-for-string"
+    ),
     pytest.param({"queue_capcity": 3}, "queue_capcity", "got 3", id="unknown-key"),
     pytest.param({"store": {"kind": "redis"}}, "store", "'redis'", id="unknown-store-kind"),
     pytest.param({"store": "memory"}, "store", "got 'memory'", id="string-for-store"),
