@@ -40,14 +40,14 @@ def family(seed: int, count: int) -> list[list[int]]:
     return [shared + [rng.randrange(1024) for _ in range(PROMPT_TOKENS - SHARED)] for _ in range(count)]
 
 
-def make_llm(transfer: Mapping[str, Any] | None) -> Any:
-    return launch.make_llm(MODEL_DIR, transfer)
+def make_llm(transfer: Mapping[str, Any] | None, **engine_args: Any) -> Any:
+    return launch.make_llm(MODEL_DIR, transfer, **engine_args)
 
 
 @contextmanager
 def running(transfer: Mapping[str, Any], **engine_args: Any) -> Iterator[Any]:
     """An engine on the tiny model with ``transfer`` and ``engine_args``, closed on the way out."""
-    instance = launch.make_llm(MODEL_DIR, transfer, **engine_args)
+    instance = make_llm(transfer, **engine_args)
     try:
         yield instance
     finally:
