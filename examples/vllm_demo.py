@@ -30,10 +30,9 @@ def main() -> None:
         assert master.endpoints is not None
         # the engine is a pure client (no segment); the holder has the store's memory. A load
         # the store fails is recomputed (vLLM's default, "fail", fails the request instead)
-        transfer = {
-            **launch.kvpipe_transfer({"store": launch.store_section(master.endpoints)}),
-            "kv_load_failure_policy": "recompute",
-        }
+        transfer = launch.kvpipe_transfer(
+            {"store": launch.store_section(master.endpoints)}, load_failure_policy="recompute"
+        )
         with launch.segment_holder(master.endpoints, "512MB"):
             llm = launch.make_llm(model, transfer, max_model_len=2048)
             try:

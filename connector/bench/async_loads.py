@@ -72,7 +72,7 @@ MODES: dict[str, dict[str, Any]] = {
 def _engine(master: LocalMaster, settings: dict[str, Any]) -> Iterator[Any]:
     assert master.endpoints is not None
     extra = {"store": launch.store_section(master.endpoints), **settings}
-    transfer = {**launch.kvpipe_transfer(extra), "kv_load_failure_policy": "recompute"}
+    transfer = launch.kvpipe_transfer(extra, load_failure_policy="recompute")
     llm = launch.make_llm(
         launch.model_dir(BIGGER.name, BIGGER.config),
         transfer,

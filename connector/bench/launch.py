@@ -21,7 +21,7 @@ import time
 from collections.abc import Mapping, Sequence
 from dataclasses import asdict, dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, Protocol
+from typing import TYPE_CHECKING, Any, Literal, Protocol
 
 from kvpipe.connector.store.mooncake import MooncakeSettings, MooncakeStore
 from kvpipe.connector.store.mooncake.master import MasterEndpoints
@@ -39,6 +39,11 @@ class StoreAddress(Protocol):
 
     @property
     def metadata_server(self) -> str: ...
+
+
+#: vLLM's ``kv_load_failure_policy``: ``fail`` (its default) fails a request whose load
+#: the store fails; ``recompute`` computes those blocks instead, what serving wants
+LoadFailurePolicy = Literal["fail", "recompute"]
 
 
 #: The tiny 2-layer Llama: 64 KiB per 128-token block per layer, compute negligible.
@@ -185,22 +190,26 @@ def model_dir(name: str, config: Mapping[str, Any], root: Path | None = None) ->
     return folder
 
 
-def kvpipe_transfer(extra: Mapping[str, Any]) -> dict[str, Any]:
+def kvpipe_transfer(extra: Mapping[str, Any], *, load_failure_policy: LoadFailurePolicy = "fail") -> dict[str, Any]:
     """``kv_transfer_config`` loading kvpipe's connector with ``extra`` as its settings."""
     return {
         "kv_connector": "KVPipeConnector",
         "kv_connector_module_path": "kvpipe.connector.vllm",
         "kv_role": "kv_both",
         "kv_connector_extra_config": dict(extra),
+        "kv_load_failure_policy": load_failure_policy,
     }
 
 
-def mooncake_transfer(extra: Mapping[str, Any] | None = None) -> dict[str, Any]:
+def mooncake_transfer(
+    extra: Mapping[str, Any] | None = None, *, load_failure_policy: LoadFailurePolicy = "fail"
+) -> dict[str, Any]:
     """``kv_transfer_config`` loading vLLM's own MooncakeStoreConnector (store from ``MOONCAKE_CONFIG_PATH``)."""
     return {
         "kv_connector": "MooncakeStoreConnector",
         "kv_role": "kv_both",
         "kv_connector_extra_config": dict(extra or {}),
+        "kv_load_failure_policy": load_failure_policy,
     }
 
 

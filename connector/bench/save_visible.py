@@ -74,10 +74,13 @@ def _engine(master: LocalMaster, nice: int) -> Iterator[Any]:
     assert master.endpoints is not None
     module, name = WATCHED_CONNECTOR
     transfer = {
-        **launch.kvpipe_transfer({"store": launch.store_section(master.endpoints), "save_nice": nice}),
+        # it loads nothing; recompute is said so that its start-up does not warn
+        **launch.kvpipe_transfer(
+            {"store": launch.store_section(master.endpoints), "save_nice": nice},
+            load_failure_policy="recompute",
+        ),
         "kv_connector": name,
         "kv_connector_module_path": module,
-        "kv_load_failure_policy": "recompute",  # it loads nothing; said so its start-up does not warn
     }
     llm = launch.make_llm(
         launch.model_dir(BIGGER.name, BIGGER.config),

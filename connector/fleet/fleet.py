@@ -287,7 +287,7 @@ class Fleet:
         """A replica's ``--kv-transfer-config`` and environment for the chosen connector."""
         address = self.store_address
         # A load the store fails is recomputed, never a failed request (vLLM's default fails it).
-        recompute = {"kv_load_failure_policy": "recompute"}
+        policy: launch.LoadFailurePolicy = "recompute"
         if self.spec.connector is Contender.KVPIPE:
             store = {
                 **launch.store_section(address),
@@ -295,11 +295,11 @@ class Fleet:
                 "local_hostname": local_hostname,
             }
             settings = {"store": store, **self.spec.connector_settings}
-            return {**launch.kvpipe_transfer(settings), **recompute}, {}
+            return launch.kvpipe_transfer(settings, load_failure_policy=policy), {}
         if self.spec.connector is Contender.VLLM:
             path = self.log_dir / "mooncake.json"
             path.write_text(json.dumps(launch.vllm_mooncake_config(address)))
-            return {**launch.mooncake_transfer(), **recompute}, launch.vllm_mooncake_env(path)
+            return launch.mooncake_transfer(load_failure_policy=policy), launch.vllm_mooncake_env(path)
         return None, {}
 
     # -- what clients and tests read -----------------------------------------------------

@@ -35,7 +35,7 @@ GENERATION_BOUND_S = 120  # a pass that loops (lookup, load, fail, ...) never en
 @pytest.fixture(scope="module")
 def llm(store_section: dict[str, Any]) -> Iterator[Any]:
     extra = {"store": store_section, "load_sync_when_idle": False}
-    transfer = {**kvpipe_transfer(extra), "kv_load_failure_policy": "recompute"}
+    transfer = kvpipe_transfer(extra, load_failure_policy="recompute")
     instance = engine.make_llm(transfer)
     yield instance
     close_llm(instance)

@@ -37,7 +37,7 @@ def test_vllm_generates_through_a_leader_failover_and_then_hits_what_it_stored(
         "global_segment_size": 0,
         "rpc_timeout_ms": 500,
     }
-    transfer = {**kvpipe_transfer({"store": store}), "kv_load_failure_policy": "recompute"}
+    transfer = kvpipe_transfer({"store": store}, load_failure_policy="recompute")
     llm = engine.make_llm(transfer)
     old = cluster.leader()
     assert old is not None and old.endpoints is not None

@@ -28,7 +28,7 @@ PER_BATCH = 2 * engine.FULL_HIT // engine.BLOCK  # objects of one batch of two p
 def llm(store_section: dict[str, Any], reference: dict[int, list[list[int]]]) -> Iterator[Any]:
     """One kvpipe engine for this module (group semantics on, async loads: the defaults)."""
     extra = {"store": store_section, "enable_group_semantics": True, "staging_blocks": 64}
-    transfer = {**kvpipe_transfer(extra), "kv_load_failure_policy": "recompute"}
+    transfer = kvpipe_transfer(extra, load_failure_policy="recompute")
     instance = engine.make_llm(transfer)
     yield instance
     close_llm(instance)

@@ -23,7 +23,7 @@ def vllm_config(extra: dict[str, Any]) -> Any:
         dtype="bfloat16",
         enforce_eager=True,
     )
-    transfer = KVTransferConfig(**{**launch.kvpipe_transfer(extra), "kv_load_failure_policy": "recompute"})
+    transfer = KVTransferConfig(**launch.kvpipe_transfer(extra, load_failure_policy="recompute"))
     return VllmConfig(
         model_config=model, cache_config=CacheConfig(block_size=16), kv_transfer_config=transfer
     )

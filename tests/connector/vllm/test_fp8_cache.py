@@ -22,7 +22,7 @@ PER_BATCH = 2 * engine.FULL_HIT // engine.BLOCK  # objects of one batch of two p
 
 
 def _transfer(store_section: dict[str, Any]) -> dict[str, Any]:
-    return {**launch.kvpipe_transfer({"store": store_section}), "kv_load_failure_policy": "recompute"}
+    return launch.kvpipe_transfer({"store": store_section}, load_failure_policy="recompute")
 
 
 @pytest.fixture(scope="module")

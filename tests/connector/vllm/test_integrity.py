@@ -29,7 +29,7 @@ PER_BATCH = 2 * engine.FULL_HIT // engine.BLOCK  # objects of one batch of two p
 
 def _transfer(store_section: dict[str, Any]) -> dict[str, Any]:
     extra = {"store": store_section, "enable_group_semantics": True, "staging_blocks": 64}
-    return {**kvpipe_transfer(extra), "kv_load_failure_policy": "recompute"}
+    return kvpipe_transfer(extra, load_failure_policy="recompute")
 
 
 @pytest.fixture(scope="module")

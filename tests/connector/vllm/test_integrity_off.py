@@ -23,7 +23,7 @@ from . import engine
 @pytest.fixture(scope="module")
 def llm(store_section: dict[str, Any]) -> Iterator[Any]:
     extra = {"store": store_section, "staging_blocks": 64, "integrity": "off"}
-    instance = engine.make_llm({**kvpipe_transfer(extra), "kv_load_failure_policy": "recompute"})
+    instance = engine.make_llm(kvpipe_transfer(extra, load_failure_policy="recompute"))
     yield instance
     close_llm(instance)
 

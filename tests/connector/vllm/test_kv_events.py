@@ -180,7 +180,7 @@ def published(
         endpoint=f"ipc://{folder / 'pub'}",
         replay_endpoint=f"ipc://{folder / 'replay'}",
     )
-    transfer = {**kvpipe_transfer({"store": store_section}), "kv_load_failure_policy": "recompute"}
+    transfer = kvpipe_transfer({"store": store_section}, load_failure_policy="recompute")
     llm = engine.launch.make_llm(engine.MODEL_DIR, transfer, kv_events_config=events_config)
     replayer = Replayer(str(events_config.replay_endpoint))
 

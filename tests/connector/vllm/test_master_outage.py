@@ -89,7 +89,7 @@ def llm(
     assert outage_master.endpoints is not None
     store = {**launch.store_section(outage_master.endpoints), "rpc_timeout_ms": RPC_TIMEOUT_MS}
     extra = {"store": store, "enable_group_semantics": True, "staging_blocks": 64}
-    transfer = {**launch.kvpipe_transfer(extra), "kv_load_failure_policy": "recompute"}
+    transfer = launch.kvpipe_transfer(extra, load_failure_policy="recompute")
     instance = engine.make_llm(transfer)
     yield instance
     launch.close_llm(instance)

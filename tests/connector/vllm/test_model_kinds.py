@@ -228,7 +228,7 @@ def kvpipe(request: pytest.FixtureRequest, store_section: dict[str, Any]) -> Ite
     kind: Kind = request.param
     if (missing := kind.needs()) is not None:
         pytest.skip(missing)
-    transfer = {**launch.kvpipe_transfer({"store": store_section}), "kv_load_failure_policy": "recompute"}
+    transfer = launch.kvpipe_transfer({"store": store_section}, load_failure_policy="recompute")
     llm = launch.make_llm(kind.model, transfer, **ENGINE, **kind.engine_args)
     yield Engine(kind, llm)
     launch.close_llm(llm)

@@ -54,7 +54,7 @@ def expected() -> list[list[int]]:
 def llm(store_section: dict[str, Any], expected: list[list[int]]) -> Iterator[Any]:
     """(After ``expected``: vLLM keeps one KV-connector agent per process, which an engine
     without a connector made while this one lives would find and fail on.)"""
-    transfer = {**kvpipe_transfer({"store": store_section}), "kv_load_failure_policy": "recompute"}
+    transfer = kvpipe_transfer({"store": store_section}, load_failure_policy="recompute")
     instance = small_llm(transfer)
     yield instance
     close_llm(instance)

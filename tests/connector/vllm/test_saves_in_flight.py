@@ -60,8 +60,10 @@ def test_a_pass_right_after_the_one_that_stored_waits_for_its_saves_and_loads_th
     told to wait: pass 2, started as pass 1 ends (vLLM's prefix cache reset), waits for the saves
     instead of computing the prompts again, then loads them."""
     batch = engine.prompts(11)  # a seed of its own: nothing of it is stored before
-    transfer = kvpipe_transfer({"store": store_section, "lookup_wait_for_saves_s": 60.0})
-    llm = engine.make_llm({**transfer, "kv_load_failure_policy": "recompute"})
+    transfer = kvpipe_transfer(
+        {"store": store_section, "lookup_wait_for_saves_s": 60.0}, load_failure_policy="recompute"
+    )
+    llm = engine.make_llm(transfer)
     released = threading.Event()
 
     def release_once_a_lookup_waits() -> None:

@@ -29,7 +29,7 @@ SHORT_HIT = engine.FULL_HIT - engine.BLOCK
 
 @pytest.fixture(scope="module")
 def llm(store_section: dict[str, Any]) -> Iterator[Any]:
-    transfer = {**launch.kvpipe_transfer({"store": store_section}), "kv_load_failure_policy": "recompute"}
+    transfer = launch.kvpipe_transfer({"store": store_section}, load_failure_policy="recompute")
     with engine.running(transfer, speculative_config=SPECULATIVE) as instance:
         yield instance
 
