@@ -181,7 +181,7 @@ def published(
         replay_endpoint=f"ipc://{folder / 'replay'}",
     )
     transfer = kvpipe_transfer({"store": store_section}, load_failure_policy="recompute")
-    llm = engine.launch.make_llm(engine.MODEL_DIR, transfer, kv_events_config=events_config)
+    llm = engine.make_llm(transfer, kv_events_config=events_config)
     replayer = Replayer(str(events_config.replay_endpoint))
 
     def so_far() -> list[Any]:

@@ -15,7 +15,7 @@ from typing import Any
 
 import pytest
 
-from kvpipe.connector.bench.launch import close_llm, counters, generate, kvpipe_transfer, make_llm
+from kvpipe.connector.bench.launch import close_llm, counters, generate, kvpipe_transfer
 
 from . import engine
 
@@ -26,7 +26,7 @@ PREEMPTIONS = "vllm:num_preemptions"
 
 
 def small_llm(transfer: dict[str, Any] | None) -> Any:
-    return make_llm(engine.MODEL_DIR, transfer, kv_cache_memory_bytes=CACHE_BYTES)
+    return engine.make_llm(transfer, kv_cache_memory_bytes=CACHE_BYTES)
 
 
 def run(llm: Any, batch: list[list[int]]) -> list[list[int]]:
