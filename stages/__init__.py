@@ -5,6 +5,7 @@ by the :class:`SavingStore` and :class:`LoadingStore` protocols.
 """
 
 from .backoff import Backoff
+from .batch_calls import MAX_BUFFERS_PER_CALL, split_into_calls
 from .chunks import Chunk, chunk_hash_at, chunks_to_save, full_chunks, tail_chunks
 from .errors import ConfigError
 from .filter import FilterStage
@@ -14,11 +15,12 @@ from .gather import GatherParams, GatherStage
 from .group_ids import GroupIdsParams, GroupIdsStage
 from .integrity import Integrity, Seal, SealEntry, Verdict, fingerprint, is_seal_key, seal_key
 from .keys import GROUP_ID_SCOPE, group_id, key_model_name, object_key, shared_pool_id
-from .load import LoadObserver, LoadParams, LoadRequest, LoadStage, LoadTarget, load_targets
+from .load import LoadObserver, LoadParams, LoadStage, LoadTarget, load_targets
 from .load_pipeline import (
     DEFAULT_LOAD_PIPELINE,
     default_load_graph,
 )
+from .load_plan import LoadRequest
 from .lookup import (
     LookupPlan,
     LookupRequest,
@@ -43,7 +45,7 @@ from .model import (
 )
 from .object_status import ObjectObserver, ObjectReporter, ObjectStatus
 from .project import ProjectStage
-from .put import MAX_BUFFERS_PER_CALL, PutParams, PutStage, split_into_calls
+from .put import PutParams, PutStage
 from .registry import KV_STAGES
 from .save_pipeline import DEFAULT_SAVE_PIPELINE, default_save_graph
 from .seal import SealMemory

@@ -1,10 +1,10 @@
 """The ``load`` stage: copy stored chunks back into the engine's blocks (the load path's end).
 
 A load request names a token range the lookup found stored and the blocks the
-engine allocated for it. Each chunk of the range becomes one record per storable
-group and shard, exactly as the save path named it, with the buffers of the
-block it lands in; all records of a batch go to the store in as few
-``batch_get_into_multi_buffers`` calls as the buffer budget allows.
+engine allocated for it. Each chunk of the range (as :mod:`.load_plan` plans it)
+becomes one record per storable group and shard, exactly as the save path named
+it, with the buffers of the block it lands in; all records of a batch go to the
+store in as few ``batch_get_into_multi_buffers`` calls as the buffer budget allows.
 
 A record is loaded only when the store read exactly the object's size into it
 and, with ``integrity`` on, its seal vouches for the bytes read (:mod:`.integrity`:
@@ -20,12 +20,11 @@ from the first block that did not load (vLLM's ``get_block_ids_with_load_errors`
 
 from __future__ import annotations
 
-import functools
 import itertools
 from collections import Counter, OrderedDict
 from collections.abc import Sequence
 from dataclasses import dataclass, field
-from typing import Any, ClassVar, NamedTuple, Protocol, runtime_checkable
+from typing import Any, ClassVar, Protocol, runtime_checkable
 
 import anyio
 import structlog
@@ -33,8 +32,14 @@ from pydantic import BaseModel, ConfigDict, Field
 
 from kvpipe.pipeline.stage import BatchEntry, BatchStage, Emit
 
-from .batch_calls import StoreCallError, call_per_key, remove_each, sizes_of
-from .chunks import chunk_hash_at, first_read_block, is_recurrent, read_reach, whole_prefix
+from .batch_calls import (
+    MAX_BUFFERS_PER_CALL,
+    StoreCallError,
+    call_per_key,
+    remove_each,
+    sizes_of,
+    split_into_calls,
+)
 from .integrity import (
     REFUSED,
     SEAL_SIZE,
@@ -47,9 +52,9 @@ from .integrity import (
     seal_key,
 )
 from .keys import object_key
+from .load_plan import LoadRequest, load_chunks, touched_block_ids
 from .model import KVCache, Shard, StoreGroup, StoreObject, hot_record, spans
 from .object_status import DEADLINE_PASSED
-from .put import MAX_BUFFERS_PER_CALL, split_into_calls
 from .retention import LoadedKeys
 from .seal import SealMemory
 from .storable import storable_groups
@@ -69,38 +74,6 @@ _WHY = {
     ),
     Verdict.UNSEALED: "it has no seal and integrity is 'required'",
 }
-
-
-@dataclass(frozen=True, slots=True)
-class LoadRequest:
-    """Load the chunks covering tokens ``[start_tokens, end_tokens)`` into these blocks.
-
-    ``block_ids[g]`` are the blocks of ENGINE group ``g`` in token order from token
-    0 (as the engine lists them), so chunk ``i`` of a group lands in its
-    ``block_ids[g][i]``. Both bounds must fall on a chunk boundary of every
-    storable group: the engine's local hit and the lookup's hit always do.
-
-    ``tail_ends``: (store group, end) where the object the lookup found for the
-    block ``end_tokens`` cuts ends, if not at ``end_tokens``: a tail further into
-    that block, or the whole block, holds its first tokens too
-    (:meth:`.lookup.LookupPlan.cut_block_sources`). Only an end inside that
-    block, of a group that reads the whole prefix, is used; the rest load the
-    tail at ``end_tokens``.
-    """
-
-    request_id: str
-    block_hashes: tuple[bytes, ...]
-    block_ids: tuple[tuple[int, ...], ...]
-    start_tokens: int
-    end_tokens: int
-    tail_ends: tuple[tuple[int, int], ...] = ()
-
-    def __post_init__(self) -> None:
-        if not 0 <= self.start_tokens <= self.end_tokens:
-            raise ValueError(
-                f"LoadRequest {self.request_id!r}: need 0 <= start_tokens <= end_tokens, "
-                f"got start_tokens={self.start_tokens}, end_tokens={self.end_tokens}"
-            )
 
 
 class LoadParams(BaseModel):
@@ -130,144 +103,6 @@ class LoadTarget:
     block_id: int
 
 
-class LoadChunk(NamedTuple):
-    """One chunk a load fills: its group, its index in the group, its hash and its engine block."""
-
-    group: StoreGroup
-    block_index: int  # the chunk's block in its group, as :attr:`.chunks.Chunk.block_index`
-    chunk_hash: bytes
-    block_id: int
-
-
-def load_chunks(
-    groups: Sequence[StoreGroup], hash_block_size: int, request: LoadRequest
-) -> tuple[LoadChunk, ...]:
-    """The chunks of ``[start_tokens, end_tokens)``, every storable group, earliest prefix first.
-
-    ``end_tokens`` may end inside a block (a partial hit): that block is loaded
-    from the tail stored at ``end_tokens`` (or the object ``tail_ends`` names in
-    that block, for a group that reads the whole prefix), whole, and the engine
-    recomputes the tokens past it. A recurrent group (mamba) has one chunk: its state at
-    ``end_tokens``, into the block the engine lists for the range's last chunk.
-    A group that reads a window (sliding window) has the blocks attention past
-    ``end_tokens`` reads (:func:`~.chunks.first_read_block`): the engine lists
-    its null block for the others.
-    A request that does not fit the cache (bounds off a block or hash-block
-    boundary, too few hashes or block ids) is a ValueError naming what is wrong;
-    nothing of it is loaded.
-    """
-    start, end = request.start_tokens, request.end_tokens
-    engine_groups = 1 + max(group.engine_group for group in groups)
-    if len(request.block_ids) < engine_groups:
-        raise ValueError(
-            f"load {request.request_id!r}: block ids for {len(request.block_ids)} engine groups, "
-            f"storable engine group {engine_groups - 1} needs {engine_groups}"
-        )
-    if end > len(request.block_hashes) * hash_block_size:
-        raise ValueError(
-            f"load {request.request_id!r}: end_tokens {end} is beyond the "
-            f"{len(request.block_hashes)} hash blocks of {hash_block_size} tokens given"
-        )
-    if end % hash_block_size:
-        raise ValueError(
-            f"load {request.request_id!r}: end_tokens {end} is not a multiple of hash_block_size {hash_block_size}"
-        )
-    tail_ends = dict(request.tail_ends)
-    for store_group, tail in tail_ends.items():
-        if tail % hash_block_size or tail > len(request.block_hashes) * hash_block_size:
-            raise ValueError(
-                f"load {request.request_id!r}: tail_ends[{store_group}] {tail} is not a multiple of "
-                f"hash_block_size {hash_block_size} within the {len(request.block_hashes)} hash blocks given"
-            )
-    chunks: list[tuple[int, int, LoadChunk]] = []
-    for group in groups:
-        block_size = group.spec.block_size
-        if start % block_size and not is_recurrent(group):
-            raise ValueError(
-                f"load {request.request_id!r}: start_tokens {start} is not a multiple of block_size "
-                f"{block_size} of engine group {group.engine_group}"
-            )
-        block_ids = request.block_ids[group.engine_group]
-        needed = -(-end // block_size)
-        if len(block_ids) < needed:
-            raise ValueError(
-                f"load {request.request_id!r}: engine group {group.engine_group} has "
-                f"{len(block_ids)} block ids, tokens up to {end} need {needed}"
-            )
-        # (chunk index, tokens at its end): whole chunks, then a tail ending inside a block
-        first = _first_loaded(group, start, end)
-        ends = [(index, (index + 1) * block_size) for index in range(first, end // block_size)]
-        if end % block_size:
-            source = tail_ends.get(group.store_group, end)
-            if not (end < source <= (end // block_size + 1) * block_size and whole_prefix(group)):
-                source = end  # the tail at the end itself
-            ends.append((end // block_size, source))
-        if is_recurrent(group):
-            ends = ends[-1:]  # one state: the one at the end of the range
-        for index, tokens_end in ends:
-            chunk_hash = chunk_hash_at(request.block_hashes, tokens_end, hash_block_size)
-            chunks.append(
-                (tokens_end, group.store_group, LoadChunk(group, index, chunk_hash, block_ids[index]))
-            )
-    chunks.sort(key=lambda chunk: chunk[:2])
-    return tuple(chunk for _, _, chunk in chunks)
-
-
-def load_slots(groups: Sequence[StoreGroup], start_tokens: int, end_tokens: int) -> int:
-    """The chunks :func:`load_chunks` makes of ``[start_tokens, end_tokens)``, counted without making them.
-
-    A chunk per block of every non-recurrent group the range touches (of a windowed
-    group, from the first block its window reads), one state of each recurrent
-    group: what a load through staging takes in slots.
-    """
-    if end_tokens <= start_tokens:
-        return 0
-    return sum(
-        1
-        if is_recurrent(group)
-        else -(-end_tokens // group.spec.block_size) - _first_loaded(group, start_tokens, end_tokens)
-        for group in groups
-    )
-
-
-def _most_slots(group: StoreGroup) -> int | None:
-    """The most slots one load takes of ``group`` whatever its length; None: no bound (full attention).
-
-    Attention reaching ``R`` tokens back (:func:`read_reach`) touches at most
-    ``ceil(R / block)`` blocks before the end and the one the end lies in.
-    """
-    if is_recurrent(group):
-        return 1
-    reach = read_reach(group.spec)
-    return None if reach is None else -(-reach // group.spec.block_size) + 1
-
-
-def _first_loaded(group: StoreGroup, start_tokens: int, end_tokens: int) -> int:
-    """The first block of a non-recurrent group that a load of ``[start_tokens, end_tokens)`` fills."""
-    return max(start_tokens // group.spec.block_size, first_read_block(group, end_tokens))
-
-
-@functools.lru_cache(maxsize=64)  # asked at every lookup, for a few slot counts
-def longest_load(groups: tuple[StoreGroup, ...], slots: int) -> int | None:
-    """The most tokens one load from a block boundary may span in ``slots`` slots (:func:`load_slots`).
-
-    None: no length outgrows the slots (every group is recurrent or reads a window, and the
-    most each can take fits): a load of a long prompt through a sliding window takes a few
-    slots however far it reaches.
-    """
-    bounded = [most for group in groups if (most := _most_slots(group)) is not None]
-    if len(bounded) == len(groups) and sum(bounded) <= slots:
-        return None
-    if all(is_recurrent(group) for group in groups):
-        return 0
-    widest = max(group.spec.block_size for group in groups)
-    fit, past = 0, slots * widest + 1  # fits; does not (a slot holds a block at most)
-    while past - fit > 1:
-        middle = (fit + past) // 2
-        fit, past = (middle, past) if load_slots(groups, 0, middle) <= slots else (fit, middle)
-    return fit
-
-
 def load_targets(
     groups: Sequence[StoreGroup], shards: Sequence[Shard], hash_block_size: int, request: LoadRequest
 ) -> tuple[LoadTarget, ...]:
@@ -287,23 +122,6 @@ def load_targets(
         for chunk in load_chunks(groups, hash_block_size, request)
         for shard in shards
     )
-
-
-def touched_block_ids(groups: Sequence[StoreGroup], request: LoadRequest) -> frozenset[int]:
-    """Every block id a request's range names, as far as it names them: what an invalid request fails.
-
-    Only the blocks :func:`load_chunks` would fill: below a window, and before a
-    recurrent group's state, the engine lists its null block, which every such
-    request shares.
-    """
-    touched: set[int] = set()
-    start, end = request.start_tokens, request.end_tokens
-    for group in groups:
-        if group.engine_group < len(request.block_ids) and end > start:
-            past = -(-end // group.spec.block_size)
-            first = past - 1 if is_recurrent(group) else _first_loaded(group, start, end)
-            touched.update(request.block_ids[group.engine_group][first:past])
-    return frozenset(touched)
 
 
 @dataclass(slots=True)

@@ -13,10 +13,10 @@ from typing import Any
 
 from kvpipe.pipeline import Graph, build_graph
 
+from .batch_calls import MAX_BUFFERS_PER_CALL
 from .integrity import Integrity
 from .load import LoadObserver
 from .model import KVCache
-from .put import MAX_BUFFERS_PER_CALL
 from .registry import KV_STAGES
 from .retention import LoadedKeys
 from .store import LoadingStore

@@ -344,7 +344,7 @@ class LookupPlan:
     def cut_block_sources(self, exists: Mapping[str, bool], hit: int) -> tuple[tuple[int, int], ...]:
         """Where the objects that hold the blocks ``hit`` cuts end, per store group, where not at ``hit``.
 
-        For :attr:`~.load.LoadRequest.tail_ends`: of each whole-prefix group
+        For :attr:`~.load_plan.LoadRequest.tail_ends`: of each whole-prefix group
         whose block ``hit`` ends inside, its whole block if stored, else the
         furthest tail stored in it (:meth:`_reaches`), when that is not the tail
         at ``hit`` itself. ``hit`` is one :meth:`hit` gave for the same answers.

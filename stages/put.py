@@ -16,36 +16,21 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any, ClassVar
 
-import anyio
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 from kvpipe.pipeline.priority import cpu_wait_seconds
 from kvpipe.pipeline.stage import BatchEntry, BatchStage, Emit
 
 from .backoff import Backoff
-from .batch_calls import StoreCallError, call_per_key, remove_each
+from .batch_calls import MAX_BUFFERS_PER_CALL, StoreCallError, call_per_key, remove_each, split_into_calls
 from .integrity import SEAL_SIZE, Seal, entry_of, seal_key, seal_spans
 from .model import Records, StoreObject
 from .object_status import DEADLINE_PASSED, ObjectObserver, ObjectReporter
 from .retention import LoadedKeys, PinBudget
 from .seal import SealMemory, SealSlab
-from .store import EXISTS, MAX_SOFT_PIN_TTL_S, Code, SavingStore, describe
+from .store import MAX_SOFT_PIN_TTL_S, Code, SavingStore, describe
 from .throttle import DEFAULT_THROTTLE, SlowStoreThrottle, ThrottleParams
-
-#: The buffer budget of one store call (puts and gets alike): the transport refuses a
-#: call with more than about 2048 buffers to one peer, and may keep failing after.
-MAX_BUFFERS_PER_CALL = 2048
-
-ROLLED_BACK = "removed again: another object of its chunk was refused"
-TORN_BEFORE = "not put: another object of its chunk was removed again after a refusal"
-#: How long a rolled-back chunk is remembered: longer than a record spends between the
-#: filter's answer and its put (the queues between them hold milliseconds of work).
-TORN_MEMORY_S = 30.0
-
-
-def _unit(record: StoreObject) -> str:
-    """What two batches must not put at once: a record's chunk (under group semantics), or its key."""
-    return record.group_id or record.key
+from .torn_chunks import ROLLED_BACK, TornChunks, claim_unit
 
 
 class PutParams(BaseModel):
@@ -94,53 +79,6 @@ def _split_expired(
         else:
             gone.append(record)
     return live, gone
-
-
-def split_into_calls(
-    records: Sequence[StoreObject], max_buffers: int, extra_per_record: int = 0
-) -> list[list[StoreObject]]:
-    """Runs of ``records`` whose buffer counts each sum to at most ``max_buffers``.
-
-    A record counts its :attr:`~.model.StoreObject.transfer_count` plus
-    ``extra_per_record`` (a load's seal, read in the same call).
-
-    The objects of one chunk (one lifecycle group: every store group and shard of
-    the same prefix) go into the same call whenever they fit the budget together,
-    so a call boundary never leaves one half of a chunk stored and the other
-    refused. Chunks keep the order of their first record. Every record must fit
-    the budget on its own (the caller fails those that don't).
-    """
-
-    def cost(record: StoreObject) -> int:
-        return record.transfer_count + extra_per_record
-
-    if sum(map(cost, records)) <= max_buffers:
-        return [list(records)] if records else []  # one call: every chunk is whole in it
-    chunks: dict[bytes, list[StoreObject]] = {}
-    for record in records:
-        chunks.setdefault(record.chunk_hash, []).append(record)
-    calls: list[list[StoreObject]] = []
-    current: list[StoreObject] = []
-    used = 0
-
-    def add(unit: list[StoreObject], buffers: int) -> None:
-        nonlocal current, used
-        if current and used + buffers > max_buffers:
-            calls.append(current)
-            current, used = [], 0
-        current.extend(unit)
-        used += buffers
-
-    for unit in chunks.values():
-        unit_buffers = sum(map(cost, unit))
-        if unit_buffers <= max_buffers:
-            add(unit, unit_buffers)
-        else:  # too big to keep together: fill calls record by record
-            for record in unit:
-                add([record], cost(record))
-    if current:
-        calls.append(current)
-    return calls
 
 
 @dataclass(frozen=True, slots=True)
@@ -213,10 +151,12 @@ class PutStage(BatchStage):
             if params.max_pinned_bytes
             else None
         )
-        #: chunk (group id, else key) -> set when the batch putting it is done (see :meth:`_claim`)
-        self._in_flight: dict[str, anyio.Event] = {}
-        #: group id -> when this stage rolled its chunk back, and the keys it removed (see :meth:`_fail_torn`)
-        self._torn: dict[str, tuple[float, frozenset[str]]] = {}
+        #: claims on the chunks in flight, and the chunks rolled back lately (:mod:`.torn_chunks`)
+        self._torn_chunks = TornChunks(
+            exist=lambda keys: call_per_key(self, self._store.batch_is_exist, keys),
+            remove=lambda keys: call_per_key(self, remove_each, keys, self._store, True),
+            reporter=self._reporter,
+        )
 
     @property
     def _seal_buffers(self) -> int:
@@ -248,10 +188,10 @@ class PutStage(BatchStage):
                     holders[record.key] = [(emit, record)]
                 else:
                     sharing.append((emit, record))
-        units = {_unit(holding[0][1]) for holding in holders.values()}
-        done = await self._claim(units)
+        units = {claim_unit(holding[0][1]) for holding in holders.values()}
+        done = await self._torn_chunks.claim(units)
         try:
-            await self._fail_torn(holders)
+            await self._torn_chunks.fail_torn(holders)
             # requests sharing a prefix share keys: each key is put once
             first_of_each_key = [holding[0][1] for holding in holders.values()]
             pinned, unpinned = await self._pinned(first_of_each_key, holders)
@@ -266,57 +206,7 @@ class PutStage(BatchStage):
                         if record.key not in stored:
                             self._pins.release(record.key)
         finally:
-            for unit in units:
-                del self._in_flight[unit]
-            done.set()
-
-    async def _claim(self, units: set[str]) -> anyio.Event:
-        """Wait until no other batch is putting any of ``units``, then mark them in flight; the batch's event.
-
-        The filter asks the store in batches, so a chunk can be answered absent to
-        the next batch while this stage's other worker is still putting it. Two puts
-        of one chunk must not overlap: under group semantics one's rollback of a torn
-        chunk would remove objects the other counts as stored. A batch that holds
-        units never waits (it claims all of its units at once, between two awaits),
-        so two batches cannot wait on each other.
-        """
-        while busy := next((self._in_flight[unit] for unit in units if unit in self._in_flight), None):
-            await busy.wait()
-        done = anyio.Event()
-        for unit in units:
-            self._in_flight[unit] = done
-        return done
-
-    async def _fail_torn(self, holders: Holders) -> None:
-        """Fail (and drop from ``holders``) the records of chunks whose objects this stage removed since.
-
-        The filter may have answered "stored" for some objects of a chunk just
-        before another batch rolled that chunk back (:meth:`_remove_torn_chunks`):
-        putting only the rest would leave the chunk partial. Such a chunk's removed
-        keys are asked again (one call, only for chunks torn in the last
-        :data:`TORN_MEMORY_S`); if any is still absent, the chunk is not put.
-        """
-        now = time.monotonic()
-        while self._torn and now - next(iter(self._torn.values()))[0] > TORN_MEMORY_S:
-            del self._torn[next(iter(self._torn))]
-        if not self._torn:
-            return  # the usual case: no chunk rolled back lately
-        to_ask: dict[str, list[str]] = {}  # group id -> removed keys this batch does not put itself
-        for holding in holders.values():
-            group_id = holding[0][1].group_id
-            if group_id in self._torn and group_id not in to_ask:
-                to_ask[group_id] = [k for k in self._torn[group_id][1] if k not in holders]
-        keys = [key for missing in to_ask.values() for key in missing]
-        if not keys:
-            return
-        try:
-            present = dict(zip(keys, await call_per_key(self, self._store.batch_is_exist, keys), strict=True))
-            broken = {g for g, missing in to_ask.items() if any(present[k] != EXISTS for k in missing)}
-        except StoreCallError:
-            broken = set(to_ask)
-        for key in [key for key, holding in holders.items() if holding[0][1].group_id in broken]:
-            for emit, held in holders.pop(key):
-                self._reporter.failed(emit, held, f"put {held.key}: {TORN_BEFORE}")
+            self._torn_chunks.release(units, done)
 
     async def _put_call(self, call: Sequence[StoreObject], pin: bool, holders: Holders) -> set[str]:
         """Put one call's records (``pin``: soft-pinned) and report each; the keys it stored."""
@@ -338,7 +228,7 @@ class PutStage(BatchStage):
             return set()
         for key in unsealed:  # stored, but a load will find it unverified
             holders[key][0][0].count("unsealed")
-        rolled_back = await self._remove_torn_chunks(call, codes)
+        rolled_back = await self._torn_chunks.remove_torn(call, codes)
         stored: dict[int, tuple[Emit, list[StoreObject]]] = {}  # per job, counted at once
         for record, code in zip(call, codes, strict=True):
             (emit, held), *sharers = holders[record.key]
@@ -568,41 +458,6 @@ class PutStage(BatchStage):
             return self._store.batch_put_from_multi_buffers(keys, ptrs, sizes, config)
         finally:
             spent.append(time.monotonic() - started - (self._cpu_wait() - waited))
-
-    async def _remove_torn_chunks(self, call: Sequence[StoreObject], codes: list[int]) -> set[str]:
-        """Under group semantics, undo the puts of a chunk whose other objects were refused.
-
-        A chunk is reusable only whole (every stored group and shard), and with
-        group ids the store evicts it whole; an object stored beside a refused
-        sibling would only hold memory no reader can use. Its siblings sit in this
-        same call (``split_into_calls`` keeps a chunk together), so the call's
-        answers say whether the chunk is torn. Returns the keys removed.
-        """
-        if codes.count(Code.OK) + codes.count(Code.ALREADY_EXISTS) == len(codes):
-            return set()  # nothing refused (the usual case, counted without a Python loop)
-        refused = {
-            record.group_id
-            for record, code in zip(call, codes, strict=True)
-            if record.group_id and code not in (Code.OK, Code.ALREADY_EXISTS)
-        }
-        if not refused:
-            return set()
-        torn = [
-            r.key for r, code in zip(call, codes, strict=True) if code == Code.OK and r.group_id in refused
-        ]
-        if not torn:
-            return set()
-        try:
-            results = await call_per_key(self, remove_each, torn, self._store, True)
-        except StoreCallError:
-            return set()  # they stay stored: reported as put, the chunk partial
-        removed = {key for key, result in zip(torn, results, strict=True) if result == Code.OK}
-        when = time.monotonic()
-        for record in call:
-            if record.key in removed and record.group_id:
-                _, keys = self._torn.pop(record.group_id, (when, frozenset()))
-                self._torn[record.group_id] = (when, keys | {record.key})  # last: newest
-        return removed
 
     async def stop(self) -> None:
         if self._seals.allocated:

@@ -53,7 +53,7 @@ from vllm.v1.core.kv_cache_utils import BlockHash, ExternalBlockHash, maybe_conv
 
 from kvpipe.stages import LoadRequest, ObjectStatus, SaveRequest, StoreObject, chunk_hash_at
 from kvpipe.stages.chunks import Chunk
-from kvpipe.stages.load import load_chunks
+from kvpipe.stages.load_plan import load_chunks
 from kvpipe.stages.model import StoreGroup
 
 from .messages import ChunkReport, Rank, chunk_settled

@@ -59,7 +59,7 @@ from kvpipe.stages import (
     chunks_to_save,
 )
 from kvpipe.stages.keys import deployment_key_pattern, key_chunk_hex
-from kvpipe.stages.load import load_slots, longest_load
+from kvpipe.stages.load_plan import load_slots, longest_load
 from kvpipe.stages.retention import ReuseCounter
 from kvpipe.stages.store import EXISTS
 

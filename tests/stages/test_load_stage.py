@@ -26,7 +26,7 @@ from kvpipe.stages import (
     object_key,
     storable_groups,
 )
-from kvpipe.stages.load import load_chunks, load_slots, longest_load, touched_block_ids
+from kvpipe.stages.load_plan import load_chunks, load_slots, longest_load, touched_block_ids
 from kvpipe.stages.retention import LoadedKeys
 
 from .kv_fixtures import FULL, MAMBA_ALIGN, RING, WINDOW, bytes_of, make_kv, make_request

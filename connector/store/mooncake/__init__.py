@@ -18,6 +18,7 @@
   process helpers (free ports, listening checks, SIGTERM as an unwinding exit).
 - :mod:`.master_address`: ``host:port``, ``etcd://...``, ``redis://...``: where the
   master is and whether one leads.
+- :mod:`.listening`: whether a port accepts connections (the probe both of the above use).
 - :mod:`.cluster`: a local HA cluster (etcd, masters, store nodes).
 - :mod:`.store_node`: ``kvpipe store``, a client that only lends memory.
 - :mod:`.harness`: faults and looks inside for tests and benches (pausing a master, an

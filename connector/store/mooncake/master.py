@@ -35,6 +35,9 @@ from typing import Any, NoReturn, Self
 
 from kvpipe.connector import exit_guard
 
+from .listening import is_listening
+from .master_address import cluster_id as joined_cluster
+
 LOOPBACK = "127.0.0.1"
 P2P_HANDSHAKE = "P2PHANDSHAKE"
 
@@ -118,14 +121,6 @@ def free_ports(count: int, host: str = LOOPBACK) -> list[int]:
     finally:
         for probe in probes:
             probe.close()
-
-
-def is_listening(host: str, port: int, timeout_s: float = 0.5) -> bool:
-    try:
-        with socket.create_connection((host, port), timeout=timeout_s):
-            return True
-    except OSError:
-        return False
 
 
 def wait_until_listening(host: str, port: int, timeout_s: float, what: str = "mooncake master") -> None:
@@ -246,9 +241,6 @@ class LocalMaster:
         if etcd_endpoints is not None:
             self._flags.update(enable_ha="true", enable_oplog="true", etcd_endpoints=etcd_endpoints)
             if cluster_id is None:
-                # imported here: master_address imports this module (its listening check)
-                from .master_address import cluster_id as joined_cluster
-
                 cluster_id = joined_cluster()
         if cluster_id is not None:
             self._flags["cluster_id"] = cluster_id

@@ -31,7 +31,7 @@ from dataclasses import dataclass
 from typing import Literal
 from urllib.parse import urlsplit
 
-from .master import is_listening
+from .listening import is_listening
 
 #: the variable that names the cluster a client joins (its masters' ``--cluster_id``)
 CLUSTER_ID_ENV = "MC_STORE_CLUSTER_ID"

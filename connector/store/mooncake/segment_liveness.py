@@ -35,7 +35,7 @@ import threading
 import time
 from collections.abc import Callable, Iterable, Sequence
 
-from .master import is_listening
+from .listening import is_listening
 from .master_address import split_host_port
 
 
