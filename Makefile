@@ -16,10 +16,12 @@ run: $(STAMP)
 
 # mypy first (strict on every package: pipeline/, stages/ and connector/; pyproject's
 # [tool.mypy] says what it checks): a wrong type fails in seconds, before the minutes of
-# tests. Then the engine-free connector tests on the vLLM release GPU users install
+# tests; then the layering (import-linter's contracts, pyproject's [tool.importlinter]).
+# Then the engine-free connector tests on the vLLM release GPU users install
 # (compat, below).
 test: $(STAMP)
 	$(PY) -m mypy
+	$(VENV)/bin/lint-imports
 	$(PY) -m pytest $(PYTEST_ARGS)
 	$(MAKE) --no-print-directory compat PYTEST_ARGS=
 

@@ -18,7 +18,7 @@ import random
 def main() -> None:
     os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")  # one process: starts in seconds
 
-    from kvpipe.connector.bench import launch
+    from kvpipe.connector.engines import launch
     from kvpipe.connector.store.mooncake.master import LocalMaster
 
     rng = random.Random(0)

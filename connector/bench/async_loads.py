@@ -28,9 +28,9 @@ from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import Any
 
+from kvpipe.connector.engines import launch
 from kvpipe.connector.store.mooncake.master import LocalMaster
 
-from . import launch
 from .result import BenchOptions, Target, WorkloadResult
 from .vllm_prefix import BIGGER
 

@@ -36,12 +36,7 @@ from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
 
-from kvpipe.connector.store.mooncake.master import LocalMaster, MasterEndpoints
-
-from .capacity import SCENARIOS, TARGETED
-from .capacity_replay import BATCH
-from .kvbench import MiB
-from .launch import (
+from kvpipe.connector.engines.launch import (
     kvpipe_transfer,
     model_dir,
     mooncake_transfer,
@@ -49,6 +44,11 @@ from .launch import (
     vllm_mooncake_config,
     vllm_mooncake_env,
 )
+from kvpipe.connector.store.mooncake.master import LocalMaster, MasterEndpoints
+
+from .capacity import SCENARIOS, TARGETED
+from .capacity_replay import BATCH
+from .kvbench import MiB
 from .result import BenchOptions, Target, WorkloadResult
 from .reuse_trace import Trace, TraceRequest, belady_hits, best_static_hits
 from .vllm_engine import EngineProcess

@@ -31,12 +31,12 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, TypedDict
 
-from kvpipe.connector.cli.run import workload
-from kvpipe.connector.cli.run.check import EXIST_BATCH, ChunkCounts
-from kvpipe.connector.cli.run.config import RunConfig
-from kvpipe.connector.cli.run.job import build_cache
-from kvpipe.connector.cli.run.job import run as run_job
-from kvpipe.connector.cli.run.synthetic import SyntheticCache
+from kvpipe.connector.run import workload
+from kvpipe.connector.run.check import EXIST_BATCH, ChunkCounts
+from kvpipe.connector.run.config import RunConfig
+from kvpipe.connector.run.job import build_cache
+from kvpipe.connector.run.job import run as run_job
+from kvpipe.connector.run.synthetic import SyntheticCache
 from kvpipe.connector.store.configs import MooncakeStoreConfig
 from kvpipe.connector.store.mooncake import MIN_SEGMENT_BYTES, MooncakeStore
 from kvpipe.connector.store.mooncake.master import LocalMaster, MasterEndpoints

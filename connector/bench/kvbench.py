@@ -19,6 +19,7 @@ from dataclasses import dataclass
 
 from kvpipe.connector.store.mooncake import MooncakeSettings, MooncakeStore
 from kvpipe.connector.store.protocol import Store
+from kvpipe.connector.timing import Timed, timed
 from kvpipe.pipeline import Job, SyncPipeline
 from kvpipe.stages import (
     EXISTS,
@@ -37,8 +38,6 @@ from kvpipe.stages import (
     full_chunks,
     storable_groups,
 )
-
-from .timing import Timed, timed
 
 with warnings.catch_warnings():  # this CPU torch build warns at import that numpy is absent
     warnings.filterwarnings("ignore", message="Failed to initialize NumPy")

@@ -13,9 +13,10 @@ Targets: pipeline >= 0.9x raw throughput and >= 0.95x itself without seals.
 
 from __future__ import annotations
 
+from kvpipe.connector.timing import Timed, alternate, timed
+
 from .kvbench import UNSEALED, BenchCache, MiB, PipelineContender, clear, open_local_store, put_each
 from .result import BenchOptions, Target, WorkloadResult, contest_result
-from .timing import Timed, alternate, timed
 
 LAYERS = 4
 BUFFER_BYTES = 512 * 1024

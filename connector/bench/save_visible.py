@@ -34,10 +34,10 @@ from contextlib import contextmanager
 from dataclasses import dataclass, field
 from typing import Any
 
+from kvpipe.connector.engines import launch
 from kvpipe.connector.store.mooncake.master import LocalMaster
 from kvpipe.connector.vllm.metrics import SAVES_DROPPED_NO_STAGING, SAVES_SUBMITTED
 
-from . import launch
 from .hook_clock import HookReport
 from .result import BenchOptions, Target, WorkloadResult
 from .visibility_probe import Probe, visibility_probe

@@ -43,10 +43,10 @@ from typing import Any
 
 from prometheus_client.parser import text_string_to_metric_families
 
+from kvpipe.connector.engines import launch
 from kvpipe.connector.fleet.fleet import Contender, Fleet, FleetSpec
 from kvpipe.connector.fleet.tokenizer import random_text
 
-from . import launch
 from .result import BenchOptions, Target, WorkloadResult
 from .vllm_prefix import BIGGER
 

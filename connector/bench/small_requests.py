@@ -16,9 +16,10 @@ Batching alone is worth several times here; targets: pipeline >= 5x sequential,
 
 from __future__ import annotations
 
+from kvpipe.connector.timing import Timed, alternate, timed
+
 from .kvbench import UNSEALED, BenchCache, MiB, PipelineContender, clear, open_local_store, put_records
 from .result import BenchOptions, Target, WorkloadResult, contest_result
-from .timing import Timed, alternate, timed
 
 LAYERS = 4
 BUFFER_BYTES = 4096

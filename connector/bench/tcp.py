@@ -21,11 +21,11 @@ import warnings
 
 from kvpipe.connector.store.mooncake import MooncakeSettings, MooncakeStore
 from kvpipe.connector.store.mooncake.master import LocalMaster
+from kvpipe.connector.timing import Timed, alternate, timed
 
 from .kvbench import UNSEALED, BenchCache, MiB, PipelineContender, clear, put_contiguous, put_each
 from .peer import remote_segment
 from .result import BenchOptions, Target, WorkloadResult, contest_result
-from .timing import Timed, alternate, timed
 
 with warnings.catch_warnings():
     warnings.filterwarnings("ignore", message="Failed to initialize NumPy")

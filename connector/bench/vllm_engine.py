@@ -10,7 +10,7 @@ benchmark keep several engines up and take turns between them.
 ``kv_cache_memory_bytes`` and ``engine_args``: more ``LLM`` keyword arguments), prints ``RESULT {"ready": ...}``, then answers each
 command read from stdin with one ``RESULT {json}`` line:
 
-- ``{"generate": [[ids...], ...], "max_tokens": N}`` -> :class:`~kvpipe.connector.bench.launch.PassResult`
+- ``{"generate": [[ids...], ...], "max_tokens": N}`` -> :class:`~kvpipe.connector.engines.launch.PassResult`
 - ``{"reset": true}`` -> ``{"reset": bool}`` (vLLM's prefix cache; the connector's store stays)
 - ``{"sleep": S}`` -> ``{"slept": S}``
 - ``{"hook_times": true}`` -> :meth:`.HookReport.as_dict`: what the connector's hooks cost
@@ -144,7 +144,7 @@ def _answer_line(answer: dict[str, Any]) -> None:
 
 
 def _answer(llm: Any, command: Mapping[str, Any]) -> dict[str, Any]:
-    from .launch import generate
+    from kvpipe.connector.engines.launch import generate
 
     if "generate" in command:
         return generate(llm, command["generate"], int(command.get("max_tokens", 8))).as_dict()
@@ -163,7 +163,8 @@ def _hook_times(llm: Any) -> dict[str, Any]:
 
     :raises TypeError: the engine's connector is not the bench's timed one.
     """
-    from .launch import connectors
+    from kvpipe.connector.engines.launch import connectors
+
     from .vllm_timed import CLOCK, TimedKVPipeConnector
 
     scheduler, _ = connectors(llm)
@@ -181,7 +182,7 @@ def _reset_prefix_cache(llm: Any) -> bool:
     blocks are not freed yet"). A request shorter than a block stores and caches
     nothing and gives the engine that step.
     """
-    from .launch import generate
+    from kvpipe.connector.engines.launch import generate
 
     for _ in range(RESET_ATTEMPTS):
         if llm.reset_prefix_cache():
@@ -192,7 +193,7 @@ def _reset_prefix_cache(llm: Any) -> bool:
 
 
 def _serve(spec: Mapping[str, Any]) -> None:
-    from .launch import close_llm, make_llm
+    from kvpipe.connector.engines.launch import close_llm, make_llm
 
     started = time.perf_counter()
     llm = make_llm(

@@ -56,11 +56,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from kvpipe.connector.store.mooncake import MooncakeStore
-from kvpipe.connector.store.mooncake.master import LocalMaster, MasterEndpoints
-
-from .hook_clock import HookReport
-from .launch import (
+from kvpipe.connector.engines.launch import (
     TINY_LLAMA,
     kvpipe_transfer,
     model_dir,
@@ -71,6 +67,10 @@ from .launch import (
     vllm_mooncake_config,
     vllm_mooncake_env,
 )
+from kvpipe.connector.store.mooncake import MooncakeStore
+from kvpipe.connector.store.mooncake.master import LocalMaster, MasterEndpoints
+
+from .hook_clock import HookReport
 from .plot import bar_plot
 from .result import BenchOptions, Target, WorkloadResult
 from .vllm_engine import EngineProcess

@@ -7,11 +7,10 @@ from pathlib import Path
 
 from pydantic import ValidationError
 
+from kvpipe.connector.run.config import RunConfig, apply_override
 from kvpipe.connector.store.configs import without_store_tag
 from kvpipe.pipeline import BuildError
 from kvpipe.pipeline.config import describe_validation_error, load_yaml, one_line
-
-from .run.config import RunConfig, apply_override
 
 #: the exit code of input the user can fix
 USAGE_ERROR = 2

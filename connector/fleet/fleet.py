@@ -42,7 +42,7 @@ from typing import TYPE_CHECKING, Any, Self
 from pydantic import BaseModel, ConfigDict, Field, ValidationInfo, field_validator
 from pydantic_core import PydanticCustomError
 
-from kvpipe.connector.bench import launch
+from kvpipe.connector.engines import launch
 from kvpipe.connector.store.mooncake.cluster import LocalCluster, StoreNodeProcess
 from kvpipe.connector.store.mooncake.master import LOOPBACK, LocalMaster, MasterEndpoints, free_ports
 

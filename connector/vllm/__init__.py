@@ -36,7 +36,7 @@ into a miss.
 
 Importing this package does not import vLLM (~6 s): the connector classes load on
 first use, so a process that only builds configs and spawns engines (the bench's
-parent, :mod:`kvpipe.connector.bench.launch`) pays no such cost.
+parent, :mod:`kvpipe.connector.engines.launch`) pays no such cost.
 """
 
 from __future__ import annotations

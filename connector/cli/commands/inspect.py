@@ -9,6 +9,7 @@ from contextlib import ExitStack
 from pathlib import Path
 from typing import Any
 
+from kvpipe.connector.run.config import RunConfig
 from kvpipe.connector.store.configs import MooncakeStoreConfig
 from kvpipe.connector.store.mooncake import MooncakeConfigError, MooncakeSettings
 from kvpipe.connector.store.mooncake.master_address import MasterAddress, split_host_port
@@ -16,7 +17,6 @@ from kvpipe.pipeline.config import one_line
 from kvpipe.stages import key_model_name
 
 from ..flags import FlagError, from_flags
-from ..run.config import RunConfig
 from ..usage import UsageError, check_file_to_write, flagged, load_run_config
 
 

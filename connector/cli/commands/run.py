@@ -7,15 +7,15 @@ import json
 from pathlib import Path
 from typing import Any
 
+from kvpipe.connector.run.config import RunConfig
+from kvpipe.connector.run.job import RunResult, run
+from kvpipe.connector.run.report import ProgressLine, summary_table
 from kvpipe.connector.store.configs import MooncakeStoreConfig
 from kvpipe.connector.store.mooncake import MooncakeError
 from kvpipe.connector.store.mooncake.master import MasterError
 from kvpipe.pipeline import BuildError
 from kvpipe.pipeline.config import one_line
 
-from ..run.config import RunConfig
-from ..run.job import RunResult, run
-from ..run.report import ProgressLine, summary_table
 from ..usage import UsageError, check_file_to_write, load_run_config
 
 

@@ -20,8 +20,8 @@ names are stable):
   config's workload regenerated: :func:`~.replay.expected_objects`; each chunk then has
   exactly the objects the job offers for it, e.g. a mamba state only where the
   engine's state stood).
-- ``chunks``: :class:`~..run.check.ChunkCounts`, counted by the run report's own
-  rule (:func:`~..run.check.count_chunks`): complete (every expected object
+- ``chunks``: :class:`~kvpipe.connector.run.check.ChunkCounts`, counted by the run report's own
+  rule (:func:`~kvpipe.connector.run.check.count_chunks`): complete (every expected object
   stored), partial (some), absent (none). Absent is only knowable from a list of
   chunks that should be there, so it is ``None`` unless a run config is given.
 - ``bytes_by_chunk``: bytes of the model's objects in complete chunks, in partial
@@ -63,7 +63,7 @@ from collections import Counter
 from dataclasses import asdict, dataclass, field
 from typing import Any, Literal, NamedTuple
 
-from ..run.check import ChunkCounts
+from kvpipe.connector.run.check import ChunkCounts
 
 __all__ = ["SCRUB_VERDICTS", "InspectReport", "NodeFigures", "ShardId", "ShardSource", "Verification"]
 

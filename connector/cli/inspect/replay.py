@@ -22,7 +22,7 @@ from kvpipe.stages.store import Code
 from .errors import InspectError
 
 if TYPE_CHECKING:
-    from ..run.config import RunConfig
+    from kvpipe.connector.run.config import RunConfig
 
 __all__ = ["ExpectedRun", "KeyNames", "client_supports_group_ids", "expected_objects", "replay_run"]
 
@@ -53,7 +53,7 @@ class KeyNames(Store):
     """A :class:`~kvpipe.connector.store.protocol.Store` that holds only key names.
 
     The names exist, nothing else does, and puts write nothing: the job and
-    :func:`~..run.check.count_chunks` run on it unchanged, so a run replays without
+    :func:`~kvpipe.connector.run.check.count_chunks` run on it unchanged, so a run replays without
     touching any store, and chunks are counted against a listing with the run
     report's own rule. Reads find nothing (-704), removals remove nothing.
     """
@@ -141,7 +141,7 @@ def expected_objects(config: RunConfig) -> list[StoreObject]:
 
     :raises ValueError: the config cannot run (``model.num_blocks`` too small, and the like).
     """
-    from ..run.job import run
+    from kvpipe.connector.run.job import run
 
     result = run(config, store=KeyNames(supports_group_ids=bool(client_supports_group_ids())))
     return [record for record, _ in result.objects.values()]

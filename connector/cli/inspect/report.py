@@ -14,13 +14,13 @@ from collections import Counter
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 
+from kvpipe.connector.run.check import ChunkCounts, count_chunks
 from kvpipe.connector.store.mooncake.admin import AdminClient, Replica, Segment
-from kvpipe.connector.store.mooncake.master import is_listening
+from kvpipe.connector.store.mooncake.listening import is_listening
 from kvpipe.connector.store.mooncake.master_address import split_host_port
 from kvpipe.stages import KeyNamespace, StoreObject, key_model_name, object_key
 from kvpipe.stages.keys import is_seal_key, parse_object_key, sealed_key
 
-from ..run.check import ChunkCounts, count_chunks
 from .errors import InspectError, admin_errors
 from .figures import InspectReport, NodeFigures, ShardId, ShardSource
 from .replay import ExpectedRun, KeyNames, client_supports_group_ids

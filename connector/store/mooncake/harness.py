@@ -6,7 +6,8 @@
   put lost with its leader from a loss that would be kvpipe's.
 
 Runtime modules (the store, the vLLM connector, the command line) never import this
-module (``tests/test_layering.py`` checks it).
+module: only the benches and the tests do (pyproject's import-linter contract
+``harness``, which ``lint-imports`` checks).
 """
 
 from __future__ import annotations

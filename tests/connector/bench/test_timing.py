@@ -1,6 +1,6 @@
 """Side-by-side timing: what ``alternate`` reports for each contender."""
 
-from kvpipe.connector.bench.timing import Timed, alternate
+from kvpipe.connector.timing import Timed, alternate
 
 
 def test_each_contender_gets_its_median_round_and_the_median_of_its_rounds_cores():

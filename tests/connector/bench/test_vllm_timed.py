@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import importlib
 
-from kvpipe.connector.bench.launch import kvpipe_transfer
 from kvpipe.connector.bench.vllm_prefix import STEP_HOOK, timed_transfer
 from kvpipe.connector.bench.vllm_timed import (
     BOTH_HOOKS,
@@ -12,6 +11,7 @@ from kvpipe.connector.bench.vllm_timed import (
     WORKER_HOOKS,
     TimedKVPipeConnector,
 )
+from kvpipe.connector.engines.launch import kvpipe_transfer
 from kvpipe.connector.vllm import KVPipeConnector
 
 

@@ -11,8 +11,8 @@ import pytest
 import yaml
 
 from kvpipe.connector.cli.main import main
-from kvpipe.connector.cli.run.engine import EngineTotals
-from kvpipe.connector.cli.run.report import ProgressLine
+from kvpipe.connector.run.engine import EngineTotals
+from kvpipe.connector.run.report import ProgressLine
 
 from .test_run_job import SMALL
 

@@ -25,14 +25,15 @@ from pathlib import Path
 import pytest
 import yaml
 
-from kvpipe.connector.bench.launch import segment_holder
 from kvpipe.connector.cli.inspect import InspectError, ReportRequest, build_report, check_master
 from kvpipe.connector.cli.inspect import verify as scrubber
 from kvpipe.connector.cli.main import main
+from kvpipe.connector.engines.launch import segment_holder
 from kvpipe.connector.store.mooncake import MooncakeSettings, MooncakeStore
 from kvpipe.connector.store.mooncake.admin import AdminClient, AdminError, find_admin
 from kvpipe.connector.store.mooncake.cluster import LocalCluster
-from kvpipe.connector.store.mooncake.master import LocalMaster, MasterEndpoints, free_port, is_listening
+from kvpipe.connector.store.mooncake.listening import is_listening
+from kvpipe.connector.store.mooncake.master import LocalMaster, MasterEndpoints, free_port
 from kvpipe.connector.store.mooncake.master_address import MasterAddress
 from kvpipe.stages import KeyNamespace, group_id, object_key, seal_key
 from kvpipe.stages.integrity import SEAL_SIZE, Seal, entry_of

@@ -15,7 +15,7 @@ from pathlib import Path
 import psutil
 import pytest
 
-from kvpipe.connector.bench import launch
+from kvpipe.connector.engines import launch
 from kvpipe.connector.fleet.fleet import Fleet, FleetSpec
 from kvpipe.connector.fleet.replica import core_shares
 

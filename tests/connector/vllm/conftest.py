@@ -16,7 +16,7 @@ from typing import Any
 
 import pytest
 
-from kvpipe.connector.bench import launch
+from kvpipe.connector.engines import launch
 from kvpipe.connector.store.mooncake import MooncakeStore
 from kvpipe.connector.store.mooncake.master import LocalMaster
 

@@ -1,7 +1,7 @@
 """The tiny model under vLLM as the tests run it: their prompts, and an engine in this process or another.
 
 The engine set-up itself (model folder, connector configs, one timed pass) is
-:mod:`kvpipe.connector.bench.launch`, shared with the demo and the bench; an engine
+:mod:`kvpipe.connector.engines.launch`, shared with the demo and the bench; an engine
 in another process is the bench's :class:`~kvpipe.connector.bench.vllm_engine.EngineProcess`.
 """
 
@@ -13,8 +13,8 @@ from collections.abc import Iterator, Mapping, Sequence
 from contextlib import contextmanager
 from typing import Any
 
-from kvpipe.connector.bench import launch
 from kvpipe.connector.bench.vllm_engine import EngineProcess
+from kvpipe.connector.engines import launch
 
 MODEL_DIR = launch.model_dir("tiny-llama", launch.TINY_LLAMA)
 PROMPT_TOKENS = 600

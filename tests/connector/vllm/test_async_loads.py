@@ -23,7 +23,7 @@ from typing import Any
 
 import pytest
 
-from kvpipe.connector.bench.launch import close_llm, greedy, kvpipe_transfer, vllm_scheduler
+from kvpipe.connector.engines.launch import close_llm, greedy, kvpipe_transfer, vllm_scheduler
 from kvpipe.connector.store.mooncake import MooncakeStore
 from kvpipe.connector.vllm.metrics import STAGING_SLOTS_IN_USE
 

@@ -13,7 +13,7 @@ import time
 
 import pytest
 
-from kvpipe.connector.bench.launch import close_llm, kvpipe_transfer
+from kvpipe.connector.engines.launch import close_llm, kvpipe_transfer
 from kvpipe.connector.store.mooncake import harness
 from kvpipe.connector.store.mooncake.cluster import LocalCluster
 from kvpipe.connector.store.mooncake.master import P2P_HANDSHAKE

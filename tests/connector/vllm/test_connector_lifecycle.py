@@ -7,7 +7,7 @@ from typing import Any
 import pytest
 import torch
 
-from kvpipe.connector.bench import launch
+from kvpipe.connector.engines import launch
 from kvpipe.stages.errors import ConfigError
 
 from . import engine

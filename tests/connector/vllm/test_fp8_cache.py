@@ -13,8 +13,8 @@ from typing import Any
 
 import pytest
 
-from kvpipe.connector.bench import launch
 from kvpipe.connector.bench.vllm_engine import EngineProcess
+from kvpipe.connector.engines import launch
 
 from . import engine
 

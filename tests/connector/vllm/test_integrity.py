@@ -16,8 +16,8 @@ import pytest
 import torch
 import xxhash
 
-from kvpipe.connector.bench.launch import close_llm, kvpipe_transfer
 from kvpipe.connector.bench.vllm_engine import EngineProcess
+from kvpipe.connector.engines.launch import close_llm, kvpipe_transfer
 from kvpipe.connector.store.mooncake import MooncakeStore
 from kvpipe.stages import Seal, seal_key
 from kvpipe.stages.integrity import SEAL_SIZE, key_id

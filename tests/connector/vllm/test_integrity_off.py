@@ -13,7 +13,7 @@ from typing import Any
 import pytest
 import torch
 
-from kvpipe.connector.bench.launch import close_llm, kvpipe_transfer
+from kvpipe.connector.engines.launch import close_llm, kvpipe_transfer
 from kvpipe.connector.store.mooncake import MooncakeStore
 from kvpipe.stages import seal_key
 

@@ -5,7 +5,7 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
-from kvpipe.connector.bench.launch import close_llm, kvpipe_transfer, mooncake_transfer, vllm_mooncake_env
+from kvpipe.connector.engines.launch import close_llm, kvpipe_transfer, mooncake_transfer, vllm_mooncake_env
 from kvpipe.connector.store.mooncake.master import LocalMaster
 
 from . import engine

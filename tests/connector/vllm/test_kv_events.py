@@ -16,7 +16,7 @@ import pytest
 from vllm.distributed.kv_events import MEDIUM_CPU, BlockRemoved, BlockStored
 from vllm.v1.core.kv_cache_utils import maybe_convert_block_hash
 
-from kvpipe.connector.bench.launch import close_llm, kvpipe_transfer, vllm_scheduler
+from kvpipe.connector.engines.launch import close_llm, kvpipe_transfer, vllm_scheduler
 from kvpipe.connector.store.mooncake import MooncakeStore
 from kvpipe.connector.vllm.events import ChunkAnnouncer, ChunkReporter
 from kvpipe.stages import (

@@ -41,7 +41,7 @@ from typing import Any
 
 import pytest
 
-from kvpipe.connector.bench import launch
+from kvpipe.connector.engines import launch
 from kvpipe.stages.chunks import is_recurrent
 
 from . import engine

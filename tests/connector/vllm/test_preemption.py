@@ -15,7 +15,7 @@ from typing import Any
 
 import pytest
 
-from kvpipe.connector.bench.launch import close_llm, counters, generate, kvpipe_transfer
+from kvpipe.connector.engines.launch import close_llm, counters, generate, kvpipe_transfer
 
 from . import engine
 

@@ -8,7 +8,7 @@ from typing import Any
 import pytest
 from prometheus_client import REGISTRY, Counter, Gauge, Histogram
 
-from kvpipe.connector.bench.launch import close_llm, kvpipe_transfer
+from kvpipe.connector.engines.launch import close_llm, kvpipe_transfer
 from kvpipe.connector.vllm.messages import GAUGES, OPS, KVPipeStats
 from kvpipe.connector.vllm.metrics import CATALOGUE
 from kvpipe.connector.vllm.prom import KVPipePromMetrics

@@ -10,7 +10,7 @@ import threading
 import time
 from typing import Any
 
-from kvpipe.connector.bench.launch import close_llm, kvpipe_transfer
+from kvpipe.connector.engines.launch import close_llm, kvpipe_transfer
 from kvpipe.connector.vllm.saves_in_flight import SavesInFlight
 
 from ...stages.clock import Clock

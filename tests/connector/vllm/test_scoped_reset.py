@@ -11,7 +11,7 @@ from typing import Any
 
 import pytest
 
-from kvpipe.connector.bench.launch import close_llm, kvpipe_transfer
+from kvpipe.connector.engines.launch import close_llm, kvpipe_transfer
 from kvpipe.connector.store.mooncake.master import LocalMaster
 from kvpipe.stages.keys import is_seal_key
 

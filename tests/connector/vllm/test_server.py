@@ -20,7 +20,7 @@ import msgspec
 import pytest
 from vllm.distributed.kv_events import BlockRemoved, BlockStored
 
-from kvpipe.connector.bench import launch
+from kvpipe.connector.engines import launch
 from kvpipe.connector.store.mooncake import MooncakeStore
 from kvpipe.connector.store.mooncake.master import LocalMaster
 from kvpipe.stages.integrity import SEAL_SIZE

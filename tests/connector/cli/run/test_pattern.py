@@ -4,7 +4,7 @@ import hashlib
 
 import torch
 
-from kvpipe.connector.cli.run import pattern
+from kvpipe.connector.run import pattern
 
 MASK = (1 << 64) - 1
 

@@ -5,9 +5,9 @@ import ctypes
 import pytest
 import torch
 
-from kvpipe.connector.cli.run import synthetic
-from kvpipe.connector.cli.run.engine import BlockPool
-from kvpipe.connector.cli.run.synthetic import SyntheticCache, SyntheticGroup
+from kvpipe.connector.run import synthetic
+from kvpipe.connector.run.engine import BlockPool
+from kvpipe.connector.run.synthetic import SyntheticCache, SyntheticGroup
 from kvpipe.stages import GroupKind, GroupSpec
 
 FULL = SyntheticGroup(GroupSpec(GroupKind.FULL_ATTENTION, 16), layers=3)

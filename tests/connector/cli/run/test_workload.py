@@ -1,6 +1,6 @@
 """The synthetic workload: seeded, with prefixes shared the way chat traffic shares them."""
 
-from kvpipe.connector.cli.run.workload import chain_hashes, generate
+from kvpipe.connector.run.workload import chain_hashes, generate
 
 SHAPE = dict(
     requests=60,

@@ -1,4 +1,4 @@
-"""Starting vLLM with a connector on a local master: what the demo, the bench and the tests share.
+"""Starting vLLM with a connector on a local master: what the demo, the bench, the fleet and the tests share.
 
 Everything needed to run the real engine here without a download or a GPU: a dummy
 model folder written from a config dict, the ``kv_transfer_config`` dicts of both
@@ -7,7 +7,7 @@ client that holds the store's memory, and one pass of greedy generation with the
 figures a comparison needs.
 
 vLLM is imported inside the functions that run it, so a process that only builds
-configs and spawns engines (the bench's parent) does not pay ~6 s for ``import vllm``.
+configs and spawns engines (the bench's parent, a fleet) does not pay ~6 s for ``import vllm``.
 """
 
 from __future__ import annotations

@@ -6,6 +6,10 @@ whose rounds read ~1.0 is bound by one thread's worth of work (its Python runs
 under one interpreter lock); one well below 1.0 waits for something (a transfer, a
 reply). That is what says whether overlapping work can still pay, and which
 contender's limit is the machine's rather than its own.
+
+Beside the rooms, as :mod:`kvpipe.connector.exit_guard` is: the bench's workloads
+time their contenders with it, and so do ``kvpipe run --baselines``
+(:mod:`kvpipe.connector.run.baselines`), which sits below the bench.
 """
 
 from __future__ import annotations

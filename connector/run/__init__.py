@@ -1,5 +1,9 @@
 """``kvpipe run``, the main job: a synthetic workload through the save pipeline, checked.
 
+The job itself, below the command line (:mod:`kvpipe.connector.cli.commands.run` parses
+its arguments and prints its report) and the bench (whose ``fragmentation`` workload
+runs it on a shrinking store).
+
 - :mod:`.config`: the run's YAML (model, workload, store, save settings), every section defaulted.
 - :mod:`.synthetic`, :mod:`.workload`: the synthetic KV cache and the chat-like requests;
   :mod:`.pattern`: the bytes a synthetic block holds, a pure function of its name.

@@ -28,8 +28,8 @@ import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, replace
 
-from kvpipe.connector.bench.timing import alternate
 from kvpipe.connector.store.protocol import Store
+from kvpipe.connector.timing import alternate
 from kvpipe.pipeline import Graph, SyncPipeline
 from kvpipe.stages import EXISTS, KVCache, SaveRequest, StoreObject, storable_groups
 from kvpipe.stages.keys import deployment_key_pattern, object_key_prefix
