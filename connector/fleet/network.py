@@ -9,13 +9,17 @@ taking a host's link down (:meth:`Network.cut`) partitions it from everything el
 
 Addresses come from 198.18.0.0/15, the range reserved for network tests (RFC 2544),
 one /24 per network, picked at random so two networks rarely meet. Needs root and
-iproute2's ``ip``; :class:`NetworkUnavailable` says why not. Leaving the ``with``
-block deletes every namespace, link and bridge it made (a namespace's processes
-must have been stopped first: the fleet stops them before).
+iproute2's ``ip``; :func:`why_unavailable` probes once whether this machine can make a
+namespace, and :class:`NetworkUnavailable` carries its reason. Once the probe has passed,
+an ``ip`` command that fails is an error of ours (:class:`NetworkError`), never a
+machine that cannot. Leaving the ``with`` block deletes every namespace, link and
+bridge it made (a namespace's processes must have been stopped first: the fleet stops
+them before).
 """
 
 from __future__ import annotations
 
+import functools
 import os
 import secrets
 import shutil
@@ -29,7 +33,46 @@ PREFIX_LEN = 24
 
 
 class NetworkUnavailable(RuntimeError):
-    """Namespaces cannot be made here (not root, no ``ip``, or the kernel refused); the message says which."""
+    """This machine cannot make network namespaces (no ``ip``, not root, or a kernel without them or
+    refusing them); the message says which (:func:`why_unavailable`)."""
+
+
+class NetworkError(RuntimeError):
+    """An ``ip`` command of ours failed on a machine that can make namespaces: a bug or a clash to look into."""
+
+
+#: ``ip netns add``'s stderr when the kernel refuses this process a namespace (EPERM/EACCES: no
+#: CAP_SYS_ADMIN, as in an unprivileged container) or has none to give (EINVAL/EOPNOTSUPP)
+_REFUSED = ("Operation not permitted", "Permission denied")
+_UNSUPPORTED = ("Invalid argument", "Operation not supported", "not supported")
+
+
+@functools.cache
+def why_unavailable() -> str | None:
+    """Why this machine cannot make a network namespace, or ``None`` when it can: probed once a process.
+
+    The probe adds a namespace of its own and deletes it. Any other failure of that ``ip netns
+    add`` is not a machine that cannot but something to look at.
+
+    :raises NetworkError: ``ip netns add`` failed for a reason that is none of the above.
+    """
+    if shutil.which("ip") is None:
+        return "iproute2's ip is not installed"
+    if os.geteuid() != 0:
+        return f"network namespaces need root (this process runs as uid {os.geteuid()})"
+    if not os.path.exists("/proc/self/ns/net"):
+        return "this kernel has no network namespaces (no /proc/self/ns/net)"
+    probe = f"kvp-probe-{secrets.token_hex(3)}"
+    added = subprocess.run(["ip", "netns", "add", probe], capture_output=True, text=True, check=False)
+    if added.returncode == 0:
+        subprocess.run(["ip", "netns", "delete", probe], capture_output=True, check=False)
+        return None
+    said = added.stderr.strip() or f"exit status {added.returncode}"
+    if any(mark in said for mark in _REFUSED):
+        return f"the kernel refuses this process a network namespace (ip netns add: {said})"
+    if any(mark in said for mark in _UNSUPPORTED):
+        return f"this kernel does not support network namespaces (ip netns add: {said})"
+    raise NetworkError(f"ip netns add {probe}: {said}")
 
 
 @dataclass(frozen=True)
@@ -58,16 +101,18 @@ class Network:
         self._made_bridge = False
 
     def __enter__(self) -> Self:
-        if os.geteuid() != 0:
-            raise NetworkUnavailable("network namespaces need root")
-        if shutil.which("ip") is None:
-            raise NetworkUnavailable("iproute2's ip is not installed")
+        """:raises NetworkUnavailable: this machine cannot make namespaces.
+
+        :raises NetworkError: an ``ip`` command failed.
+        """
+        if (reason := why_unavailable()) is not None:
+            raise NetworkUnavailable(reason)
         try:
             _ip("link", "add", self.bridge, "type", "bridge")
             self._made_bridge = True
             _ip("addr", "add", f"{self.gateway}/{PREFIX_LEN}", "dev", self.bridge)
             _ip("link", "set", self.bridge, "up")
-        except NetworkUnavailable:
+        except BaseException:
             self.__exit__()
             raise
         return self
@@ -84,7 +129,7 @@ class Network:
     def add_host(self) -> Host:
         """A new namespace with its own address, its loopback up, linked to the bridge.
 
-        :raises NetworkUnavailable: the kernel refused (the message quotes ``ip``).
+        :raises NetworkError: an ``ip`` command failed (the message quotes it).
         """
         n = len(self.hosts) + 2
         host = Host(f"kvp-{self.tag}-{n}", f"{self.subnet}.{n}", f"kvv{self.tag}{n}")
@@ -114,4 +159,4 @@ def _run(command: list[str]) -> None:
     argv = [*command]  # an argument list, never a shell line
     done = subprocess.run(argv, capture_output=True, text=True, check=False)
     if done.returncode != 0:
-        raise NetworkUnavailable(f"{' '.join(command)}: {done.stderr.strip() or done.returncode}")
+        raise NetworkError(f"{' '.join(command)}: {done.stderr.strip() or done.returncode}")

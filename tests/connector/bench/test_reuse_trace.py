@@ -16,6 +16,12 @@ def test_a_trace_is_the_same_for_the_same_seed():
     assert zipf_trace(**make, seed=3) == zipf_trace(**make, seed=3)
 
 
+def test_a_different_seed_gives_a_different_trace():
+    make = dict(requests=50, prefixes=5, s=1.0, prefix_chunks=2, suffix_chunks=1, one_off_share=0.5)
+
+    assert zipf_trace(**make, seed=3) != zipf_trace(**make, seed=4)
+
+
 def test_a_one_off_document_is_asked_for_once():
     trace = zipf_trace(requests=200, prefixes=5, s=1.0, prefix_chunks=2, suffix_chunks=1, one_off_share=0.5)
     documents = [r.prefix for r in trace.requests if not r.shared]

@@ -4,9 +4,9 @@ from collections import Counter
 
 import pytest
 
-from kvpipe.connector.cli.run.baselines import ALONE_PREFIX, RAW_PREFIX, ROUNDS
-from kvpipe.connector.cli.run.config import RunConfig
-from kvpipe.connector.cli.run.job import run
+from kvpipe.connector.run.baselines import ALONE_PREFIX, RAW_PREFIX, ROUNDS
+from kvpipe.connector.run.config import RunConfig
+from kvpipe.connector.run.job import run
 from kvpipe.connector.store.memory import Faults, MemoryStore
 from kvpipe.stages import ObjectStatus
 from kvpipe.stages.keys import SEAL_SUFFIX
@@ -134,6 +134,7 @@ def test_the_baselines_each_store_the_runs_objects_under_keys_of_their_own_and_k
     result = run(_config(SMALL), store=store, baselines=True)
 
     run_keys = {key for key, (_, status) in result.objects.items() if status is not ObjectStatus.FAILED}
+    assert run_keys  # the run stored objects: the baselines have something to copy
     raw_keys = Counter(key for keys, _ in store.puts for key in keys if key.startswith(f"{RAW_PREFIX}@"))
     # each object once a round: the untimed first round and the timed ones
     assert raw_keys == {f"{RAW_PREFIX}@{key}": ROUNDS + 1 for key in run_keys}
@@ -203,6 +204,7 @@ def test_with_group_semantics_eviction_leaves_no_partial_chunk():
 def test_every_object_of_a_chunk_carries_that_chunks_group_id():
     result = run(_config(HYBRID))
 
+    assert result.objects
     for key, (record, _) in result.objects.items():
         assert record.group_id == f"vllm-mooncake-store:tenant@hybrid@{key.rsplit('@', 1)[1]}"
 
@@ -233,4 +235,4 @@ def test_a_store_without_group_ids_saves_without_them():
         "group_ids_supported": False,
         "group_semantics": False,
     }
-    assert all(record.group_id is None for record, _ in result.objects.values())
+    assert result.objects and all(record.group_id is None for record, _ in result.objects.values())

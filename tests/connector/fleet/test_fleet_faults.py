@@ -22,9 +22,9 @@ from pathlib import Path
 
 import pytest
 
-from kvpipe.connector.bench import launch
+from kvpipe.connector.engines import launch
 from kvpipe.connector.fleet.fleet import Fleet, FleetSpec
-from kvpipe.connector.fleet.network import NetworkUnavailable
+from kvpipe.connector.fleet.network import why_unavailable
 
 from .client import Answer, Traffic, complete, words
 
@@ -113,15 +113,12 @@ class Running:
 
 @contextmanager
 def started(spec: FleetSpec) -> Iterator[Fleet]:
-    """The fleet of ``spec``; a test that needs network namespaces where none can be made skips, saying why."""
-    try:
-        fleet = Fleet(spec).__enter__()
-    except NetworkUnavailable as error:
-        pytest.skip(f"network namespaces cannot be made here: {error}")
-    try:
+    """The fleet of ``spec``; a test that needs network namespaces where this machine cannot make them
+    skips, saying why. A failing ``ip`` command where they can be made is an error: the test fails."""
+    if spec.network_namespaces and (reason := why_unavailable()) is not None:
+        pytest.skip(f"network namespaces cannot be made here: {reason}")
+    with Fleet(spec) as fleet:
         yield fleet
-    finally:
-        fleet.__exit__(None, None, None)
 
 
 @contextmanager

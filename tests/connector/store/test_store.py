@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import pytest
+from mooncake.store import ReplicateConfig
 
 from kvpipe.connector.store.memory import LegacyReplicateConfig, MemoryReplicateConfig
 from kvpipe.connector.store.protocol import replicate_config_supports_group_ids
@@ -23,6 +24,4 @@ def test_group_ids_support_is_read_off_the_config(config_cls: type, supported: b
 
 
 def test_the_installed_mooncake_supports_group_ids() -> None:
-    mooncake_store = pytest.importorskip("mooncake.store")
-    config_cls = mooncake_store.ReplicateConfig
-    assert replicate_config_supports_group_ids(config_cls, config_cls())
+    assert replicate_config_supports_group_ids(ReplicateConfig, ReplicateConfig())

@@ -3,9 +3,9 @@
 This is docs/mooncake-store-behaviour.md's "API behaviour" and "Group semantics" as executable
 specification, run against every backend in ``conftest.BACKENDS``. A test here
 asserts only what the real store lets one observe: eviction is checked through
-what survives (never through counts or order), timing through generous margins
-around the lease TTL, and a full store may answer -200 for a while before its
-background eviction makes room, so fills retry.
+what survives (never through counts or order), a lease's end by waiting for it (a
+remove taken) with its TTL as a lower bound, and a full store may answer -200 for a
+while before its background eviction makes room, so fills retry.
 """
 
 from __future__ import annotations
@@ -53,8 +53,18 @@ def put_until_stored(
         time.sleep(0.02)
 
 
-def wait_out_the_default_lease() -> None:
-    time.sleep(StoreParams().lease_ttl_s + 0.3)
+def removed_once_unleased(kv: Kv, key: str, guard_s: float = 10.0) -> float:
+    """An unforced remove of ``key``, repeated while it is leased (-706) until the store takes it.
+
+    Returns the time (``time.monotonic``) the successful remove returned: the lease had
+    ended by then. ``guard_s`` only guards against a lease that never ends.
+    """
+    deadline = time.monotonic() + guard_s
+    while (code := kv.store.remove(key)) == Code.HAS_LEASE:
+        assert time.monotonic() < deadline, f"{key!r} still leased after {guard_s} s"
+        time.sleep(0.005)
+    assert code == 0
+    return time.monotonic()
 
 
 READERS: dict[str, Callable[[Kv, str, int], object]] = {
@@ -236,19 +246,23 @@ def test_a_forced_remove_deletes_a_leased_object(kv: Kv) -> None:
 
 def test_a_lease_ends_after_the_ttl(kv: Kv) -> None:
     kv.put({"k": b"v"})
+    read_at = time.monotonic()  # the lease starts no sooner than this
     kv.exists("k")
-    wait_out_the_default_lease()
-    assert kv.store.remove("k") == 0
+    # it ends: a remove is taken, and not before the TTL since the read (one clock: the master's
+    # steady clock is this process's monotonic one, so no margin is needed)
+    assert removed_once_unleased(kv, "k") - read_at >= StoreParams().lease_ttl_s
 
 
 def test_reading_again_extends_the_lease(make_kv: Callable[..., Kv]) -> None:
-    kv = make_kv(lease_ttl_s=0.6)
+    ttl = 0.6
+    kv = make_kv(lease_ttl_s=ttl)
     kv.put({"k": b"v"})
     kv.exists("k")
-    time.sleep(0.4)
+    time.sleep(ttl / 2)  # spacing, not synchronisation: the second read comes halfway through the first lease
+    read_again_at = time.monotonic()
     kv.exists("k")
-    time.sleep(0.4)  # past the first lease, inside the second
-    assert kv.store.remove("k") == Code.HAS_LEASE
+    # the lease runs a TTL from the last read; unextended it would have ended half a TTL sooner
+    assert removed_once_unleased(kv, "k") - read_again_at >= ttl
 
 
 def test_remove_all_removes_the_unleased_objects_and_counts_them(kv: Kv) -> None:

@@ -12,28 +12,25 @@ from typing import Any
 
 import pytest
 import torch
-
-from kvpipe.connector.vllm.engine_cache import groups_of
-from kvpipe.stages.keys import object_key_prefix
-
-from .caches import engine_cache
-
-pytest.importorskip("vllm")
-
-from vllm.distributed.kv_transfer.kv_connector.v1.mooncake.store.data import (  # noqa: E402
+from vllm.distributed.kv_transfer.kv_connector.v1.mooncake.store.data import (
     KeyMetadata,
     PoolKey,
     RankLocalStoreLayout,
 )
-from vllm.distributed.kv_transfer.kv_connector.v1.mooncake.store.worker import MooncakeStoreWorker  # noqa: E402
-from vllm.v1.core.kv_cache_utils import resolve_dcp_kv_block_size  # noqa: E402
-from vllm.v1.kv_cache_interface import (  # noqa: E402
+from vllm.distributed.kv_transfer.kv_connector.v1.mooncake.store.worker import MooncakeStoreWorker
+from vllm.v1.core.kv_cache_utils import resolve_dcp_kv_block_size
+from vllm.v1.kv_cache_interface import (
     FullAttentionSpec,
     KVCacheConfig,
     KVCacheGroupSpec,
     MambaSpec,
     MLAAttentionSpec,
 )
+
+from kvpipe.connector.vllm.engine_cache import groups_of
+from kvpipe.stages.keys import object_key_prefix
+
+from .caches import engine_cache
 
 #: (tp, pcp, dcp, pp, TP ranks per copy): plain TP, PCP, DCP, both, with PP, replicated heads
 LAYOUTS = [

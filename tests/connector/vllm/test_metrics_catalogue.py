@@ -8,6 +8,7 @@ from pathlib import Path
 from types import ModuleType
 
 import pytest
+from vllm.v1.kv_cache_layout import KVCacheLayout
 
 from kvpipe.connector.store.memory import MemoryStore
 from kvpipe.connector.vllm import scheduler, worker
@@ -28,9 +29,6 @@ from .test_kv_layout import engine_views
 from .test_scheduler_side import BLOCK, PROMPT, make_harness, plan_saves
 from .test_worker_side import HASHES, wait_finished
 from .test_worker_side import worker as make_worker
-
-pytest.importorskip("vllm")
-from vllm.v1.kv_cache_layout import KVCacheLayout  # noqa: E402
 
 PAGE = Path(__file__).parents[3] / "docs" / "vllm-connector.md"  # "Operating it": the metrics table
 

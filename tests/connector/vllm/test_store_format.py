@@ -15,25 +15,16 @@ from typing import Any, NamedTuple
 
 import pytest
 import torch
-
-from kvpipe.connector.vllm.kv_layout import LayoutError, shard_layouts
-from kvpipe.connector.vllm.store_format import EngineShape, StoreFormat, store_format
-from kvpipe.stages import GroupKind, GroupSpec, group_id, object_key
-
-from .caches import engine_cache
-
-pytest.importorskip("vllm")
-
-from vllm.distributed.kv_transfer.kv_connector.v1.mooncake.store.data import (  # noqa: E402
+from vllm.distributed.kv_transfer.kv_connector.v1.mooncake.store.data import (
     KeyMetadata,
     LBHNCStoreLayout,
     LBNHCStoreLayout,
 )
-from vllm.distributed.kv_transfer.kv_connector.v1.mooncake.store.worker import (  # noqa: E402
+from vllm.distributed.kv_transfer.kv_connector.v1.mooncake.store.worker import (
     MooncakeStoreWorker,
     _make_mooncake_group_id,
 )
-from vllm.v1.kv_cache_interface import (  # noqa: E402
+from vllm.v1.kv_cache_interface import (
     FullAttentionSpec,
     KVCacheGroupSpec,
     KVCacheTensor,
@@ -42,7 +33,13 @@ from vllm.v1.kv_cache_interface import (  # noqa: E402
     compute_layout_strides,
     create_kv_cache_views,
 )
-from vllm.v1.kv_cache_layout import KVCacheLayout  # noqa: E402
+from vllm.v1.kv_cache_layout import KVCacheLayout
+
+from kvpipe.connector.vllm.kv_layout import LayoutError, shard_layouts
+from kvpipe.connector.vllm.store_format import EngineShape, StoreFormat, store_format
+from kvpipe.stages import GroupKind, GroupSpec, group_id, object_key
+
+from .caches import engine_cache
 
 NUM_BLOCKS = 5
 BLOCK = 16

@@ -14,6 +14,7 @@ import time
 
 import pytest
 import torch
+from vllm.v1.kv_cache_layout import KVCacheLayout
 
 from kvpipe.connector.store.memory import MemoryStore
 from kvpipe.connector.vllm.device import HostThreadDevice
@@ -27,9 +28,6 @@ from ...stages.stores import StalledGets, StalledPuts
 from .caches import engine_cache
 from .test_host_copy_thread import WITHIN_S, Gate
 from .test_kv_layout import LAYERS, NUM_BLOCKS, engine_views
-
-pytest.importorskip("vllm")
-from vllm.v1.kv_cache_layout import KVCacheLayout  # noqa: E402
 
 BLOCK = 16
 HASHES = chain_hashes(3, salt="w")

@@ -34,7 +34,8 @@ from kvpipe.connector.store.mooncake import (
 )
 from kvpipe.connector.store.mooncake import master as master_module
 from kvpipe.connector.store.mooncake.environment import TRANSFER_TIMEOUT_ENV
-from kvpipe.connector.store.mooncake.master import LocalMaster, MasterError, free_port, is_listening
+from kvpipe.connector.store.mooncake.listening import is_listening
+from kvpipe.connector.store.mooncake.master import LocalMaster, MasterError, free_port
 from kvpipe.connector.store.mooncake.master_resolution import ResolvedMaster
 from kvpipe.connector.store.mooncake.registry import REGISTRY
 from kvpipe.stages.store import Code
@@ -619,7 +620,11 @@ def test_close_waits_for_calls_in_flight_before_closing_the_client() -> None:
     assert client.entered.wait(5)
     closer = threading.Thread(target=store.close)
     closer.start()
-    time.sleep(0.1)
+    deadline = time.monotonic() + 5
+    while not store.closed:  # close() has begun: it now waits for the call in flight
+        assert time.monotonic() < deadline, "close() never began"
+        time.sleep(0.001)
+    assert closer.is_alive()  # still waiting: the call in flight holds it
     assert store.batch_is_exist(["k"]) == [Code.RPC_FAILED]  # closing: new calls are refused
     assert client.closes == 0
     client.release.set()
