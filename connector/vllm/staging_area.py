@@ -36,7 +36,12 @@ own (:class:`~.device.HostThreadDevice`, the CPU's side stream): the engine
 thread waits for them only at its next step's start, if they are not done by
 then; loads are copied home from the slots on the engine's thread. A load could land straight in a CPU cache's blocks, one
 copy less (~11 ms per 154 MB here), but then it could not be given up past its
-deadline: the store call that still writes them cannot be cancelled (:mod:`.worker`).
+deadline: the store call that still writes them cannot be cancelled (:mod:`.loads`).
+
+A save's chunks and a load's take slots the same way: :func:`into_slots` takes
+free slots for where they lie in the engine (:class:`Placement`) and returns the
+copies between blocks and slots (:class:`SlotCopy`) and the request's block ids
+over the slots.
 """
 
 from __future__ import annotations
@@ -46,6 +51,7 @@ import itertools
 from collections import defaultdict
 from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass
+from typing import NamedTuple
 
 import torch
 
@@ -54,8 +60,21 @@ from kvpipe.stages import BlockLayout, Region
 from .device import DONE, Device, Fence, device_of
 from .kv_layout import GroupLayout
 
-#: (engine group, slot, engine block): one block to move between the engine and a slot
-Copy = tuple[int, int, int]
+
+class Placement(NamedTuple):
+    """Where one chunk of a save or a load lies in the engine: the block its last token falls in."""
+
+    group: int  # engine KV-cache group
+    table_index: int  # the chunk's index in the group's block table
+    block: int  # engine block id (a tail's block is partly filled)
+
+
+class SlotCopy(NamedTuple):
+    """One block to move between the engine and a staging slot (either way)."""
+
+    group: int  # engine KV-cache group
+    slot: int
+    block: int  # engine block id
 
 
 @dataclass(frozen=True)
@@ -170,7 +189,7 @@ class StagingArea:
                 still.append((fence, slots))
         self._cooling = still
 
-    def copy_in(self, copies: Sequence[Copy]) -> Fence:
+    def copy_in(self, copies: Sequence[SlotCopy]) -> Fence:
         """Start copying a step's engine blocks into their slots; the fence a reader of the slots waits on.
 
         Never blocks. The engine's next step waits for the blocks to have been
@@ -199,14 +218,14 @@ class StagingArea:
         return self._fenced(copies)
 
     def _batches(
-        self, copies: Sequence[Copy]
+        self, copies: Sequence[SlotCopy]
     ) -> Iterator[tuple[_GroupArea, list[tuple[int, int, int]], torch.Tensor]]:
         """Per group of ``copies``: its area, its runs of neighbouring slots and its blocks' index on the device."""
         for group, pairs in _by_group(copies).items():
             runs, blocks = _batch(pairs)
             yield self._areas[group], runs, self._device.index(blocks)
 
-    def copy_out(self, copies: Sequence[Copy]) -> None:
+    def copy_out(self, copies: Sequence[SlotCopy]) -> None:
         """Start copying slots into engine blocks (a load), ordered before the engine's next forward.
 
         Never blocks; the slots are reused only once the copies are done.
@@ -238,7 +257,7 @@ class StagingArea:
         """Finish the copies under way and stop what runs them (the slots stay readable); idempotent."""
         self._device.close()
 
-    def _fenced(self, copies: Sequence[Copy], engine_waits: bool = False) -> Fence:
+    def _fenced(self, copies: Sequence[SlotCopy], engine_waits: bool = False) -> Fence:
         """A fence after the copies launched so far, remembered as the last to touch each slot of ``copies``."""
         fence = self._device.record(engine_waits=engine_waits)
         for _, slot, _ in copies:
@@ -246,7 +265,38 @@ class StagingArea:
         return fence
 
 
-def _by_group(copies: Sequence[Copy]) -> dict[int, list[tuple[int, int]]]:
+def into_slots(
+    staging: StagingArea, plan: Sequence[Placement], block_ids: tuple[tuple[int, ...], ...]
+) -> tuple[list[SlotCopy], tuple[tuple[int, ...], ...]]:
+    """Free slots for ``plan``'s chunks: their copies to or from the engine, and ``block_ids`` naming them.
+
+    Loads and saves alike (a save's copies go into the slots, a load's come out);
+    the caller checked :attr:`StagingArea.free`.
+    """
+    slots = staging.take(len(plan))
+    copies = [SlotCopy(chunk.group, slot, chunk.block) for chunk, slot in zip(plan, slots, strict=True)]
+    return copies, _remapped(block_ids, plan, slots)
+
+
+def _remapped(
+    block_ids: tuple[tuple[int, ...], ...], plan: Sequence[Placement], slots: Sequence[int]
+) -> tuple[tuple[int, ...], ...]:
+    """``block_ids`` with each chunk of ``plan`` at its slot instead of its engine block.
+
+    The stages read chunk ``i`` of a group from ``block_ids[g][i]``; a request
+    over staging slots keeps the engine's shape with slot numbers where the
+    chunks it carries are (other entries are never read).
+    """
+    ids = [list(group_ids) for group_ids in block_ids]
+    for chunk, slot in zip(plan, slots, strict=True):
+        table, index = ids[chunk.group], chunk.table_index
+        if len(table) <= index:
+            table.extend([slot] * (index + 1 - len(table)))
+        table[index] = slot
+    return tuple(tuple(group_ids) for group_ids in ids)
+
+
+def _by_group(copies: Sequence[SlotCopy]) -> dict[int, list[tuple[int, int]]]:
     """``copies`` as (slot, engine block) per engine group."""
     groups: dict[int, list[tuple[int, int]]] = defaultdict(list)
     for group, slot, block in copies:

@@ -21,7 +21,7 @@ from kvpipe.connector.vllm.device import HostThreadDevice
 from kvpipe.connector.vllm.messages import KVPipeMetadata
 from kvpipe.connector.vllm.settings import settings_from
 from kvpipe.connector.vllm.worker import WorkerSide
-from kvpipe.stages import LoadRequest, SaveRequest
+from kvpipe.stages import GroupKind, GroupSpec, LoadRequest, SaveRequest
 
 from ...stages.kv_fixtures import chain_hashes
 from ...stages.stores import StalledGets, StalledPuts
@@ -87,6 +87,24 @@ def test_a_load_of_missing_objects_reports_its_blocks_failed_and_finishes(via_st
     assert loader.get_block_ids_with_load_errors() == {0, 2}
     assert loader.get_finished() == set()  # reported once
     loader.shutdown(owns_store=False)
+
+
+@pytest.mark.parametrize("groups", [1, 2], ids=["one-group", "two-groups"])
+def test_load_failures_not_yet_taken_are_still_told_after_shutdown(groups: int) -> None:
+    """One group's failed blocks go to vLLM as block ids; several groups' as the request."""
+    cache = engine_cache(
+        LAYERS, groups=[GroupSpec(GroupKind.FULL_ATTENTION, BLOCK)] * groups, num_blocks=NUM_BLOCKS
+    )
+    connector = settings_from({"store": {"kind": "memory"}, "staging_blocks": 8})
+    loader = WorkerSide(cache, connector, MemoryStore(16 << 20))
+    loader.register_kv_caches(engine_views(KVCacheLayout.LBHNC))
+    blocks = ((0, 2, 3), (1, 4, 5))[:groups]
+    loader.start_load_kv(KVPipeMetadata(loads=[LoadRequest("l", HASHES, blocks, 0, 2 * BLOCK)]))
+    assert wait_finished(loader) == {"l"}
+    loader.shutdown(owns_store=False)
+    told = ({0, 2}, set()) if groups == 1 else (set(), {"l"})
+    assert (loader.get_block_ids_with_load_errors(), loader.take_failed_requests()) == told
+    assert (loader.get_block_ids_with_load_errors(), loader.take_failed_requests()) == (set(), set())
 
 
 def loader_after_three_saves(
@@ -168,13 +186,13 @@ def test_a_given_up_loads_late_answer_never_settles_a_later_load_of_the_same_req
     store = StalledGets()
     loader, source, target = loader_after_three_saves(ROOMY_DEADLINE, store)
     loader.start_load_kv(KVPipeMetadata(loads=[LoadRequest("l", HASHES, ((0, 2, 3),), 0, 3 * BLOCK)]))
-    given_up = loader._loads["l"].job
+    given_up = loader._loads.in_flight["l"].job
     assert wait_finished(loader) == {"l"} and loader.get_block_ids_with_load_errors() == GIVEN_UP
     store.let_go.set()
     assert given_up.wait(10.0)  # its answer (every block loaded) is in, unreaped
     again = LoadRequest("l", (HASHES[0], chain_hashes(1, salt="never stored")[0]), ((1, 4),), 0, 2 * BLOCK)
     loader.start_load_kv(KVPipeMetadata(loads=[again]))
-    assert loader._loads["l"].job.wait(10.0)
+    assert loader._loads.in_flight["l"].job.wait(10.0)
     assert loader.get_finished() == {"l"}  # reaps the given-up load, then settles this one
     assert loader.get_block_ids_with_load_errors() == {4}
     assert torch.equal(target[LAYERS[0]][1].view(BITS), source[LAYERS[0]][4].view(BITS))
@@ -185,7 +203,7 @@ def test_a_load_in_place_is_not_given_up_while_its_call_may_write_the_engines_bl
     store = StalledGets()
     loader, source, target = loader_after_three_saves({**QUICK_DEADLINE, "load_via_staging": False}, store)
     loader.start_load_kv(KVPipeMetadata(loads=[LoadRequest("l", HASHES, ((0, 2, 3),), 0, 3 * BLOCK)]))
-    job = loader._loads["l"].job
+    job = loader._loads.in_flight["l"].job
     while not job.expired:
         time.sleep(0.01)
     assert loader.get_finished() == set()
@@ -445,7 +463,7 @@ def test_sleep_waits_for_loads_in_flight_to_end() -> None:
     loader, _, _ = loader_after_three_saves(IN_PLACE)
     loader.start_load_kv(KVPipeMetadata(loads=[LoadRequest("l", HASHES, ((0, 2, 3),), 0, 3 * BLOCK)]))
     loader.release_kv_caches()
-    assert loader._loads["l"].done  # nothing writes into the engine's memory once sleep frees it
+    assert loader._loads.in_flight["l"].done  # nothing writes into the engine's memory once sleep frees it
     loader.shutdown(owns_store=False)
 
 
