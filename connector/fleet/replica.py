@@ -20,7 +20,7 @@ from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
-from kvpipe.connector.store.mooncake.master import LOOPBACK, free_port
+from kvpipe.connector.store.mooncake.master import LOOPBACK, free_port, free_ports
 
 from .processes import GroupProcess, ProcessError
 
@@ -176,17 +176,22 @@ def replica(
 def router(workers: Sequence[str], policy: str, log_dir: Path, extra_args: Sequence[str] = ()) -> Served:
     """vLLM's router over ``workers`` (their URLs) with ``policy``, on a free loopback port, not started.
 
+    Its Prometheus exporter gets a free loopback port too: the router's default (29000 on
+    every address) lets only one router run on a machine, and a second fleet's would exit.
+
     :raises ValueError: an unknown policy.
     """
     if policy not in POLICIES:
         raise ValueError(f"policy: must be one of {', '.join(POLICIES)}, got {policy!r}")
-    port = free_port()
+    port, metrics_port = free_ports(2)
     command = [
         sys.executable, "-m", "vllm_router.launch_router",
         "--worker-urls", *workers,
         "--policy", policy,
         "--host", LOOPBACK,
         "--port", str(port),
+        "--prometheus-host", LOOPBACK,
+        "--prometheus-port", str(metrics_port),
         *extra_args,
     ]  # fmt: skip
     return Served(f"router ({policy})", command, port, log_dir / f"router-{policy}.log", dict(os.environ))

@@ -9,7 +9,7 @@ from pathlib import Path
 from typing import Any
 
 from kvpipe.connector.fleet.fleet import Contender, Fleet, FleetSpec
-from kvpipe.connector.fleet.network import NetworkUnavailable
+from kvpipe.connector.fleet.network import NetworkError, NetworkUnavailable
 from kvpipe.connector.fleet.processes import ProcessError
 from kvpipe.connector.fleet.replica import POLICIES
 from kvpipe.connector.store.mooncake.master import MasterError
@@ -94,7 +94,7 @@ def command(args: argparse.Namespace) -> int:
                     flush=True,
                 )
             watch(fleet)
-    except (ProcessError, MasterError, NetworkUnavailable) as error:
+    except (ProcessError, MasterError, NetworkUnavailable, NetworkError) as error:
         if args.verbose:
             raise
         raise UsageError(one_line(str(error))) from None
