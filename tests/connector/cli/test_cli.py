@@ -14,7 +14,7 @@ from kvpipe.connector.cli.main import main
 from kvpipe.connector.run.engine import EngineTotals
 from kvpipe.connector.run.report import ProgressLine
 
-from .test_run_job import SMALL
+from ..run.test_job import SMALL
 
 CONFIGS = Path(__file__).parents[3] / "configs"
 

@@ -2,7 +2,9 @@
 
 Engines get ``global_segment_size: 0``: their objects go to the holder's segment, so
 they outlive the engine that stored them (a second engine, another process, another
-connector can hit them). Engines run in-process (``VLLM_ENABLE_V1_MULTIPROCESSING=0``)
+connector can hit them). The master and the holder live for the session, but each test
+module's engines start on an empty store (:func:`empty_store`): what a module finds
+stored is what it stored, whichever modules ran before it and whatever prompts they sent. Engines run in-process (``VLLM_ENABLE_V1_MULTIPROCESSING=0``)
 unless a test starts a process in vLLM's default mode.
 """
 
@@ -46,18 +48,31 @@ def holder(master: LocalMaster) -> Iterator[MooncakeStore]:
         yield store
 
 
-@pytest.fixture(scope="session")
-def store_section(master: LocalMaster, holder: MooncakeStore) -> dict[str, Any]:
+@pytest.fixture(scope="module")
+def empty_store(master: LocalMaster, holder: MooncakeStore) -> LocalMaster:
+    """The session's master, emptied for this module: every object, leased or not, removed.
+
+    A module's "the first pass misses" then holds by construction, not because no
+    other module happened to send the same prompt.
+    """
+    deadline = time.monotonic() + 10.0
+    while holder.remove_all(force=True) < 0 or stored_keys(master, seals=True):
+        assert time.monotonic() < deadline, "the session's master would not empty"
+        time.sleep(0.05)
+    return master
+
+
+@pytest.fixture(scope="module")
+def store_section(empty_store: LocalMaster) -> dict[str, Any]:
     """The kvpipe ``store`` section of an engine on the test master (no segment of its own)."""
-    assert master.endpoints is not None
-    return launch.store_section(master.endpoints)
+    assert empty_store.endpoints is not None
+    return launch.store_section(empty_store.endpoints)
 
 
-@pytest.fixture(scope="session")
-def mooncake_json(
-    tmp_path_factory: pytest.TempPathFactory, master: LocalMaster, holder: MooncakeStore
-) -> Path:
+@pytest.fixture(scope="module")
+def mooncake_json(tmp_path_factory: pytest.TempPathFactory, empty_store: LocalMaster) -> Path:
     """vLLM's Mooncake JSON for the test master, standalone-store mode (no segment)."""
+    master = empty_store
     assert master.endpoints is not None
     path = tmp_path_factory.mktemp("mooncake") / "mooncake.json"
     path.write_text(json.dumps(launch.vllm_mooncake_config(master.endpoints)))
