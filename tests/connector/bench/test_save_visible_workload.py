@@ -14,6 +14,8 @@ import pytest
 
 from kvpipe.connector.bench import BenchOptions, WorkloadResult, workload_runner
 
+pytestmark = pytest.mark.engine
+
 
 @pytest.fixture(scope="module")
 def result(tmp_path_factory: pytest.TempPathFactory) -> WorkloadResult:

@@ -13,7 +13,7 @@ import pytest
 
 from kvpipe.connector.bench import BenchOptions, WorkloadResult, workload_runner
 
-pytestmark = pytest.mark.mooncake
+pytestmark = [pytest.mark.mooncake, pytest.mark.engine]
 
 
 @pytest.fixture(scope="module")

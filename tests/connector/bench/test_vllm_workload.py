@@ -16,6 +16,8 @@ from kvpipe.connector.bench import BenchOptions, WorkloadResult, workload_runner
 from kvpipe.connector.bench.hook_clock import HookReport
 from kvpipe.connector.bench.vllm_prefix import CONTENDERS, KVPIPE, NONE, STEP_HOOK, TIMED
 
+pytestmark = pytest.mark.engine
+
 
 @pytest.fixture(scope="module")
 def result(tmp_path_factory: pytest.TempPathFactory) -> WorkloadResult:

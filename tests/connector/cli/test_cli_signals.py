@@ -128,6 +128,7 @@ def test_sigterm_stops_the_main_job_and_the_master_it_spawned(command: Callable[
     assert wait_gone(run) == []
 
 
+@pytest.mark.engine
 def test_sigterm_stops_the_vllm_bench_its_masters_and_its_engines(command: Callable[..., Command]) -> None:
     bench = command("bench", "vllm", "--quick")
     bench.wait_for(is_master, is_master, is_engine)
@@ -135,6 +136,7 @@ def test_sigterm_stops_the_vllm_bench_its_masters_and_its_engines(command: Calla
     assert wait_gone(bench) == []
 
 
+@pytest.mark.engine
 def test_sigterm_stops_the_fleet_its_replicas_its_router_and_its_store(command: Callable[..., Command]) -> None:
     fleet = command("fleet", "--replicas", "1", "--connector", "none")
     fleet.wait_for(is_master, is_replica, is_router)

@@ -30,6 +30,8 @@ from . import engine
 from .replay import Replayer, kvpipe_events
 from .server import Completion, Scrape, VllmServer
 
+pytestmark = pytest.mark.engine
+
 #: prompt lengths: part of a block over, exactly three blocks (vLLM recomputes the last), more
 PROMPT_LENGTHS = (300, 384, 450)
 MAX_TOKENS = 8
