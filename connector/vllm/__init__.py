@@ -16,7 +16,8 @@ The modules, one job each:
 - :mod:`.connector`: the class vLLM loads; it hands each call to its role's object.
 - :mod:`.scheduler`: lookups (one store call per scheduling step), load planning
   (one load per shared prefix, a stale hit recomputes once) and save planning.
-- :mod:`.worker`: the engine's KV memory, the save and load pipelines, what finished.
+- :mod:`.worker`: the engine's KV memory and the saves of each step; it owns the loads.
+- :mod:`.loads`: the loads a step starts, their deadlines and slots, and what failed, for vLLM.
 - :mod:`.registrations`: the memory the worker registers with the store (and sleep mode lets go of).
 - :mod:`.kv_layout`: engine KV tensors -> block layouts, for every layout vLLM has.
 - :mod:`.store_format`: rank-local or TP-sharded objects, as vLLM's connector chooses.
