@@ -4,7 +4,8 @@ Engines get ``global_segment_size: 0``: their objects go to the holder's segment
 they outlive the engine that stored them (a second engine, another process, another
 connector can hit them). The master and the holder live for the session, but each test
 module's engines start on an empty store (:func:`empty_store`): what a module finds
-stored is what it stored, whichever modules ran before it and whatever prompts they sent. Engines run in-process (``VLLM_ENABLE_V1_MULTIPROCESSING=0``)
+stored is what it stored, whichever modules ran before it and whatever prompts they sent.
+Engines run in-process (``VLLM_ENABLE_V1_MULTIPROCESSING=0``)
 unless a test starts a process in vLLM's default mode.
 """
 
