@@ -52,9 +52,16 @@ class RecordMaker:
         }
 
     def records(
-        self, chunks: Sequence[Chunk], request_id: str, reused_chunks: Mapping[bytes, int] | None = None
+        self,
+        chunks: Sequence[Chunk],
+        request_id: str,
+        reused_chunks: Mapping[bytes, int] | None = None,
+        handoff: bool = False,
     ) -> tuple[StoreObject, ...]:
-        """One record per chunk per shard, earliest prefix first, each with its chunk's ``reused_chunks`` count."""
+        """One record per chunk per shard, earliest prefix first, each with its chunk's ``reused_chunks`` count.
+
+        ``handoff``: the request's (:attr:`~.model.SaveRequest.handoff`), carried by each record.
+        """
         # Groups interleave by prefix length. (One chunk needs no sorting: the common case.)
         if self._groups_interleave and len(chunks) > 1 and len({chunk.group.store_group for chunk in chunks}) > 1:
             chunks = sorted(chunks, key=lambda chunk: (chunk.tokens_end, chunk.group.store_group))
@@ -80,6 +87,7 @@ class RecordMaker:
                         block_index,
                         None,
                         reuse,
+                        handoff,
                     )
                 )
         return tuple(records)
@@ -105,7 +113,7 @@ class _CollectStage(Stage):
             chunks: Sequence[Chunk] = self._chunks(request, groups[0])
         else:
             chunks = [chunk for group in groups for chunk in self._chunks(request, group)]
-        records = self._records.records(chunks, request.request_id, request.reused_chunks)
+        records = self._records.records(chunks, request.request_id, request.reused_chunks, request.handoff)
         if not records:
             emit.drop("no chunk to save")
             return

@@ -243,7 +243,9 @@ class SaveRequest:
     the step's end): a state is saved only where it really is.
     ``reused_chunks``: the chunks requests keep asking for (a chunk's hash is its
     last hash block's), each with how many requests asked: stored soft-pinned
-    as the budget allows (:mod:`.retention`).
+    as the budget allows (:mod:`.retention`). ``handoff``: another engine waits
+    for these chunks (a prefill handing its request to a decode engine): they are
+    never shed to spare a slow store.
     """
 
     request_id: str
@@ -254,6 +256,7 @@ class SaveRequest:
     finished: bool = False
     state_tokens: int | None = None
     reused_chunks: Mapping[bytes, int] = field(default_factory=dict)
+    handoff: bool = False
 
     @property
     def state_end(self) -> int:
@@ -313,6 +316,8 @@ class StoreObject:
     #: requests that asked for its chunk, when they keep asking (0: not reused): put it soft-pinned
     #: if the budget allows (:mod:`.retention`)
     reuse: int = field(default=0, compare=False)
+    #: another engine waits for it (:attr:`SaveRequest.handoff`): never shed by the slow-store throttle
+    handoff: bool = field(default=False, compare=False)
 
     @property
     def size(self) -> int:

@@ -217,8 +217,12 @@ class PutStage(BatchStage):
         if not call:
             return set()
         if self.throttle is not None and not self.throttle.allow():
-            self._shed(call, holders)
-            return set()
+            # another engine waits for a handoff's objects: shedding them would cost it the whole prompt
+            waited_for = {record.key for record in call if any(held.handoff for _, held in holders[record.key])}
+            self._shed([record for record in call if record.key not in waited_for], holders)
+            call = [record for record in call if record.key in waited_for]
+            if not call:
+                return set()
         try:
             codes, unsealed = await self._put_making_room(call, pin, holders)
         except StoreCallError as error:

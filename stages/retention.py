@@ -44,15 +44,33 @@ import time
 from collections import OrderedDict, deque
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass
+from typing import NamedTuple
 
-#: the share of the memory a writer lends the store that its pins may hold by default:
-#: Mooncake's default high watermark, what a store keeps before it evicts
+#: the share of the store's memory the writers' pins may hold together by default (each
+#: writer's budget is its part of it): Mooncake's default high watermark, what a store
+#: keeps before it evicts
 PINNED_SHARE = 0.9
+
 #: chunk hashes a counter remembers (16-byte hashes: ~20 MiB at this size)
 DEFAULT_REMEMBERED_CHUNKS = 1 << 18
 #: loaded keys held for the put stage between two of its pin decisions (object keys of
 #: ~80-120 characters: ~10 MiB at this size, where the chunk bound above would hold ~40 MiB)
 DEFAULT_REMEMBERED_LOADS = 1 << 16
+
+#: reads the store's capacity in object bytes, None where it cannot be known (asked once, at start)
+CapacityReader = Callable[[], int | None]
+
+
+class PinnedBudget(NamedTuple):
+    """One writer's pin budget and where it came from: what a worker logs at start."""
+
+    pinned_bytes: int
+    #: ``retention off``, ``retention_max_pinned``, ``store capacity``, ``lent`` or ``lent, capacity unknown``
+    source: str
+    #: the store's capacity it was sized from (None: not read, or unknown)
+    store_capacity: int | None = None
+    #: the writers it is shared among (engines x each engine's ranks that put; 1 for the rules not shared)
+    writers: int = 1
 
 
 class ReuseCounter:

@@ -25,6 +25,10 @@ the hysteresis:
   probe whose excess is under ``recovered_s`` ends it (the average restarts from
   that probe, so the old slow streak cannot start shedding again at once).
 
+A handoff's objects (:attr:`~.model.SaveRequest.handoff`: a decode engine waits
+for them) are never shed: skipping one would cost that engine the whole prompt,
+not a later miss. The put stage sends them while it sheds the rest.
+
 ``-200`` (store full) is not latency: the put stage's back-off slows its calls
 for that, and the bounded queues in front of it shed what does not fit.
 """

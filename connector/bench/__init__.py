@@ -30,6 +30,11 @@ Workloads (each a module with ``run(options) -> WorkloadResult``):
     vLLM's own serving benchmark: a prefix-repetition and a multi-turn chat workload,
     no connector / vLLM's connector / kvpipe, policies round_robin and cache_aware:
     TTFT, ITL, hits by tier, chunks one replica loaded that the other stored.
+``serve-pd`` (``serve --pd``)
+    Prefill and decode on different engines through the store, vLLM's router in
+    prefill/decode mode, under the same benchmark: kvpipe's split, vLLM's
+    connector's split and the same engines as a plain kvpipe fleet: the share of
+    the prompts' whole blocks the decode engine did not compute, TTFT, ITL.
 ``fragmentation``
     Partial-chunk bytes over live bytes as the store's capacity shrinks, with
     group semantics on and off (the shape of Mooncake RFC #2127's table).
@@ -66,6 +71,7 @@ WORKLOADS: dict[str, str] = {
     "vllm-loads": "async_loads",
     "save-visible": "save_visible",
     "serve": "serve",
+    "serve-pd": "serve_pd",
     "fragmentation": "fragmentation",
     "capacity": "capacity",
     "capacity-engine": "capacity_engine",

@@ -44,6 +44,9 @@ class StoreAddress(Protocol):
 #: vLLM's ``kv_load_failure_policy``: ``fail`` (its default) fails a request whose load
 #: the store fails; ``recompute`` computes those blocks instead, what serving wants
 LoadFailurePolicy = Literal["fail", "recompute"]
+#: an engine's part in a prefill/decode split (vLLM's ``kv_role``): ``kv_both`` prefills (and serves prefix hits),
+#: ``kv_consumer`` decodes and stores nothing
+KVRole = Literal["kv_both", "kv_producer", "kv_consumer"]
 
 
 #: The tiny 2-layer Llama: 64 KiB per 128-token block per layer, compute negligible.
@@ -190,24 +193,29 @@ def model_dir(name: str, config: Mapping[str, Any], root: Path | None = None) ->
     return folder
 
 
-def kvpipe_transfer(extra: Mapping[str, Any], *, load_failure_policy: LoadFailurePolicy = "fail") -> dict[str, Any]:
+def kvpipe_transfer(
+    extra: Mapping[str, Any], *, load_failure_policy: LoadFailurePolicy = "fail", kv_role: KVRole = "kv_both"
+) -> dict[str, Any]:
     """``kv_transfer_config`` loading kvpipe's connector with ``extra`` as its settings."""
     return {
         "kv_connector": "KVPipeConnector",
         "kv_connector_module_path": "kvpipe.connector.vllm",
-        "kv_role": "kv_both",
+        "kv_role": kv_role,
         "kv_connector_extra_config": dict(extra),
         "kv_load_failure_policy": load_failure_policy,
     }
 
 
 def mooncake_transfer(
-    extra: Mapping[str, Any] | None = None, *, load_failure_policy: LoadFailurePolicy = "fail"
+    extra: Mapping[str, Any] | None = None,
+    *,
+    load_failure_policy: LoadFailurePolicy = "fail",
+    kv_role: KVRole = "kv_both",
 ) -> dict[str, Any]:
     """``kv_transfer_config`` loading vLLM's own MooncakeStoreConnector (store from ``MOONCAKE_CONFIG_PATH``)."""
     return {
         "kv_connector": "MooncakeStoreConnector",
-        "kv_role": "kv_both",
+        "kv_role": kv_role,
         "kv_connector_extra_config": dict(extra or {}),
         "kv_load_failure_policy": load_failure_policy,
     }

@@ -13,7 +13,10 @@ machine:
    text clients work with no download; each replica's engine threads are bound to
    cores of its own (``bind_cores``: replicas that share cores spin against each
    other, see :func:`~.replica.core_shares`);
-3. vLLM's router over them with a load-balancing ``policy``; for ``kv_aware``, the
+3. vLLM's router over them with a load-balancing ``policy``; with ``prefill`` and
+   ``decode`` engines instead of whole-request replicas, the router in
+   prefill/decode mode: each request is prefilled on one engine and decoded on
+   another, the KV cache passing through the store (docs/disaggregation.md); for ``kv_aware``, the
    replicas publish vLLM's KV events and a :class:`~.pool_relay.PoolRelay` gives every
    worker the shared pool's events (kvpipe's), so a chunk one replica stored is
    credited to every replica at the router's external tier.
@@ -39,7 +42,7 @@ from enum import StrEnum
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Self
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationInfo, field_validator
+from pydantic import BaseModel, ConfigDict, Field, ValidationInfo, field_validator, model_validator
 from pydantic_core import PydanticCustomError
 
 from kvpipe.connector.engines import launch
@@ -71,6 +74,11 @@ class FleetSpec(BaseModel):
     model_config = ConfigDict(extra="forbid", frozen=True)
 
     replicas: int = Field(2, ge=1, le=16)
+    # Prefill and decode on different engines: the first ``prefill`` replicas prefill (kv_both:
+    # they serve prefix hits too), the next ``decode`` decode (kv_consumer), the router in
+    # prefill/decode mode. Both 0: every replica serves whole requests. ``replicas`` follows.
+    prefill: int = Field(0, ge=0, le=16)
+    decode: int = Field(0, ge=0, le=16)
     connector: Contender = Contender.KVPIPE
     policy: str = Field("round_robin", pattern="^(" + "|".join(POLICIES) + ")$")
     # Each replica and store node in a network namespace of its own on a bridge, the master
@@ -95,6 +103,41 @@ class FleetSpec(BaseModel):
     router_args: tuple[str, ...] = ()
     log_dir: Path | None = None
     startup_timeout_s: float = Field(300.0, gt=0)
+
+    @model_validator(mode="before")
+    @classmethod
+    def _replicas_of_a_split(cls, data: Any) -> Any:
+        """With ``prefill`` and ``decode``, ``replicas`` is their sum (given otherwise: an error)."""
+        if not isinstance(data, dict) or not (data.get("prefill") or data.get("decode")):
+            return data
+        prefill, decode = data.get("prefill") or 0, data.get("decode") or 0
+        if not (isinstance(prefill, int) and isinstance(decode, int)) or prefill < 1 or decode < 1:
+            raise PydanticCustomError(
+                "prefill_decode",
+                "prefill and decode: a split needs both >= 1, got {prefill} and {decode}",
+                {"prefill": prefill, "decode": decode},
+            )
+        if data.get("replicas") not in (None, prefill + decode):
+            raise PydanticCustomError(
+                "replicas",
+                "replicas: with prefill and decode it is their sum ({total}), got {replicas}",
+                {"total": prefill + decode, "replicas": data["replicas"]},
+            )
+        return {**data, "replicas": prefill + decode}
+
+    @model_validator(mode="after")
+    def _a_split_needs_a_connector(self) -> FleetSpec:
+        if self.decode and self.connector is Contender.NONE:
+            raise ValueError("connector: a prefill/decode split passes the KV cache through one, got none")
+        if self.decode and (self.policy == "kv_aware" or self.kv_events):
+            raise ValueError("policy: kv_aware (and kv_events) are for whole-request replicas, not a split")
+        return self
+
+    @property
+    def roles(self) -> list[launch.KVRole]:
+        """Each replica's ``kv_role``: prefill engines ``kv_both``, decode engines ``kv_consumer``."""
+        first_decoder = self.replicas - self.decode
+        return ["kv_both" if i < first_decoder else "kv_consumer" for i in range(self.replicas)]
 
     @field_validator("masters")
     @classmethod
@@ -152,14 +195,16 @@ class Fleet:
             self.event_ports = free_ports(spec.replicas)
         self.replicas = []
         bindings = self._thread_bindings()
-        for i, address in enumerate(self._hosts()):
+        for i, (address, role) in enumerate(zip(self._hosts(), spec.roles, strict=True)):
             launcher = self.replica_hosts[i].launcher if self.replica_hosts else ()
-            transfer, env = self._connector(address)
+            transfer, env = self._connector(address, role)
             if bindings:
                 env = {**env, "VLLM_CPU_OMP_THREADS_BIND": bindings[i]}
             self.replicas.append(
                 replica(
-                    f"replica {i}",
+                    f"replica {i}"
+                    if not spec.decode
+                    else f"{'decode' if role == 'kv_consumer' else 'prefill'} {i}",
                     self.model,
                     self.log_dir / f"replica-{i}.log",
                     transfer=transfer,
@@ -202,7 +247,16 @@ class Fleet:
         args = self.spec.router_args if router_args is None else router_args
         if policy == "kv_aware":
             args = (*self._kv_aware_args(), *args)
-        self.router = router([r.url for r in self.replicas], policy, self.log_dir, args)
+        if self.spec.decode:
+            self.router = router(
+                [r.url for r in self.prefills],
+                policy,
+                self.log_dir,
+                args,
+                decoders=[r.url for r in self.decoders],
+            )
+        else:
+            self.router = router([r.url for r in self.replicas], policy, self.log_dir, args)
         self.policy = policy
         self._stack.callback(self.router.stop)
         self.router.start()
@@ -264,7 +318,7 @@ class Fleet:
             gateway = self.network.gateway
             self.master.start(MasterEndpoints(gateway, *free_ports(2, host=gateway)))
         assert self.master.endpoints is not None
-        metrics = [f"{self.master.endpoints.host}:{self.master.endpoints.metrics_port}"]
+        metrics = self.master_metrics
         for _ in range(spec.store_nodes):
             host = self.network.add_host() if self.network is not None else None
             node = StoreNodeProcess(
@@ -283,8 +337,10 @@ class Fleet:
         """Each replica's address (loopback, or its namespace's)."""
         return [h.address for h in self.replica_hosts] or [LOOPBACK] * self.spec.replicas
 
-    def _connector(self, local_hostname: str) -> tuple[dict[str, Any] | None, dict[str, str]]:
-        """A replica's ``--kv-transfer-config`` and environment for the chosen connector."""
+    def _connector(
+        self, local_hostname: str, role: launch.KVRole
+    ) -> tuple[dict[str, Any] | None, dict[str, str]]:
+        """A replica's ``--kv-transfer-config`` and environment for the chosen connector and ``role``."""
         address = self.store_address
         # A load the store fails is recomputed, never a failed request (vLLM's default fails it).
         policy: launch.LoadFailurePolicy = "recompute"
@@ -293,13 +349,23 @@ class Fleet:
                 **launch.store_section(address),
                 "replicas": self.spec.copies,
                 "local_hostname": local_hostname,
+                "master_metrics": self.master_metrics,  # where each worker reads the store's capacity
             }
-            settings = {"store": store, **self.spec.connector_settings}
-            return launch.kvpipe_transfer(settings, load_failure_policy=policy), {}
+            # every replica that saves (a decode engine, kv_consumer, saves nothing) pins into the
+            # store nodes' memory: retention's default budget is the store's capacity shared
+            # among them (docs/retention.md)
+            settings = {
+                "store": store,
+                "retention_writers": sum(r != "kv_consumer" for r in self.spec.roles),
+                **self.spec.connector_settings,
+            }
+            return launch.kvpipe_transfer(settings, load_failure_policy=policy, kv_role=role), {}
         if self.spec.connector is Contender.VLLM:
             path = self.log_dir / "mooncake.json"
             path.write_text(json.dumps(launch.vllm_mooncake_config(address)))
-            return launch.mooncake_transfer(load_failure_policy=policy), launch.vllm_mooncake_env(path)
+            return launch.mooncake_transfer(
+                load_failure_policy=policy, kv_role=role
+            ), launch.vllm_mooncake_env(path)
         return None, {}
 
     # -- what clients and tests read -----------------------------------------------------
@@ -311,6 +377,22 @@ class Fleet:
             return self.cluster
         assert self.master is not None and self.master.endpoints is not None
         return self.master.endpoints
+
+    @property
+    def master_metrics(self) -> list[str]:
+        """``host:port`` of every master's admin HTTP (its metrics port): the store's capacity is read there."""
+        masters = self.cluster.masters if self.cluster is not None else [self.master] if self.master else []
+        return [f"{m.endpoints.host}:{m.endpoints.metrics_port}" for m in masters if m.endpoints is not None]
+
+    @property
+    def prefills(self) -> list[Served]:
+        """The replicas that prefill (all of them without a split)."""
+        return [r for r, role in zip(self.replicas, self.spec.roles, strict=True) if role != "kv_consumer"]
+
+    @property
+    def decoders(self) -> list[Served]:
+        """The replicas that decode another's prefill (none without a split)."""
+        return [r for r, role in zip(self.replicas, self.spec.roles, strict=True) if role == "kv_consumer"]
 
     @property
     def url(self) -> str:

@@ -173,8 +173,19 @@ def replica(
     return Served(name, command, port, log_path, environment, host)
 
 
-def router(workers: Sequence[str], policy: str, log_dir: Path, extra_args: Sequence[str] = ()) -> Served:
+def router(
+    workers: Sequence[str],
+    policy: str,
+    log_dir: Path,
+    extra_args: Sequence[str] = (),
+    *,
+    decoders: Sequence[str] = (),
+) -> Served:
     """vLLM's router over ``workers`` (their URLs) with ``policy``, on a free loopback port, not started.
+
+    With ``decoders``, in prefill/decode mode (``--vllm-pd-disaggregation``):
+    ``workers`` prefill each request (``max_tokens: 1``), then one of ``decoders``
+    decodes it with the transfer parameters the prefill returned.
 
     Its Prometheus exporter gets a free loopback port too: the router's default (29000 on
     every address) lets only one router run on a machine, and a second fleet's would exit.
@@ -184,9 +195,14 @@ def router(workers: Sequence[str], policy: str, log_dir: Path, extra_args: Seque
     if policy not in POLICIES:
         raise ValueError(f"policy: must be one of {', '.join(POLICIES)}, got {policy!r}")
     port, metrics_port = free_ports(2)
+    if decoders:
+        roles = [*(("--prefill", url) for url in workers), *(("--decode", url) for url in decoders)]
+        targets = ["--vllm-pd-disaggregation", *(arg for pair in roles for arg in pair)]
+    else:
+        targets = ["--worker-urls", *workers]
     command = [
         sys.executable, "-m", "vllm_router.launch_router",
-        "--worker-urls", *workers,
+        *targets,
         "--policy", policy,
         "--host", LOOPBACK,
         "--port", str(port),
@@ -194,4 +210,5 @@ def router(workers: Sequence[str], policy: str, log_dir: Path, extra_args: Seque
         "--prometheus-port", str(metrics_port),
         *extra_args,
     ]  # fmt: skip
-    return Served(f"router ({policy})", command, port, log_dir / f"router-{policy}.log", dict(os.environ))
+    name = f"{policy}-pd" if decoders else policy
+    return Served(f"router ({name})", command, port, log_dir / f"router-{name}.log", dict(os.environ))

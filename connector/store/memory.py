@@ -378,6 +378,10 @@ class MemoryStore:
                 return Code.RPC_FAILED
             return Code.OK if self._registered.pop(addr, None) is not None else Code.INVALID_PARAMS
 
+    def capacity_bytes(self) -> int | None:
+        """``capacity_bytes``, as given: this model is the whole store."""
+        return self._capacity
+
     def close(self) -> None:
         with self._lock:
             self._closed = True

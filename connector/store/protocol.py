@@ -45,6 +45,11 @@ The primitives, and why each is here:
 ``supports_group_ids``
     Older Mooncake releases have no ``group_ids``. Backends compute this with
     :func:`replicate_config_supports_group_ids`, so the probe exists once.
+``capacity_bytes()``
+    The bytes of objects the store's memory holds (every mounted segment, whoever
+    mounted it), or None when this client cannot tell. Asked once, where a default
+    is sized from the store (retention's pin budget, docs/retention.md), not on the
+    data path.
 ``close()``
     Releases the client; later calls fail with -900, as RPCs to a gone master do.
 
@@ -101,6 +106,10 @@ class Store(SavingStore, LoadingStore, Protocol):
         """Remove the objects whose key ``pattern`` searches (leased too if ``force``): how many, or negative."""
         ...
 
+    def capacity_bytes(self) -> int | None:
+        """The bytes of objects the store's memory holds, all segments together; None: unknown here."""
+        ...
+
     def close(self) -> None:
         """Release the client. Idempotent; later calls return -900."""
         ...
@@ -124,7 +133,7 @@ class ForwardingStore:
     Wrappers (the circuit breaker, the operation meter) override :meth:`_call`
     only, so each of them sees every store call the data path makes, and none
     restates the protocol. Local calls (buffer registration, capabilities,
-    close) and ``remove_all`` go straight through.
+    close), ``remove_all`` and ``capacity_bytes`` go straight through.
     """
 
     def __init__(self, inner: Store) -> None:
@@ -182,6 +191,9 @@ class ForwardingStore:
 
     def remove_all(self) -> int:
         return self.inner.remove_all()
+
+    def capacity_bytes(self) -> int | None:
+        return self.inner.capacity_bytes()
 
     def remove_by_regex(self, pattern: str, force: bool = False) -> int:
         return self._call("remove", 1, None, lambda: [self.inner.remove_by_regex(pattern, force)])[0]

@@ -33,6 +33,7 @@ from kvpipe.connector.store.metered import OperationLog
 from kvpipe.connector.store.protocol import Store
 from kvpipe.stages import shared_pool_id
 from kvpipe.stages.errors import ConfigError
+from kvpipe.stages.retention import PinnedBudget
 
 from .engine_cache import EngineCache, open_store, store_config
 from .events import ChunkAnnouncer
@@ -115,17 +116,25 @@ class KVPipeConnector(KVConnectorBase_V1, SupportsHMA):
             self.scheduler = SchedulerSide(self.cache, self.settings, store, announcer=announcer, saves=saves)
             self._source = "scheduler"
         else:
-            pinned = self.settings.max_pinned_bytes(store_config(self.settings).lent_bytes())
+            budget = self._pin_budget(store, saves)
             self.worker = WorkerSide(
                 self.cache,
                 self.settings,
                 store,
                 tp_rank,
                 kv_events=self.kv_events,
-                max_pinned_bytes=pinned,
+                max_pinned_bytes=budget.pinned_bytes,
                 transfers=saves or self.settings.enable_lookup,
             )
             self._source = f"worker:{tp_rank}:{pp_rank}"
+            log.info(
+                "kvpipe retention budget",
+                worker=self._source,
+                pinned_bytes=budget.pinned_bytes,
+                source=budget.source,
+                store_capacity=budget.store_capacity,
+                shared_by=budget.writers,
+            )
         self._reported: Counter[str] = Counter()
         self._gauges: dict[str, float] = {}
         self._gauges_read_at = -GAUGES_EVERY_S
@@ -141,6 +150,16 @@ class KVPipeConnector(KVConnectorBase_V1, SupportsHMA):
             saves=saves,
             lookups=self.settings.enable_lookup,
             store_format=self.cache.store_format.namespace or "rank-local",
+        )
+
+    def _pin_budget(self, store: Store, saves: bool) -> PinnedBudget:
+        """This worker's retention budget (:meth:`.ConnectorSettings.max_pinned_bytes`); none where it saves nothing."""
+        if not saves:
+            return PinnedBudget(0, "saves nothing")
+        return self.settings.max_pinned_bytes(
+            store_config(self.settings).lent_bytes(),
+            putting_ranks=len(self.cache.putting_ranks),
+            store_capacity=store.capacity_bytes,
         )
 
     @property

@@ -22,6 +22,8 @@ from kvpipe.pipeline import Outcome
 from kvpipe.stages import ObjectStatus, Verdict
 from kvpipe.stages.integrity import REFUSED
 
+from .handoff import HandoffOutcome
+
 PREFIX: Final = "kvpipe:"
 
 
@@ -92,6 +94,7 @@ LOOKUP_HIT_TOKENS: Final = "lookup_hit_tokens"
 LOOKUPS_DEFERRED: Final = "lookups_deferred"
 LOOKUPS_MISSED_AFTER_FAILED_LOAD: Final = "lookups_missed_after_failed_load"
 LOOKUPS_WAITED_FOR_SAVES: Final = "lookups_waited_for_saves"
+HANDOFFS: Final = "handoffs"
 LOADS_PLANNED: Final = "loads_planned"
 LOADS_SYNC: Final = "loads_sync"
 LOADS: Final = "loads"
@@ -166,7 +169,7 @@ CATALOGUE: Final = (
         OBJECTS,
         Kind.COUNTER,
         Side.WORKER,
-        "Save-path objects by final status (throttled: refused by the store-full back-off).",
+        "Save-path objects by final status (throttled: not sent, the slow-store throttle skipped the put).",
         labels=(Label("status", tuple(status.value for status in ObjectStatus)),),
         keyed=Keyed.PER_VALUE,
     ),
@@ -289,6 +292,17 @@ CATALOGUE: Final = (
         "Lookups answered as misses because the request's load had failed (the engine recomputes).",
     ),
     Metric(
+        HANDOFFS,
+        Kind.COUNTER,
+        Side.SCHEDULER,
+        "Requests handed from a prefill engine to a decode engine through the store, by outcome "
+        "(docs/disaggregation.md): offered (prefill: transfer parameters returned), found, waited "
+        "(decode: the prefill's chunks visible at once, or after waiting), expired (the wait ran out: "
+        "the rest recomputed), refused (parameters of another pool or hashing, or malformed).",
+        labels=(Label("outcome", tuple(outcome.value for outcome in HandoffOutcome)),),
+        keyed=Keyed.PER_VALUE,
+    ),
+    Metric(
         LOADS_PLANNED,
         Kind.COUNTER,
         Side.SCHEDULER,
@@ -402,6 +416,7 @@ def per_stage(family: str, pipeline: str, stage: str) -> str:
 #: keys made once, so the per-object count is one dict update (an enum's ``.value`` is a slow property)
 OBJECTS_BY_STATUS: Final = {status: per_value(OBJECTS, status.value) for status in ObjectStatus}
 SAVE_JOBS_BY_OUTCOME: Final = {outcome: per_value(SAVE_JOBS, outcome.value) for outcome in Outcome}
+HANDOFFS_BY_OUTCOME: Final = {outcome: per_value(HANDOFFS, outcome.value) for outcome in HandoffOutcome}
 CHUNKS_BY_VERDICT: Final = {
     Verdict.VERIFIED: CHUNKS_VERIFIED,
     Verdict.UNVERIFIED: CHUNKS_UNVERIFIED,

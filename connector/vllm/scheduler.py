@@ -35,7 +35,12 @@ rank); this module decides *when* to ask and *what to do with the answer*:
   ``save_decode_cache``;
 - **retention**: every request's prompt is counted as it arrives, and a chunk
   that ``retention_min_requests`` requests asked for is marked for a soft pin
-  in its save (:mod:`kvpipe.stages.retention`).
+  in its save (:mod:`kvpipe.stages.retention`);
+- **handoffs** (prefill and decode on different engines, :mod:`.handoff`): a
+  request a prefill engine computes for a decode engine is saved whole, its
+  saves first in their step, and its end returns the transfer parameters; a
+  decode engine's request carrying them is told "ask again" until the chunks
+  they promise are visible, for at most ``remote_prefill_wait_s``.
 """
 
 from __future__ import annotations
@@ -58,17 +63,19 @@ from kvpipe.stages import (
     SaveRequest,
     chunks_to_save,
 )
-from kvpipe.stages.keys import deployment_key_pattern, key_chunk_hex
+from kvpipe.stages.keys import deployment_key_pattern, key_chunk_hex, shared_pool_id
 from kvpipe.stages.load_plan import load_slots, longest_load
 from kvpipe.stages.retention import ReuseCounter
 from kvpipe.stages.store import EXISTS
 
 from .engine_cache import EngineCache
 from .events import ChunkAnnouncer
+from .handoff import Handoff, HandoffError, HandoffOutcome, remote_decode
 from .messages import KVPipeKVEvents, KVPipeMetadata
 from .metrics import (
     BREAKER_STATE,
     EVENTS_DROPPED,
+    HANDOFFS_BY_OUTCOME,
     LOADS_FAILED,
     LOADS_PLANNED,
     LOADS_SPARED,
@@ -100,6 +107,9 @@ MEMO_PLANS = 4
 #: how long a chunk whose load failed is a miss for every request: long enough for
 #: the requests waiting on that load to recompute instead of repeating it
 FAILED_CHUNK_TTL_S = 10.0
+#: how often a decode request waiting for a prefill engine's chunks asks the store: vLLM asks
+#: again at every step, and an engine with nothing else to run steps in a tight loop
+HANDOFF_POLL_S = 0.005
 
 
 @dataclass(frozen=True)
@@ -116,6 +126,7 @@ class _SaveProgress:
 
     saved_tokens: int | None = None  # None until it is first scheduled
     tail_saved: bool = False  # its prompt's partial tail was offered
+    offered: int = 0  # the furthest token its saves offered a chunk up to: what a handoff promises
 
 
 @dataclass
@@ -142,6 +153,14 @@ class _Request:
     async_load: LoadRequest | None = None  # out, until finished_recving reports it
     sync_load: LoadRequest | None = None  # out with the last step, until the output on that step
     progress: _SaveProgress | None = None  # its saves; None until it is allocated
+    # prefill for another engine (do_remote_decode): saved whole, a handoff returned at its end
+    remote_decode: bool = False
+    # a decode engine's: what the prefill engine promised, until found or given up; when the
+    # wait ends, whether it waited, when the store is asked next
+    handoff: Handoff | None = None
+    handoff_until: float = 0.0
+    handoff_waited: bool = False
+    handoff_next_poll: float = 0.0
     # while it waits: its lookup plans, by what else they depend on (SchedulerSide._plan)
     plans: dict[tuple[int, int, int, int | None], LookupPlan] = field(default_factory=dict)
 
@@ -196,6 +215,7 @@ class SchedulerSide:
         )
         # requests per chunk: the chunks they keep asking for are saved soft-pinned
         self._reuse = ReuseCounter(settings.retention_min_requests) if settings.retention else None
+        self._pool = shared_pool_id(cache.namespace(0))  # where a handoff's chunks are
 
     @property
     def loads_in_flight(self) -> int:
@@ -229,9 +249,69 @@ class SchedulerSide:
     # -- lookups -------------------------------------------------------------------------
 
     def on_new_request(self, request: Request) -> None:
-        self._state(request).waiting = True
+        state = self._state(request)
+        state.waiting = True
         if self._reuse is not None:
             self._reuse.asked(request.block_hashes)
+        if params := getattr(request, "kv_transfer_params", None):  # set by a disaggregating proxy
+            self._handoff_arrived(state, params)
+
+    def _handoff_arrived(self, state: _Request, params: dict[str, Any]) -> None:
+        """A request of a prefill/decode split: this engine prefills it for another, or decodes it."""
+        if remote_decode(params):
+            state.remote_decode = self._saves  # an engine that stores nothing hands nothing over
+            return
+        if not self.settings.enable_lookup:
+            return
+        request = state.request
+        try:
+            handoff = Handoff.from_params(params)
+            why = (
+                None
+                if handoff is None
+                else handoff.mismatch(request.block_hashes, self.cache.hash_block_size, self._pool)
+            )
+        except HandoffError as exc:
+            handoff, why = None, str(exc)
+        if why is not None:
+            self.stats[HANDOFFS_BY_OUTCOME[HandoffOutcome.REFUSED]] += 1
+            log.warning(
+                "a prefill engine's handoff refused: computing the prompt",
+                request_id=request.request_id,
+                why=why,
+            )
+            return
+        if handoff is not None:
+            state.handoff = handoff
+            state.handoff_until = self._clock() + self.settings.remote_prefill_wait_s
+
+    def _awaits_handoff(self, state: _Request, plan: LookupPlan, hit: int) -> bool:
+        """Whether ``state``'s request waits on for its prefill engine's chunks, ``hit`` found so far.
+
+        It waits until the hit reaches what was promised (as far as this engine may
+        load: its load room, its last-block rule) or its wait runs out; then the
+        handoff is settled, counted, and the hit loads as any other.
+        """
+        assert state.handoff is not None
+        promised = min(state.handoff.tokens, plan.hit(dict.fromkeys(plan.keys, True)))
+        now = self._clock()
+        if hit >= promised:
+            outcome = HandoffOutcome.WAITED if state.handoff_waited else HandoffOutcome.FOUND
+        elif now >= state.handoff_until:
+            outcome = HandoffOutcome.EXPIRED
+            log.warning(
+                "a prefill engine's chunks did not all arrive in time: computing the rest",
+                request_id=state.request.request_id,
+                promised_tokens=promised,
+                found_tokens=hit,
+                waited_s=self.settings.remote_prefill_wait_s,
+            )
+        else:
+            state.handoff_waited, state.handoff_next_poll = True, now + HANDOFF_POLL_S
+            return True
+        self.stats[HANDOFFS_BY_OUTCOME[outcome]] += 1
+        state.handoff = None
+        return False
 
     def get_num_new_matched_tokens(
         self, request: Request, num_computed_tokens: int
@@ -251,9 +331,13 @@ class SchedulerSide:
             state.miss_once = False
             self.stats[LOOKUPS_MISSED_AFTER_FAILED_LOAD] += 1
             return 0, False
+        if state.handoff is not None and self._clock() < state.handoff_next_poll:
+            return None, False  # asked the store a moment ago
         plan = self._plan(state, num_computed_tokens, self._load_room())
         lookup, keys = plan.request, plan.keys
         if not keys:
+            if state.handoff is not None:  # nothing this engine could load: nothing to wait for
+                self._awaits_handoff(state, plan, num_computed_tokens)
             return 0, False
         if any(key not in self._exists for key in keys):
             self._look_up(keys)
@@ -261,6 +345,8 @@ class SchedulerSide:
         # unanswered: a miss; a chunk whose load just failed: a miss too, whatever the master says
         exists = {key: self._exists.get(key, False) and key_chunk_hex(key) not in failed for key in keys}
         hit = plan.hit(exists)
+        if state.handoff is not None and self._awaits_handoff(state, plan, hit):
+            return None, False
         if self._saving is not None and self._landing_extends(plan, exists, hit):
             self.stats[LOOKUPS_WAITED_FOR_SAVES] += 1
             return None, False
@@ -322,7 +408,9 @@ class SchedulerSide:
         request = state.request
         inputs = (len(request.block_hashes), request.num_tokens, num_computed_tokens, max_load_tokens)
         if (plan := state.plans.get(inputs)) is None:
-            if len(state.plans) >= MEMO_PLANS:  # inputs moved on (a local hit, the room): the old ones are done
+            if (
+                len(state.plans) >= MEMO_PLANS
+            ):  # inputs moved on (a local hit, the room): the old ones are done
                 state.plans.clear()
             lookup = LookupRequest(
                 request.request_id,
@@ -408,7 +496,12 @@ class SchedulerSide:
         state.waiting = False
         state.plans.clear()  # allocated: it is not looked up again until it waits again
         state.progress = state.progress or _SaveProgress()
-        local, load_async, deferred, tail_ends = state.local_hit, state.load_async, state.deferred, state.tail_ends
+        local, load_async, deferred, tail_ends = (
+            state.local_hit,
+            state.load_async,
+            state.deferred,
+            state.tail_ends,
+        )
         state.local_hit, state.load_async, state.deferred, state.tail_ends = 0, False, False, ()  # taken
         if deferred and num_external_tokens == 0 and local > 0:
             self.stats[LOADS_SPARED] += 1  # another request's load put its prefix in the local cache
@@ -440,7 +533,11 @@ class SchedulerSide:
         for new in so.scheduled_new_reqs:
             progress = self._progress(new.req_id)
             if progress is not None and progress.saved_tokens is None:
-                progress.saved_tokens = new.num_computed_tokens  # local + loaded: never saved again
+                # local + loaded: never saved again, but a handoff is saved whole (its local hit
+                # may have left the store since: the filter drops what is still there)
+                progress.saved_tokens = (
+                    0 if self._requests[new.req_id].remote_decode else new.num_computed_tokens
+                )
         # An async load's request is not scheduled: its load goes out in this very step.
         # A sync load runs before the forward of the step that schedules its request.
         for rid, state in self._requests.items():
@@ -467,7 +564,8 @@ class SchedulerSide:
             progress = self._progress(rid)
             if progress is None:
                 continue
-            request = self._requests[rid].request
+            request_state = self._requests[rid]
+            request = request_state.request
             saved = (
                 progress.saved_tokens if progress.saved_tokens is not None else request.num_computed_tokens
             )
@@ -492,9 +590,18 @@ class SchedulerSide:
                     block_ids = tuple(tuple(ids) for ids in table)
                 reused = self._reused(hashes, saved, end)
                 save = SaveRequest(
-                    rid, hashes, block_ids, end, saved, finished, state_tokens=state, reused_chunks=reused
+                    rid,
+                    hashes,
+                    block_ids,
+                    end,
+                    saved,
+                    finished,
+                    state_tokens=state,
+                    reused_chunks=reused,
+                    handoff=request_state.remote_decode,
                 )
                 meta.saves.append(save)
+                progress.offered = max(progress.offered, end if finished else reach)
                 if self._saving is not None or self.announcer is not None:  # both follow the save's chunks
                     chunks = chunks_to_save(save, self.cache.store_groups, self.cache.hash_block_size)
                     if self._saving is not None:
@@ -505,6 +612,7 @@ class SchedulerSide:
                 saved = max(saved, reach)
                 self.stats[SAVES_PLANNED] += 1
             progress.saved_tokens = saved
+        meta.saves.sort(key=lambda save: not save.handoff)  # a handoff's first: another engine waits for it
 
     def _progress(self, rid: str) -> _SaveProgress | None:
         """How far the saves of an allocated request have gone; None for a request not allocated."""
@@ -587,9 +695,22 @@ class SchedulerSide:
         self._failed_chunks.update(dict.fromkeys((hash_.hex() for hash_ in hashes), until))
 
     def request_finished(self, request: Request) -> tuple[bool, dict[str, Any] | None]:
-        self._running.discard(request.request_id)
-        self._finish(request.request_id)
-        return False, None  # the worker copies what it saves: vLLM may free the blocks now
+        """Forget the request; for a prefill done for another engine, the handoff's transfer parameters.
+
+        The worker copies what it saves, so vLLM may free the blocks now.
+        """
+        rid = request.request_id
+        self._running.discard(rid)
+        state = self._requests.get(rid)
+        params = None
+        if state is not None and state.remote_decode:
+            offered = 0 if state.progress is None else state.progress.offered
+            params = Handoff.of(
+                request.block_hashes, self.cache.hash_block_size, offered, self._pool
+            ).params()
+            self.stats[HANDOFFS_BY_OUTCOME[HandoffOutcome.OFFERED]] += 1
+        self._finish(rid)
+        return False, params
 
     # -- operations ----------------------------------------------------------------------
 

@@ -18,7 +18,7 @@ from kvpipe.pipeline.config import describe_validation_error, load_yaml, one_lin
 from kvpipe.pipeline.priority import MAX_NICE
 from kvpipe.stages import MAX_BUFFERS_PER_CALL, Integrity, StrictFlag
 from kvpipe.stages.errors import ConfigError
-from kvpipe.stages.retention import PINNED_SHARE
+from kvpipe.stages.retention import PINNED_SHARE, CapacityReader, PinnedBudget
 from kvpipe.stages.store import MAX_SOFT_PIN_TTL_S
 
 log = structlog.get_logger("kvpipe.connector.vllm")
@@ -110,6 +110,16 @@ class ConnectorSettings(BaseModel):
             "again next step until every rank has reported the chunk, stored or not, or this long after "
             "its save was planned; it then loads instead of computing again. About a busy engine's "
             "save-to-visible p99 (`kvpipe bench save-visible`). 0: never wait, a miss."
+        ),
+    )
+    remote_prefill_wait_s: float = Field(
+        5.0,
+        ge=0,
+        description=(
+            "Prefill and decode on different engines (docs/disaggregation.md): how long a decode "
+            "engine's request whose transfer parameters name a prefill engine's saves waits for them "
+            "to be visible in the store, told to ask again each step (no step waits). Past it the "
+            "request takes what is there and computes the rest, counted and logged. 0: never wait."
         ),
     )
     load_via_staging: StrictFlag = Field(
@@ -217,8 +227,22 @@ class ConnectorSettings(BaseModel):
         None,
         description=(
             'Bytes one worker holds soft-pinned at once (`"8GB"` or a count; 0: pin nothing). '
-            f"null: {PINNED_SHARE} of the memory its engine lends the store, so give it where "
-            "engines lend none (store nodes)."
+            f"null: {PINNED_SHARE} of the store's capacity (the master's mounted segments, read at "
+            "start: docs/retention.md) shared among the workers that pin, `retention_writers` engines "
+            "times this engine's ranks that put; where the engine lends the store memory and "
+            f"`retention_writers` is null, or the capacity cannot be read, {PINNED_SHARE} of what the "
+            "worker lends. Each worker logs its budget and where it came from at start."
+        ),
+    )
+    retention_writers: PositiveInt | None = Field(
+        None,
+        strict=True,
+        description=(
+            "Engines whose workers pin into this store, alike (a fleet's replicas, a disaggregated "
+            "deployment's prefill engines), for the default `retention_max_pinned`. null: an engine "
+            "that lends the store memory pins in what it lends, as every engine beside it does; one "
+            "that lends none (store nodes hold the memory) shares the store's capacity as the only "
+            "engine that pins: give the count where several do."
         ),
     )
     store_tp_size: PositiveInt | None = Field(
@@ -280,13 +304,32 @@ class ConnectorSettings(BaseModel):
         """What the user gave for the store TP size, as they gave it (for messages)."""
         return self.prefill_tp_sizes if self.enable_store_tp_lcm else self.store_tp_size
 
-    def max_pinned_bytes(self, lent_bytes: int) -> int:
-        """The bytes one worker may hold soft-pinned, when its engine lends the store ``lent_bytes``."""
+    def max_pinned_bytes(
+        self, lent_bytes: int, *, putting_ranks: int = 1, store_capacity: CapacityReader | None = None
+    ) -> PinnedBudget:
+        """The bytes one worker may hold soft-pinned, and where that figure came from.
+
+        ``lent_bytes``: what the worker lends the store (its segment); ``putting_ranks``:
+        its engine's workers that put, each pinning for its own shard; ``store_capacity``:
+        reads the store's capacity in object bytes (None: unknown), asked only where the
+        rule needs it. Without ``retention_max_pinned``: :data:`PINNED_SHARE` of the
+        capacity over ``retention_writers`` x ``putting_ranks`` workers, unless the worker
+        lends memory and ``retention_writers`` is null (then every engine is taken to lend
+        as this one does, and each worker pins in what it lends: the same share of the
+        store), or the capacity is unknown (then the same, from what it lends: 0 if nothing).
+        """
         if not self.retention:
-            return 0
+            return PinnedBudget(0, "retention off")
         if self.retention_max_pinned is not None:
-            return self.retention_max_pinned
-        return int(lent_bytes * PINNED_SHARE)
+            return PinnedBudget(self.retention_max_pinned, "retention_max_pinned")
+        lent = PinnedBudget(int(lent_bytes * PINNED_SHARE), "lent")
+        if self.retention_writers is None and lent_bytes > 0:
+            return lent
+        capacity = store_capacity() if store_capacity is not None else None
+        if not capacity or capacity <= 0:
+            return lent._replace(source="lent, capacity unknown")
+        writers = (self.retention_writers or 1) * max(1, putting_ranks)
+        return PinnedBudget(int(capacity * PINNED_SHARE) // writers, "store capacity", capacity, writers)
 
     def staging_slots(self, block_sizes: Sequence[int]) -> int:
         """Slots for stored groups of these block sizes: ``staging_blocks``, or ``staging_tokens`` of each."""

@@ -124,6 +124,7 @@ def fake_record(
     chunk_hash: bytes = b"\xaa",
     group_id: str | None = None,
     reuse: int = 0,
+    handoff: bool = False,
 ) -> StoreObject:
     """A record whose buffers point nowhere: for stores that never read memory."""
     return StoreObject(
@@ -133,6 +134,7 @@ def fake_record(
         buffers=tuple(Buffer(0x1000 * (i + 1), 64) for i in range(buffers)),
         group_id=group_id,
         reuse=reuse,
+        handoff=handoff,
     )
 
 

@@ -389,3 +389,26 @@ async def test_the_rest_of_a_rolled_back_chunk_is_put_once_its_removed_objects_a
     assert store.exist_calls == [["shard0"]]
     assert store.put_keys == ["shard1"]
     assert later[0].emit.counts == {"put": 1}
+
+
+class _Shedding:
+    """A slow-store throttle that sheds every call."""
+
+    def allow(self) -> bool:
+        return False
+
+    def record(self, spent_s: float, nbytes: int) -> None:
+        pass
+
+
+async def test_while_the_throttle_sheds_a_handoffs_objects_are_still_put():
+    store = _scripted({})
+    stage = _stage(store)
+    stage.throttle = _Shedding()  # type: ignore[assignment]
+    batch = batch_of([(fake_record("cache"),), (fake_record("handoff", handoff=True),)])
+
+    await stage.process_batch(batch)
+
+    assert [key for call in store.put_calls for key in call.keys] == ["handoff"]
+    assert batch[0].emit.counts["throttled"] == 1
+    assert batch[1].emit.counts["put"] == 1

@@ -14,6 +14,11 @@ def add_parser(commands: Any) -> None:
     parser = commands.add_parser("bench", help="the performance suite (see BENCHMARKS.md)")
     parser.add_argument("workloads", nargs="*", metavar="WORKLOAD", help="default: all, in order")
     parser.add_argument("--quick", action="store_true", help="tiny sizes: a smoke test, not figures")
+    parser.add_argument(
+        "--pd",
+        action="store_true",
+        help="serve as a prefill/decode split: runs serve-pd in serve's place (docs/disaggregation.md)",
+    )
     parser.add_argument("--repeats", type=int, default=5, help="rounds per contender (median)")
     parser.add_argument(
         "--out",
@@ -33,6 +38,10 @@ def command(args: argparse.Namespace) -> int:
     from kvpipe.connector.bench.result import default_out_dir
     from kvpipe.connector.bench.suite import run_suite, unknown_workloads, write_markdown
 
+    if args.pd:
+        if "serve" not in args.workloads:
+            raise UsageError(f"--pd: a variant of the serve workload, got workloads {args.workloads or 'all'}")
+        args.workloads = ["serve-pd" if name == "serve" else name for name in args.workloads]
     if unknown := unknown_workloads(args.workloads):
         raise UsageError(f"workload: unknown {unknown[0]!r}; choose from {', '.join(WORKLOADS)}")
     if args.repeats < 1:

@@ -26,7 +26,19 @@ def add_parser(commands: Any) -> None:
     parser = commands.add_parser(
         "fleet", help="vllm serve replicas behind vLLM's router over one Mooncake store, until Ctrl-C"
     )
-    parser.add_argument("--replicas", type=int, default=2, help="vllm serve replicas (default 2)")
+    parser.add_argument(
+        "--replicas", type=int, help="vllm serve replicas serving whole requests (default 2; not with a split)"
+    )
+    parser.add_argument(
+        "--prefill", type=int, default=0, help="prefill engines of a prefill/decode split (with --decode)"
+    )
+    parser.add_argument(
+        "--decode",
+        type=int,
+        default=0,
+        help="decode engines of a split: the router prefills on one engine and decodes on another, "
+        "the KV cache passing through the store (docs/disaggregation.md)",
+    )
     parser.add_argument(
         "--connector",
         choices=[c.value for c in Contender],
@@ -61,6 +73,8 @@ def add_parser(commands: Any) -> None:
 def command(args: argparse.Namespace) -> int:
     fields = {
         "replicas": args.replicas,
+        "prefill": args.prefill,
+        "decode": args.decode,
         "connector": args.connector,
         "policy": args.policy,
         "masters": args.masters,
@@ -85,9 +99,15 @@ def command(args: argparse.Namespace) -> int:
             if args.json:
                 print(json.dumps(described), flush=True)
             else:
+                engines = (
+                    f"{spec.prefill} prefill and {spec.decode} decode engines"
+                    if spec.decode
+                    else f"{spec.replicas} replicas"
+                )
                 print(
-                    f"kvpipe fleet: {spec.replicas} replicas ({spec.connector} connector) behind the router "
-                    f"({spec.policy}); store at {described['store']}; logs in {fleet.log_dir}\n"
+                    f"kvpipe fleet: {engines} ({spec.connector} connector) behind the router "
+                    f"({spec.policy}{', prefill/decode' if spec.decode else ''}); store at {described['store']}; "
+                    f"logs in {fleet.log_dir}\n"
                     f"  replicas: {' '.join(described['replicas'])}\n"
                     f"  clients use: {fleet.url}   (model {fleet.model})\n"
                     "stop with Ctrl-C or SIGTERM (every process it started stops)",
@@ -106,6 +126,8 @@ def describe(fleet: Fleet) -> dict[str, Any]:
         "url": fleet.url,
         "model": str(fleet.model),
         "replicas": [r.url for r in fleet.replicas],
+        "prefill": [r.url for r in fleet.prefills] if fleet.spec.decode else [],
+        "decode": [r.url for r in fleet.decoders],
         "store": fleet.store_address.master_address,
         "log_dir": str(fleet.log_dir),
     }

@@ -110,6 +110,9 @@ class KeyNames(Store):
     def remove_by_regex(self, pattern: str, force: bool = False) -> int:
         return 0
 
+    def capacity_bytes(self) -> int | None:
+        return None  # names only: no memory to speak of
+
     def register_buffer(self, addr: int, nbytes: int) -> int:
         return 0
 

@@ -34,6 +34,9 @@ adds only what the raw client lacks and production needs:
   segment behind the memory one: the client is set up with Mooncake's SSD offload
   and the variables it reads that from (:mod:`.environment`), and a spawned master
   offloads.
+- **The store's capacity.** Mooncake's client API has no call that lists segments or
+  capacity, so :meth:`MooncakeStore.capacity_bytes` reads the master's admin HTTP
+  (:mod:`.admin`), where its address is known: ``master_metrics``, or a spawned master's.
 - **vLLM's config file.** :meth:`MooncakeSettings.from_vllm_file` reads the JSON
   that vLLM's ``MooncakeStoreConnector`` users already have (``MOONCAKE_CONFIG_PATH``),
   with sizes parsed exactly as vLLM parses them.
@@ -55,9 +58,11 @@ from typing import Any, Self
 from kvpipe.stages.store import EXISTS, Code, describe
 
 from ..protocol import replicate_config_supports_group_ids
+from .admin import AdminError, find_admin
+from .cluster import LocalCluster
 from .environment import native_environment, rpc_timeout_ms
 from .master import LocalMaster, MasterEndpoints
-from .master_address import MasterAddress
+from .master_address import MasterAddress, split_host_port
 from .master_resolution import ResolvedMaster, resolve_master
 from .reachability import check_reachable
 from .registry import REGISTRY
@@ -355,6 +360,37 @@ class MooncakeStore:
 
     def remove_by_regex(self, pattern: str, force: bool = False) -> int:
         return self._master_call(1, lambda c: [c.remove_by_regex(pattern, force)])[0]
+
+    def capacity_bytes(self) -> int | None:
+        """The bytes of objects the store's memory holds: every mounted segment, over each object's copies.
+
+        Mooncake's client (0.3.13) has no call that says it, so the master's admin HTTP
+        does (``/get_segments_detail``: each segment's capacity, whoever mounted it),
+        read at :meth:`admin_endpoints`. An object takes ``replicas`` copies where
+        there are that many segments. None when no admin address is known, none
+        answers as a leader (each asked within the RPC deadline), or no segment is
+        mounted: the caller's default then stands.
+        """
+        endpoints = self.admin_endpoints()
+        if self._closed or not endpoints:
+            return None
+        try:
+            segments = find_admin(endpoints, self.rpc_timeout_s).segments()
+        except AdminError as error:
+            log.warning("mooncake: the store's capacity cannot be read: %s", error)
+            return None
+        total = sum(segment.capacity_bytes for segment in segments or ())
+        if not segments or total <= 0:
+            return None
+        return total // min(self.settings.replicas, len(segments))
+
+    def admin_endpoints(self) -> list[tuple[str, int]]:
+        """Where the master's admin HTTP is known to be: ``master_metrics``, then a spawned master's (or cluster's)."""
+        known = [split_host_port(address) for address in self.settings.master_metrics]
+        spawned = self._master.spawned
+        masters = spawned.masters if isinstance(spawned, LocalCluster) else [spawned] if spawned else []
+        known += [(m.endpoints.host, m.endpoints.metrics_port) for m in masters if m.endpoints is not None]
+        return list(dict.fromkeys(known))
 
     def register_buffer(self, addr: int, nbytes: int) -> int:
         return self._one(lambda c: c.register_buffer(addr, nbytes))

@@ -29,7 +29,7 @@ from pydantic import (
 from pydantic_core import PydanticCustomError
 
 from .master import P2P_HANDSHAKE
-from .master_address import MasterAddress
+from .master_address import MasterAddress, split_host_port
 
 __all__ = [
     "MIN_SEGMENT_BYTES",
@@ -241,6 +241,12 @@ class MooncakeSettings(BaseModel):
     ``disk`` mounts a local-disk segment behind this client's memory one
     (:class:`DiskTier`): what the master evicts from memory goes there instead of
     away. The master must run with ``--enable_offload=true`` (a spawned one does).
+
+    ``master_metrics`` are the ``host:port`` of the masters' admin HTTP (their
+    ``--metrics_port``, 9003 unless set; one per HA master): where the client reads
+    the store's capacity, which Mooncake's client API does not give
+    (:meth:`~.client.MooncakeStore.capacity_bytes`; a spawned master's is known
+    without it). Nothing else reads them.
     """
 
     model_config = ConfigDict(extra="forbid", frozen=True)
@@ -266,6 +272,7 @@ class MooncakeSettings(BaseModel):
     replicas: int = Field(1, ge=1, le=16)
     verify_replicas: bool = True
     disk: DiskTier | None = None
+    master_metrics: tuple[str, ...] = ()
 
     @field_validator("master")
     @classmethod
@@ -301,6 +308,20 @@ class MooncakeSettings(BaseModel):
         except ValueError:
             raise PydanticCustomError("metadata_server", "has an invalid port") from None
         return value
+
+    @field_validator("master_metrics")
+    @classmethod
+    def _metrics_addresses(cls, value: tuple[str, ...]) -> tuple[str, ...]:
+        for address in value:
+            try:
+                split_host_port(address)
+            except ValueError:
+                raise PydanticCustomError(
+                    "master_metrics",
+                    "must list 'host:port' of the masters' admin HTTP (their --metrics_port), got {address}",
+                    {"address": repr(address)},
+                ) from None
+        return tuple(address.strip() for address in value)
 
     @field_validator("protocol", "local_hostname", "tenant_id")
     @classmethod

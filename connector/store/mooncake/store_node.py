@@ -47,16 +47,25 @@ class NodeReady:
     metadata_server: str
     protocol: str
     disk: DiskTier | None = None
+    #: the masters' admin HTTP the node knows (``--master-metrics``, a spawned master's)
+    master_metrics: tuple[str, ...] = ()
 
     def kvpipe_store(self) -> dict[str, Any]:
-        """The ``store:`` block of a kvpipe config (or the connector's extra config)."""
-        return {
+        """The ``store:`` block of a kvpipe config (or the connector's extra config).
+
+        With the masters' admin HTTP in it where the node knows them, so an engine reads
+        the store's capacity (retention's default pin budget, docs/retention.md).
+        """
+        block: dict[str, Any] = {
             "kind": "mooncake",
             "master": self.master,
             "metadata_server": self.metadata_server,
             "protocol": self.protocol,
             "global_segment_size": 0,
         }
+        if self.master_metrics:
+            block["master_metrics"] = list(self.master_metrics)
+        return block
 
     def vllm_config(self) -> dict[str, Any]:
         """vLLM's Mooncake JSON (``MOONCAKE_CONFIG_PATH``) for an engine of this store."""
@@ -121,6 +130,9 @@ def serve(
     """
     store = MooncakeStore.open(node_settings(settings))
     try:
+        endpoints = [split_host_port(address) for address in master_metrics]
+        if (master := store.spawned_master) is not None and master.endpoints is not None:
+            endpoints.append((LOOPBACK, master.endpoints.metrics_port))
         ready = NodeReady(
             segment_name=store.hostname(),
             segment_bytes=store.settings.global_segment_size,
@@ -128,10 +140,8 @@ def serve(
             metadata_server=store.metadata_server,
             protocol=store.settings.protocol,
             disk=store.settings.disk,
+            master_metrics=tuple(f"{host}:{port}" for host, port in endpoints),
         )
-        endpoints = [split_host_port(address) for address in master_metrics]
-        if (master := store.spawned_master) is not None and master.endpoints is not None:
-            endpoints.append((LOOPBACK, master.endpoints.metrics_port))
         on_ready(ready)
         while not stop.wait(report_every_s):
             use = segment_use(endpoints, ready.segment_name, timeout_s=1.0)

@@ -35,12 +35,16 @@ def words(seed: int, count: int, vocab_size: int = 1024) -> str:
     return random_text(random.Random(seed), count, vocab_size)
 
 
-def complete(url: str, model: str, prompt: str, max_tokens: int = 4) -> Answer:
+def complete(
+    url: str, model: str, prompt: str, max_tokens: int = 4, extra: dict[str, Any] | None = None
+) -> Answer:
     """One greedy, streamed completion of ``prompt`` through ``url`` (the router or a replica).
 
+    ``extra``: more fields of the request's body (``kv_transfer_params``).
     :raises OSError: the request failed (an HTTP error status included).
     """
     body = {
+        **(extra or {}),
         "model": model,
         "prompt": prompt,
         "max_tokens": max_tokens,

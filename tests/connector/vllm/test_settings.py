@@ -100,19 +100,19 @@ def test_by_default_a_worker_pins_at_most_most_of_the_memory_it_lends() -> None:
     settings = settings_from(None)
 
     assert settings.retention
-    assert settings.max_pinned_bytes(1000) == 900
+    assert settings.max_pinned_bytes(1000).pinned_bytes == 900
 
 
 def test_retention_max_pinned_is_a_size_that_overrides_the_share() -> None:
     settings = settings_from({"retention_max_pinned": "64MB"})
 
-    assert settings.max_pinned_bytes(0) == 64 << 20
+    assert settings.max_pinned_bytes(0).pinned_bytes == 64 << 20
 
 
 def test_with_retention_off_a_worker_pins_nothing() -> None:
     settings = settings_from({"retention": False, "retention_max_pinned": "64MB"})
 
-    assert settings.max_pinned_bytes(1 << 30) == 0
+    assert settings.max_pinned_bytes(1 << 30).pinned_bytes == 0
 
 
 def test_vllm_connector_keys_for_its_own_machinery_are_accepted_and_named_in_a_log() -> None:

@@ -70,6 +70,16 @@ def test_the_printed_store_block_mounts_no_segment() -> None:
     assert config.settings().global_segment_size == 0 and config.master == "10.0.0.1:50051"
 
 
+def test_the_printed_store_block_names_the_masters_admin_http_the_node_knows() -> None:
+    from dataclasses import replace
+
+    from kvpipe.connector.store.configs import MooncakeStoreConfig
+
+    ready = replace(READY, master_metrics=("10.0.0.1:9003",))
+    config = MooncakeStoreConfig.model_validate(ready.kvpipe_store())
+    assert config.master_metrics == ("10.0.0.1:9003",)
+
+
 def test_replicas_is_at_least_one() -> None:
     with pytest.raises(ValueError, match="replicas"):
         MooncakeSettings(replicas=0)
