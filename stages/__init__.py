@@ -43,7 +43,7 @@ from .model import (
     StoreObject,
     spans,
 )
-from .object_status import ObjectObserver, ObjectReporter, ObjectStatus
+from .object_status import FailReason, ObjectObserver, ObjectReporter, ObjectStatus
 from .project import ProjectStage
 from .put import PutParams, PutStage
 from .registry import KV_STAGES
@@ -89,6 +89,7 @@ __all__ = [
     "ObjectObserver",
     "ObjectReporter",
     "ObjectStatus",
+    "FailReason",
     "ProjectStage",
     "ProjectedRequest",
     "ProjectionError",

@@ -17,7 +17,7 @@ from kvpipe.pipeline.stage import BatchEntry, BatchStage
 
 from .batch_calls import StoreCallError, call_per_key
 from .model import Records
-from .object_status import ObjectObserver, ObjectReporter
+from .object_status import FailReason, ObjectObserver, ObjectReporter
 from .store import EXISTS, SavingStore, describe
 
 ABSENT = 0
@@ -53,7 +53,9 @@ class FilterStage(BatchStage):
             existing = []
             for record in entry.item:
                 if call_error is not None:
-                    self._reporter.failed(emit, record, f"exist {record.key}: {call_error}")
+                    self._reporter.failed(
+                        emit, record, f"exist {record.key}: {call_error}", FailReason.STORE_ERROR
+                    )
                 elif (answer := answers[record.key]) == EXISTS or record.key in claimed:
                     # Put once: two puts of one chunk race in the put stage's workers, and
                     # under group semantics one's rollback of a torn chunk leaves the
@@ -63,7 +65,9 @@ class FilterStage(BatchStage):
                     claimed.add(record.key)
                     missing.append(record)
                 else:
-                    self._reporter.failed(emit, record, f"exist {record.key}: {describe(answer)}")
+                    self._reporter.failed(
+                        emit, record, f"exist {record.key}: {describe(answer)}", FailReason.STORE_ERROR
+                    )
             self._reporter.all_existing(emit, existing)
             if missing:
                 await emit(tuple(missing))

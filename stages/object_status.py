@@ -4,7 +4,8 @@ Every record that reaches ``filter`` ends as exactly one of :class:`ObjectStatus
 ``existing`` (the store had it), ``put`` (we stored it), ``failed``, or
 ``throttled`` (not sent: the store was too slow, see ``throttle.py``). The job of
 the request it came from counts it under that name, so ``considered = existing +
-put + failed + throttled`` holds per job. An :class:`ObjectObserver` (the build resource
+put + failed + throttled`` holds per job; a failed one is also counted under its
+:class:`FailReason` (``failed_deadline``, ...), so that every object not stored has a why. An :class:`ObjectObserver` (the build resource
 ``observer``) additionally sees each record with its status, on the pipeline's
 loop thread: how a caller learns *which* objects were stored (a report of every
 object, a connector tracking the chunks it may announce), not just how many.
@@ -34,6 +35,20 @@ class ObjectStatus(StrEnum):
 
 #: each status's count name, read per record: an enum's ``.value`` is a slow property
 _COUNT_NAME = {status: status.value for status in ObjectStatus}
+
+
+class FailReason(StrEnum):
+    """Why a failed object was not stored (a job counts it as ``failed_<reason>`` too)."""
+
+    STORE_ERROR = "store_error"  # the store answered an error code, or its call failed
+    NO_SPACE = "no_space"  # refused for space, after the put stage's back-off
+    DEADLINE = "deadline"  # its job's deadline passed before it was sent
+    ROLLED_BACK = "rolled_back"  # its chunk was torn: removed, so that no half chunk stays
+    TOO_LARGE = "too_large"  # more buffers than one put call may carry
+
+
+#: each reason's count name in a job's counts
+FAILED_COUNT_NAMES = {reason: f"failed_{reason.value}" for reason in FailReason}
 
 
 class ObjectObserver(Protocol):
@@ -89,13 +104,16 @@ class ObjectReporter:
         for entry in batch:
             if entry.emit.expired:
                 for record in entry.item:
-                    self.failed(entry.emit, record, f"{call} {record.key}: {DEADLINE_PASSED}")
+                    self.failed(
+                        entry.emit, record, f"{call} {record.key}: {DEADLINE_PASSED}", FailReason.DEADLINE
+                    )
             else:
                 live.append(entry)
         return live
 
-    def failed(self, emit: Emit, record: StoreObject, message: str) -> None:
+    def failed(self, emit: Emit, record: StoreObject, message: str, reason: FailReason) -> None:
         self._settle(emit, record, ObjectStatus.FAILED)
+        emit.count(FAILED_COUNT_NAMES[reason])
         emit.fail(message)
 
     def _settle(self, emit: Emit, record: StoreObject, status: ObjectStatus) -> None:

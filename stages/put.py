@@ -25,7 +25,7 @@ from .backoff import Backoff
 from .batch_calls import MAX_BUFFERS_PER_CALL, StoreCallError, call_per_key, remove_each, split_into_calls
 from .integrity import SEAL_SIZE, Seal, entry_of, seal_key, seal_spans
 from .model import Records, StoreObject
-from .object_status import DEADLINE_PASSED, ObjectObserver, ObjectReporter
+from .object_status import DEADLINE_PASSED, FailReason, ObjectObserver, ObjectReporter
 from .retention import LoadedKeys, PinBudget
 from .seal import SealMemory, SealSlab
 from .store import MAX_SOFT_PIN_TTL_S, Code, SavingStore, describe
@@ -93,7 +93,9 @@ class _CallLayout:
     seal_positions: list[int]  # per span
 
     @classmethod
-    def of(cls, call: Sequence[StoreObject], spans: Sequence[Sequence[int]], slab: SealSlab | None) -> _CallLayout:
+    def of(
+        cls, call: Sequence[StoreObject], spans: Sequence[Sequence[int]], slab: SealSlab | None
+    ) -> _CallLayout:
         """Records in their order, each span's seal (in ``slab``'s slot of its number) right after its last record."""
         layout = cls([], [], [], [], [], [0] * len(spans))
         closing: dict[int, list[int]] = {}  # record position -> the spans whose last record it is
@@ -183,6 +185,7 @@ class PutStage(BatchStage):
                         record,
                         f"put {record.key}: {count} buffers exceed "
                         f"max_buffers_per_call={self._max_buffers}; not sent",
+                        FailReason.TOO_LARGE,
                     )
                 elif (sharing := holders.get(record.key)) is None:
                     holders[record.key] = [(emit, record)]
@@ -218,7 +221,9 @@ class PutStage(BatchStage):
             return set()
         if self.throttle is not None and not self.throttle.allow():
             # another engine waits for a handoff's objects: shedding them would cost it the whole prompt
-            waited_for = {record.key for record in call if any(held.handoff for _, held in holders[record.key])}
+            waited_for = {
+                record.key for record in call if any(held.handoff for _, held in holders[record.key])
+            }
             self._shed([record for record in call if record.key not in waited_for], holders)
             call = [record for record in call if record.key in waited_for]
             if not call:
@@ -228,7 +233,7 @@ class PutStage(BatchStage):
         except StoreCallError as error:
             for record in call:
                 for emit, held in holders[record.key]:
-                    self._reporter.failed(emit, held, f"put {held.key}: {error}")
+                    self._reporter.failed(emit, held, f"put {held.key}: {error}", FailReason.STORE_ERROR)
             return set()
         for key in unsealed:  # stored, but a load will find it unverified
             holders[key][0][0].count("unsealed")
@@ -238,7 +243,9 @@ class PutStage(BatchStage):
             (emit, held), *sharers = holders[record.key]
             if rolled_back and record.key in rolled_back:
                 for emit, held in holders[record.key]:
-                    self._reporter.failed(emit, held, f"put {held.key}: {ROLLED_BACK}")
+                    self._reporter.failed(
+                        emit, held, f"put {held.key}: {ROLLED_BACK}", FailReason.ROLLED_BACK
+                    )
                 continue
             if code == Code.OK:
                 if (of_job := stored.get(id(emit))) is None:
@@ -291,7 +298,7 @@ class PutStage(BatchStage):
         live, expired = _split_expired(call, holders)
         for record in expired:
             for emit, held in holders[record.key]:
-                self._reporter.failed(emit, held, f"put {held.key}: {DEADLINE_PASSED}")
+                self._reporter.failed(emit, held, f"put {held.key}: {DEADLINE_PASSED}", FailReason.DEADLINE)
         return live
 
     def _shed(self, call: list[StoreObject], holders: Holders) -> None:
@@ -371,7 +378,9 @@ class PutStage(BatchStage):
             seal = None
             if slab is not None:
                 seal = functools.partial(self._write_seals, slab, call, spans, layout)
-            codes = await self._timed_call(layout.keys, layout.ptrs, layout.sizes, layout.group_ids, seal, pin)
+            codes = await self._timed_call(
+                layout.keys, layout.ptrs, layout.sizes, layout.group_ids, seal, pin
+            )
         finally:
             if slab is not None:
                 slab.release()
@@ -474,6 +483,8 @@ class PutStage(BatchStage):
         elif code == Code.ALREADY_EXISTS:  # someone stored it first: the object is there
             self._reporter.existing(emit, record)
         else:
-            if code == Code.NO_SPACE:
+            no_space = code == Code.NO_SPACE
+            if no_space:
                 emit.count("backpressure")
-            self._reporter.failed(emit, record, f"put {record.key}: {describe(code)}")
+            reason = FailReason.NO_SPACE if no_space else FailReason.STORE_ERROR
+            self._reporter.failed(emit, record, f"put {record.key}: {describe(code)}", reason)

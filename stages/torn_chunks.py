@@ -31,7 +31,7 @@ from kvpipe.pipeline.stage import Emit
 
 from .batch_calls import StoreCallError
 from .model import StoreObject
-from .object_status import ObjectReporter
+from .object_status import FailReason, ObjectReporter
 from .store import EXISTS, Code
 
 ROLLED_BACK = "removed again: another object of its chunk was refused"
@@ -121,7 +121,7 @@ class TornChunks:
             broken = set(to_ask)
         for key in [key for key, holding in holders.items() if holding[0][1].group_id in broken]:
             for emit, held in holders.pop(key):
-                self._reporter.failed(emit, held, f"put {held.key}: {TORN_BEFORE}")
+                self._reporter.failed(emit, held, f"put {held.key}: {TORN_BEFORE}", FailReason.ROLLED_BACK)
 
     async def remove_torn(self, call: Sequence[StoreObject], codes: list[int]) -> set[str]:
         """Under group semantics, undo the puts of a chunk whose other objects were refused.

@@ -19,8 +19,9 @@ from enum import Enum, Flag, auto
 from typing import Final
 
 from kvpipe.pipeline import Outcome
-from kvpipe.stages import ObjectStatus, Verdict
+from kvpipe.stages import FailReason, ObjectStatus, Verdict
 from kvpipe.stages.integrity import REFUSED
+from kvpipe.stages.object_status import FAILED_COUNT_NAMES
 
 from .handoff import HandoffOutcome
 
@@ -87,6 +88,7 @@ SAVES_DROPPED_NO_STAGING: Final = "saves_dropped_no_staging"
 SAVE_LANDING_SECONDS: Final = "save_landing_seconds"
 ENGINE_COPY_WAIT_SECONDS: Final = "engine_copy_wait_seconds"
 OBJECTS: Final = "objects"
+OBJECT_FAILURES: Final = "object_failures"
 SAVE_JOBS: Final = "save_jobs"
 SEALS_FAILED: Final = "seals_failed"
 LOOKUP_CALLS: Final = "lookup_calls"
@@ -171,6 +173,17 @@ CATALOGUE: Final = (
         Side.WORKER,
         "Save-path objects by final status (throttled: not sent, the slow-store throttle skipped the put).",
         labels=(Label("status", tuple(status.value for status in ObjectStatus)),),
+        keyed=Keyed.PER_VALUE,
+    ),
+    Metric(
+        OBJECT_FAILURES,
+        Kind.COUNTER,
+        Side.WORKER,
+        'Save-path objects that failed, by why (with `objects{status="throttled"}`, '
+        '`saves_dropped_no_staging` and `stage_dropped{stage="entry"}`, every save not stored has a '
+        "reason): store_error, no_space (refused after the back-off), deadline (`save_deadline_s` "
+        "passed before it was sent), rolled_back (its chunk was torn), too_large.",
+        labels=(Label("reason", tuple(reason.value for reason in FailReason)),),
         keyed=Keyed.PER_VALUE,
     ),
     Metric(
@@ -416,6 +429,10 @@ def per_stage(family: str, pipeline: str, stage: str) -> str:
 #: keys made once, so the per-object count is one dict update (an enum's ``.value`` is a slow property)
 OBJECTS_BY_STATUS: Final = {status: per_value(OBJECTS, status.value) for status in ObjectStatus}
 SAVE_JOBS_BY_OUTCOME: Final = {outcome: per_value(SAVE_JOBS, outcome.value) for outcome in Outcome}
+#: a save job's count of each reason's failed objects -> the stats key it is reported under
+FAILED_BY_JOB_COUNT: Final = {
+    name: per_value(OBJECT_FAILURES, reason.value) for reason, name in FAILED_COUNT_NAMES.items()
+}
 HANDOFFS_BY_OUTCOME: Final = {outcome: per_value(HANDOFFS, outcome.value) for outcome in HandoffOutcome}
 CHUNKS_BY_VERDICT: Final = {
     Verdict.VERIFIED: CHUNKS_VERIFIED,

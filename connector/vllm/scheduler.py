@@ -153,8 +153,11 @@ class _Request:
     async_load: LoadRequest | None = None  # out, until finished_recving reports it
     sync_load: LoadRequest | None = None  # out with the last step, until the output on that step
     progress: _SaveProgress | None = None  # its saves; None until it is allocated
-    # prefill for another engine (do_remote_decode): saved whole, a handoff returned at its end
+    # prefill for another engine (do_remote_decode): saved whole, a handoff returned at its end;
+    # how far from token 0 the store held its prompt when it was looked up (its save starts
+    # there, not at its local hit)
     remote_decode: bool = False
+    store_holds: int = 0
     # a decode engine's: what the prefill engine promised, until found or given up; when the
     # wait ends, whether it waited, when the store is asked next
     handoff: Handoff | None = None
@@ -285,6 +288,19 @@ class SchedulerSide:
             state.handoff = handoff
             state.handoff_until = self._clock() + self.settings.remote_prefill_wait_s
 
+    def _stored_prefix(self, state: _Request) -> int:
+        """How far from token 0 the store holds ``state``'s prompt (asked with the step's lookups).
+
+        A prefill for another engine is saved whole: the chunks it found in its own
+        prefix cache too, unless the store still holds them (the engine stored them
+        when it computed them, or loaded them): then they are not copied again.
+        """
+        plan = self._plan(state, 0, None)
+        keys = plan.keys
+        if any(key not in self._exists for key in keys):
+            self._look_up(keys)
+        return plan.hit({key: self._exists.get(key, False) for key in keys})
+
     def _awaits_handoff(self, state: _Request, plan: LookupPlan, hit: int) -> bool:
         """Whether ``state``'s request waits on for its prefill engine's chunks, ``hit`` found so far.
 
@@ -327,6 +343,8 @@ class SchedulerSide:
             return 0, False
         state = self._state(request)
         state.local_hit = num_computed_tokens
+        if state.remote_decode and num_computed_tokens > state.store_holds:
+            state.store_holds = self._stored_prefix(state)
         if state.miss_once:
             state.miss_once = False
             self.stats[LOOKUPS_MISSED_AFTER_FAILED_LOAD] += 1
@@ -533,10 +551,12 @@ class SchedulerSide:
         for new in so.scheduled_new_reqs:
             progress = self._progress(new.req_id)
             if progress is not None and progress.saved_tokens is None:
-                # local + loaded: never saved again, but a handoff is saved whole (its local hit
-                # may have left the store since: the filter drops what is still there)
+                # local + loaded: never saved again, but a handoff is saved whole: from where
+                # the store's copy of its prompt ended when it was looked up
+                request_state = self._requests[new.req_id]
+                computed = new.num_computed_tokens
                 progress.saved_tokens = (
-                    0 if self._requests[new.req_id].remote_decode else new.num_computed_tokens
+                    min(computed, request_state.store_holds) if request_state.remote_decode else computed
                 )
         # An async load's request is not scheduled: its load goes out in this very step.
         # A sync load runs before the forward of the step that schedules its request.

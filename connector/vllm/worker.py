@@ -51,6 +51,7 @@ from .loads import Loads
 from .metrics import (
     BREAKER_STATE,
     ENGINE_COPY_WAIT_SECONDS,
+    FAILED_BY_JOB_COUNT,
     OBJECTS_BY_STATUS,
     SAVE_JOBS_BY_OUTCOME,
     SAVE_LANDING_SECONDS,
@@ -354,6 +355,9 @@ class WorkerSide:
         assert self._staging is not None  # a save job's pipeline starts after the staging area
         self._staging.give_back(self._job_slots.pop(job.id, ()))
         self.stats[SEALS_FAILED] += job.counts.get("unsealed", 0)
+        for count_name, stats_key in FAILED_BY_JOB_COUNT.items():
+            if failed := job.counts.get(count_name):
+                self.stats[stats_key] += failed
         assert job.outcome is not None  # a completed job has its outcome
         self.stats[SAVE_JOBS_BY_OUTCOME[job.outcome]] += 1
         if job.outcome is Outcome.OK and job.elapsed_s is not None:

@@ -66,7 +66,7 @@ async def test_an_entry_left_with_nothing_to_put_because_of_failures_is_not_drop
     await FilterStage(_store({"a": 1, "b": -901})).process_batch(batch)
 
     assert (batch[0].emit.dropped, batch[0].emit.emitted["out"]) == ([], [])
-    assert batch[0].emit.counts == {"existing": 1, "failed": 1}
+    assert batch[0].emit.counts == {"existing": 1, "failed": 1, "failed_store_error": 1}
 
 
 async def test_a_key_shared_by_two_requests_is_asked_once_and_put_once():

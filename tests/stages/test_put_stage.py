@@ -171,7 +171,7 @@ async def test_a_record_with_more_buffers_than_the_budget_fails_and_is_never_sen
 
     assert store.put_keys == ["ok"]
     assert batch[0].emit.failures == ["put huge: 9 buffers exceed max_buffers_per_call=8; not sent"]
-    assert batch[0].emit.counts == {"failed": 1, "put": 1}
+    assert batch[0].emit.counts == {"failed": 1, "failed_too_large": 1, "put": 1}
 
 
 async def test_a_key_in_several_entries_is_sent_once_and_is_existing_for_the_later_ones():
@@ -246,7 +246,7 @@ async def test_a_wrong_length_answer_fails_every_record_of_that_call_only():
     await _stage(store, max_buffers_per_call=1).process_batch(batch)
 
     assert batch[0].emit.failures == ["put a: store answered 0 results for 1 keys"]
-    assert batch[0].emit.counts == {"failed": 1, "put": 1}
+    assert batch[0].emit.counts == {"failed": 1, "failed_store_error": 1, "put": 1}
 
 
 async def test_after_backpressure_the_next_call_waits_the_backoff():
@@ -302,7 +302,7 @@ async def test_under_group_semantics_a_chunk_partly_refused_is_removed_whole():
     await _stage(RecordingStore(inner)).process_batch(batch)
 
     assert inner.removed == ["shard0"]
-    assert batch[0].emit.counts == {"failed": 2}
+    assert batch[0].emit.counts == {"failed": 2, "failed_rolled_back": 1, "failed_store_error": 1}
     assert batch[1].emit.counts == {"put": 1}
 
 
@@ -313,7 +313,7 @@ async def test_without_group_ids_a_partly_refused_chunk_keeps_what_was_stored():
     await _stage(RecordingStore(inner)).process_batch(batch)
 
     assert inner.removed == []
-    assert batch[0].emit.counts == {"put": 1, "failed": 1}
+    assert batch[0].emit.counts == {"put": 1, "failed": 1, "failed_store_error": 1}
 
 
 async def test_a_key_another_batch_is_putting_is_put_only_after_that_put_and_its_rollback():
@@ -350,7 +350,7 @@ async def test_a_key_another_batch_is_putting_is_put_only_after_that_put_and_its
                 first_put_may_return.set()
 
     assert log == [("put", "shard0", "shard1"), ("remove", "shard0"), ("put", "shard0", "shard1")]
-    assert first[0].emit.counts == {"failed": 2}
+    assert first[0].emit.counts == {"failed": 2, "failed_rolled_back": 1, "failed_store_error": 1}
     assert second[0].emit.counts == {"put": 2}
 
 
@@ -370,7 +370,7 @@ async def test_the_rest_of_a_chunk_rolled_back_since_the_filter_asked_is_not_put
 
     assert store.exist_calls == [["shard0"]]
     assert store.put_calls == []
-    assert late[0].emit.counts == {"failed": 1}
+    assert late[0].emit.counts == {"failed": 1, "failed_rolled_back": 1}
 
 
 async def test_the_rest_of_a_rolled_back_chunk_is_put_once_its_removed_objects_are_back():

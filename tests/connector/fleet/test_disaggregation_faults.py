@@ -15,6 +15,7 @@ import signal
 import threading
 import time
 from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
 
 import pytest
@@ -33,7 +34,9 @@ HELD_UP_S = 2.0  # how long the store node is stopped while a decode waits: well
 
 @pytest.fixture
 def fleet(tmp_path: Path) -> Iterator[Fleet]:
-    spec = FleetSpec(prefill=1, decode=1, connector_settings={"remote_prefill_wait_s": WAIT_S}, log_dir=tmp_path)
+    spec = FleetSpec(
+        prefill=1, decode=1, connector_settings={"remote_prefill_wait_s": WAIT_S}, log_dir=tmp_path
+    )
     with Fleet(spec) as running:
         yield running
 
@@ -62,17 +65,24 @@ def store_node_stopped(fleet: Fleet, stopped: bool) -> None:
     os.kill(pid, signal.SIGSTOP if stopped else signal.SIGCONT)
 
 
+@contextmanager
+def store_node_held(fleet: Fleet) -> Iterator[None]:
+    """The store node stopped (SIGSTOP) for the block, whatever happens in it: no put to it completes."""
+    store_node_stopped(fleet, True)
+    try:
+        yield
+    finally:
+        store_node_stopped(fleet, False)
+
+
 def test_a_save_held_up_by_a_stopped_store_node_is_waited_for_and_loaded_whole(fleet: Fleet) -> None:
     prompt = words(seed=800, count=PROMPT_TOKENS)
     reference = computed_and_cleared(fleet, prompt)
     waited = handoffs(fleet.decoders[0].url, "waited")
-    store_node_stopped(fleet, True)
-    try:
+    with store_node_held(fleet):
         params = prefill(fleet, prompt)  # answered; its save cannot land while the node is stopped
         threading.Timer(HELD_UP_S, store_node_stopped, (fleet, False)).start()
         text, loaded = decode(fleet, prompt, params)
-    finally:
-        store_node_stopped(fleet, False)
     assert loaded == WHOLE_BLOCKS * BLOCK
     assert handoffs(fleet.decoders[0].url, "waited") == waited + 1
     assert text == reference
@@ -82,14 +92,12 @@ def test_a_prefill_engine_killed_before_its_save_landed_costs_a_recompute_not_a_
     prompt = words(seed=801, count=PROMPT_TOKENS)
     reference = computed_and_cleared(fleet, prompt)
     expired = handoffs(fleet.decoders[0].url, "expired")
-    store_node_stopped(fleet, True)
-    try:
+    with store_node_held(fleet):
         params = prefill(fleet, prompt)
         fleet.prefills[0].process.signal(signal.SIGKILL)  # its save dies with it
-        store_node_stopped(fleet, False)
-        text, loaded = decode(fleet, prompt, params)
-    finally:
-        store_node_stopped(fleet, False)
+
+    text, loaded = decode(fleet, prompt, params)
+
     assert loaded == 0
     assert handoffs(fleet.decoders[0].url, "expired") == expired + 1
     assert text == reference

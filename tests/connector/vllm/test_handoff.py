@@ -78,6 +78,20 @@ def test_a_prefill_for_another_engine_is_saved_whole_even_where_its_own_cache_hi
     assert [(s.num_saved_tokens, s.num_computed_tokens, s.handoff) for s in saves] == [(0, PROMPT, True)]
 
 
+def test_a_prefill_for_another_engine_copies_no_chunk_of_its_cache_hit_that_the_store_holds() -> None:
+    harness = make_harness()
+    harness.store_chunks(2)
+    request = PDRequest("p", harness.hashes, {"do_remote_decode": True})
+    harness.side.on_new_request(request)
+    harness.side.get_num_new_matched_tokens(request, 3 * BLOCK)  # its own cache holds three chunks
+    harness.side.update_state_after_alloc(request, SimpleNamespace(get_block_ids=lambda: ([],)), 0)
+    request.num_computed_tokens = 3 * BLOCK
+
+    saves = plan_saves(harness.side, request, PROMPT - 3 * BLOCK)
+
+    assert [(s.num_saved_tokens, s.num_computed_tokens) for s in saves] == [(2 * BLOCK, PROMPT)]
+
+
 def test_a_finished_prefill_returns_what_it_stored_in_the_standard_parameters() -> None:
     side = _prefill_side()
     request, _ = _prefilled(side)

@@ -16,7 +16,7 @@ import pytest
 import torch
 from vllm.v1.kv_cache_layout import KVCacheLayout
 
-from kvpipe.connector.store.memory import MemoryStore
+from kvpipe.connector.store.memory import Faults, MemoryStore
 from kvpipe.connector.vllm.device import HostThreadDevice
 from kvpipe.connector.vllm.messages import KVPipeMetadata
 from kvpipe.connector.vllm.settings import settings_from
@@ -58,6 +58,16 @@ def save_three_blocks(store: MemoryStore, layout: KVCacheLayout) -> dict[str, to
     assert saver.stats["objects_put"] == 3
     saver.shutdown(owns_store=False)
     return views
+
+
+def test_objects_a_save_could_not_store_are_counted_by_why() -> None:
+    store = MemoryStore(faults=Faults(error_rates={"put": {-800: 1.0}}))
+    saver = worker(store, KVCacheLayout.LBHNC)
+    saver.register_kv_caches(engine_views(KVCacheLayout.LBHNC))
+    saver.wait_for_save(KVPipeMetadata(saves=[SaveRequest("s", HASHES, ((4, 1, 5),), 3 * BLOCK)]))
+    assert saver.drain(10.0)
+    saver.shutdown(owns_store=False)
+    assert (saver.stats["objects_failed"], saver.stats["object_failures_store_error"]) == (3, 3)
 
 
 @pytest.mark.parametrize("via_staging", [False, True], ids=["into-blocks", "via-staging"])
