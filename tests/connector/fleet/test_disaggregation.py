@@ -148,14 +148,16 @@ def test_a_conversations_next_turn_loads_the_answer_the_decode_engine_generated(
     objects = len(launch.stored_keys(endpoints))
     first_prompt = words(seed=900, count=600)  # 4 whole blocks and 88 tokens
     answer = complete(fleet.url, model, first_prompt, max_tokens=300)
-    answered = (600 + 300) // BLOCK  # whole blocks of the conversation so far: the prefill stores 4, the decode 3
+    # whole blocks of the conversation so far: the prefill engine stores 4, the decode engine 3
+    answered = (600 + 300) // BLOCK
     deadline = time.monotonic() + SAVED_WITHIN_S
     while len(launch.stored_keys(endpoints)) < objects + answered:
         assert time.monotonic() < deadline, "the decode engine's save of its answer never landed"
         time.sleep(0.1)
     loaded_before = counter(prefiller, EXTERNAL_HITS)
 
-    second = complete(fleet.url, model, f"{first_prompt} {answer.text} {words(seed=901, count=40)}", max_tokens=8)
+    next_prompt = f"{first_prompt} {answer.text} {words(seed=901, count=40)}"
+    second = complete(fleet.url, model, next_prompt, max_tokens=8)
 
     assert (answer.prompt_tokens, second.prompt_tokens) == (600, 940)
     assert counter(prefiller, EXTERNAL_HITS) - loaded_before == (answered - 600 // BLOCK) * BLOCK
