@@ -93,9 +93,7 @@ class _CallLayout:
     seal_positions: list[int]  # per span
 
     @classmethod
-    def of(
-        cls, call: Sequence[StoreObject], spans: Sequence[Sequence[int]], slab: SealSlab | None
-    ) -> _CallLayout:
+    def of(cls, call: Sequence[StoreObject], spans: Sequence[Sequence[int]], slab: SealSlab | None) -> _CallLayout:
         """Records in their order, each span's seal (in ``slab``'s slot of its number) right after its last record."""
         layout = cls([], [], [], [], [], [0] * len(spans))
         closing: dict[int, list[int]] = {}  # record position -> the spans whose last record it is
@@ -378,9 +376,7 @@ class PutStage(BatchStage):
             seal = None
             if slab is not None:
                 seal = functools.partial(self._write_seals, slab, call, spans, layout)
-            codes = await self._timed_call(
-                layout.keys, layout.ptrs, layout.sizes, layout.group_ids, seal, pin
-            )
+            codes = await self._timed_call(layout.keys, layout.ptrs, layout.sizes, layout.group_ids, seal, pin)
         finally:
             if slab is not None:
                 slab.release()

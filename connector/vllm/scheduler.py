@@ -426,9 +426,7 @@ class SchedulerSide:
         request = state.request
         inputs = (len(request.block_hashes), request.num_tokens, num_computed_tokens, max_load_tokens)
         if (plan := state.plans.get(inputs)) is None:
-            if (
-                len(state.plans) >= MEMO_PLANS
-            ):  # inputs moved on (a local hit, the room): the old ones are done
+            if len(state.plans) >= MEMO_PLANS:  # inputs moved on (a local hit, the room): the old ones are done
                 state.plans.clear()
             lookup = LookupRequest(
                 request.request_id,
@@ -514,12 +512,7 @@ class SchedulerSide:
         state.waiting = False
         state.plans.clear()  # allocated: it is not looked up again until it waits again
         state.progress = state.progress or _SaveProgress()
-        local, load_async, deferred, tail_ends = (
-            state.local_hit,
-            state.load_async,
-            state.deferred,
-            state.tail_ends,
-        )
+        local, load_async, deferred, tail_ends = state.local_hit, state.load_async, state.deferred, state.tail_ends
         state.local_hit, state.load_async, state.deferred, state.tail_ends = 0, False, False, ()  # taken
         if deferred and num_external_tokens == 0 and local > 0:
             self.stats[LOADS_SPARED] += 1  # another request's load put its prefix in the local cache
