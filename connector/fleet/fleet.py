@@ -107,31 +107,52 @@ class FleetSpec(BaseModel):
     @model_validator(mode="before")
     @classmethod
     def _replicas_of_a_split(cls, data: Any) -> Any:
-        """With ``prefill`` and ``decode``, ``replicas`` is their sum (given otherwise: an error)."""
-        if not isinstance(data, dict) or not (data.get("prefill") or data.get("decode")):
-            return data
-        prefill, decode = data.get("prefill") or 0, data.get("decode") or 0
-        if not (isinstance(prefill, int) and isinstance(decode, int)) or prefill < 1 or decode < 1:
+        """With ``prefill`` and ``decode`` and no ``replicas``, ``replicas`` is their sum (checked below)."""
+        if (
+            isinstance(data, dict)
+            and data.get("replicas") is None
+            and (data.get("prefill") or data.get("decode"))
+        ):
+            prefill, decode = data.get("prefill") or 0, data.get("decode") or 0
+            if isinstance(prefill, int) and isinstance(decode, int):
+                return {**data, "replicas": prefill + decode}
+        return data
+
+    @field_validator("decode")
+    @classmethod
+    def _a_split_has_both(cls, decode: int, info: ValidationInfo) -> int:
+        prefill, replicas = info.data.get("prefill", 0), info.data.get("replicas")
+        if bool(prefill) != bool(decode):
             raise PydanticCustomError(
-                "prefill_decode",
-                "prefill and decode: a split needs both >= 1, got {prefill} and {decode}",
+                "split",
+                "a split needs prefill and decode engines, got prefill {prefill} and decode {decode}",
                 {"prefill": prefill, "decode": decode},
             )
-        if data.get("replicas") not in (None, prefill + decode):
+        if decode and replicas != prefill + decode:
             raise PydanticCustomError(
-                "replicas",
-                "replicas: with prefill and decode it is their sum ({total}), got {replicas}",
-                {"total": prefill + decode, "replicas": data["replicas"]},
+                "split",
+                "a split of {prefill} prefill and {decode} decode engines is {total} replicas, got {replicas}",
+                {"prefill": prefill, "decode": decode, "total": prefill + decode, "replicas": replicas},
             )
-        return {**data, "replicas": prefill + decode}
+        return decode
 
-    @model_validator(mode="after")
-    def _a_split_needs_a_connector(self) -> FleetSpec:
-        if self.decode and self.connector is Contender.NONE:
-            raise ValueError("connector: a prefill/decode split passes the KV cache through one, got none")
-        if self.decode and (self.policy == "kv_aware" or self.kv_events):
-            raise ValueError("policy: kv_aware (and kv_events) are for whole-request replicas, not a split")
-        return self
+    @field_validator("connector")
+    @classmethod
+    def _a_split_needs_a_connector(cls, connector: Contender, info: ValidationInfo) -> Contender:
+        if info.data.get("decode") and connector is Contender.NONE:
+            raise PydanticCustomError(
+                "split", "a prefill/decode split passes the KV cache through a connector, got none"
+            )
+        return connector
+
+    @field_validator("policy")
+    @classmethod
+    def _kv_aware_is_for_replicas(cls, policy: str, info: ValidationInfo) -> str:
+        if info.data.get("decode") and policy == "kv_aware":
+            raise PydanticCustomError(
+                "split", "kv_aware reads whole-request replicas' KV events, not a split's, got kv_aware"
+            )
+        return policy
 
     @property
     def roles(self) -> list[launch.KVRole]:

@@ -280,6 +280,17 @@ COMMAND_LINES = [
         "--model: 'a-folder' holds no config.json",
     ),
     case(
+        "fleet-prefill-without-decode",
+        ["fleet", "--prefill", "1"],
+        "--decode: a split needs prefill and decode engines, got prefill 1 and decode 0",
+    ),
+    case(
+        "fleet-split-without-connector",
+        ["fleet", "--prefill", "1", "--decode", "1", "--connector", "none"],
+        "--connector: a prefill/decode split passes the KV cache through a connector, got none",
+    ),
+    case("bench-pd-without-serve", ["bench", "--pd", "local"], "--pd: a variant of the serve workload"),
+    case(
         "fleet-unknown-policy",
         ["fleet", "--policy", "nearest"],
         "argument --policy: invalid choice: 'nearest'",
