@@ -106,7 +106,8 @@ def command(args: argparse.Namespace) -> int:
                 )
                 print(
                     f"kvpipe fleet: {engines} ({spec.connector} connector) behind the router "
-                    f"({spec.policy}{', prefill/decode' if spec.decode else ''}); store at {described['store']}; "
+                    f"({spec.policy}{', prefill/decode' if spec.decode else ''}); store at {described['store']} "
+                    f"(admin HTTP {', '.join(described['store_admin'])}); "
                     f"logs in {fleet.log_dir}\n"
                     f"  replicas: {' '.join(described['replicas'])}\n"
                     f"  clients use: {fleet.url}   (model {fleet.model})\n"
@@ -129,6 +130,7 @@ def describe(fleet: Fleet) -> dict[str, Any]:
         "prefill": [r.url for r in fleet.prefills] if fleet.spec.decode else [],
         "decode": [r.url for r in fleet.decoders],
         "store": fleet.store_address.master_address,
+        "store_admin": fleet.master_metrics,
         "log_dir": str(fleet.log_dir),
     }
 

@@ -100,9 +100,11 @@ def command(args: argparse.Namespace) -> int:
             print(json.dumps(node.as_json()), flush=True)
             return
         disk = "" if node.disk is None else f" and disk {node.disk.path} ({node.disk.size / (1 << 20):g} MiB)"
+        # the admin HTTP is where kvpipe inspect lists the keys (--metrics)
+        admin = f" (admin HTTP {', '.join(node.master_metrics)})" if node.master_metrics else ""
         print(
             f"kvpipe store: segment {node.segment_name} ({node.segment_bytes / (1 << 20):g} MiB){disk} "
-            f"serves the store at {node.master}\n"
+            f"serves the store at {node.master}{admin}\n"
             "engines mount no segment of their own; kvpipe's store settings (YAML, or the connector's "
             f"extra config):\n{_indented(yaml.safe_dump({'store': node.kvpipe_store()}, sort_keys=False))}"
             f"vLLM's Mooncake JSON (MOONCAKE_CONFIG_PATH):\n  {json.dumps(node.vllm_config())}\n"

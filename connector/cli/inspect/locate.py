@@ -8,6 +8,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 
 from kvpipe.connector.store.mooncake.admin import ADMIN_DEFAULT_PORT, AdminClient, AdminError, find_admin
+from kvpipe.connector.store.mooncake.local_admin import local_master_admin
 from kvpipe.connector.store.mooncake.master_address import MasterAddress
 
 from .errors import InspectError, admin_errors
@@ -31,9 +32,12 @@ def check_master(address: MasterAddress, timeout_s: float) -> None:
 
 
 def admin_of_master(address: MasterAddress, timeout_s: float) -> tuple[str, int]:
-    """Where the admin HTTP of the master at ``address`` is when it was started with the default port.
+    """Where the admin HTTP of the master at ``address`` is.
 
-    The leader's host (etcd says which) and :data:`ADMIN_DEFAULT_PORT`.
+    The leader (etcd says which) running on this machine: its own ``--metrics_port``
+    (:func:`~kvpipe.connector.store.mooncake.local_admin.local_master_admin`: ``kvpipe
+    store``, ``kvpipe fleet`` and ``master: spawn`` pick free ports). Elsewhere: its host
+    and :data:`ADMIN_DEFAULT_PORT`, the port a master started without the flag serves.
 
     :raises InspectError: (``metrics``) that host cannot be known (redis).
     """
@@ -43,7 +47,7 @@ def admin_of_master(address: MasterAddress, timeout_s: float) -> tuple[str, int]
             "metrics",
             f"is needed: the leader behind {address.text} cannot be found to guess its admin HTTP",
         )
-    return leader[0], ADMIN_DEFAULT_PORT
+    return local_master_admin(*leader) or (leader[0], ADMIN_DEFAULT_PORT)
 
 
 def locate_admin(
@@ -66,5 +70,6 @@ def locate_admin(
     except (AdminError, InspectError) as error:
         raise InspectError(
             "metrics",
-            f"not given, and {error} (Mooncake's default --metrics_port): pass --metrics HOST:PORT",
+            f"not given, and {error} (its own --metrics_port where it runs on this machine, else "
+            "Mooncake's default): pass --metrics HOST:PORT",
         ) from None

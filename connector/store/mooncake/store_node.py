@@ -84,6 +84,8 @@ class NodeReady:
             "segment": self.segment_name,
             "segment_bytes": self.segment_bytes,
             "disk": None if self.disk is None else {"path": str(self.disk.path), "bytes": self.disk.size},
+            "master": self.master,
+            "master_metrics": list(self.master_metrics),
             "kvpipe_store": self.kvpipe_store(),
             "vllm_config": self.vllm_config(),
         }

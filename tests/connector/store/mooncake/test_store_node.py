@@ -15,6 +15,8 @@ import psutil
 import pytest
 
 from kvpipe.connector.store.mooncake import MooncakeSettings, MooncakeStore
+from kvpipe.connector.store.mooncake.admin import AdminClient
+from kvpipe.connector.store.mooncake.master_address import split_host_port
 from kvpipe.connector.store.mooncake.segment_liveness import SegmentLiveness
 from kvpipe.connector.store.mooncake.store_node import NodeReady
 
@@ -182,6 +184,8 @@ def test_a_store_node_serves_engines_reports_its_use_and_stops_on_sigterm() -> N
         assert node.stdout is not None
         ready = json.loads(node.stdout.readline())
         assert ready["event"] == "ready" and ready["segment_bytes"] == 32 << 20
+        host, port = split_host_port(ready["master_metrics"][0])  # the spawned master's admin HTTP
+        assert AdminClient(host, port).keys() == []  # it answers, and nothing is stored yet
         children = [child.pid for child in psutil.Process(node.pid).children(recursive=True)]
         assert children  # the master it spawned
         settings = MooncakeSettings.model_validate(
