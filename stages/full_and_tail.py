@@ -9,6 +9,7 @@ already been sent.
 
 from __future__ import annotations
 
+import time
 from collections.abc import Mapping, Sequence
 from typing import Any, ClassVar
 
@@ -66,6 +67,7 @@ class RecordMaker:
         if self._groups_interleave and len(chunks) > 1 and len({chunk.group.store_group for chunk in chunks}) > 1:
             chunks = sorted(chunks, key=lambda chunk: (chunk.tokens_end, chunk.group.store_group))
         all_targets = self._targets
+        made_at = time.monotonic()
         records: list[StoreObject] = []
         append = records.append
         for chunk in chunks:
@@ -88,6 +90,7 @@ class RecordMaker:
                         None,
                         reuse,
                         handoff,
+                        made_at,
                     )
                 )
         return tuple(records)

@@ -12,6 +12,7 @@ store API wants are built from records inside the put call and nowhere else.
 
 from __future__ import annotations
 
+import time
 from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from enum import StrEnum
@@ -318,6 +319,9 @@ class StoreObject:
     reuse: int = field(default=0, compare=False)
     #: another engine waits for it (:attr:`SaveRequest.handoff`): never shed by the slow-store throttle
     handoff: bool = field(default=False, compare=False)
+    #: when it was made (``time.monotonic()``): before the filter asked whether its key is stored, so
+    #: a put of its key since may have made that answer stale (:mod:`.stored_lately`)
+    made_at: float = field(default_factory=time.monotonic, compare=False)
 
     @property
     def size(self) -> int:

@@ -28,7 +28,8 @@ from .model import Records, StoreObject
 from .object_status import DEADLINE_PASSED, FailReason, ObjectObserver, ObjectReporter
 from .retention import LoadedKeys, PinBudget
 from .seal import SealMemory, SealSlab
-from .store import MAX_SOFT_PIN_TTL_S, Code, SavingStore, describe
+from .store import EXISTS, MAX_SOFT_PIN_TTL_S, Code, SavingStore, describe
+from .stored_lately import StoredLately
 from .throttle import DEFAULT_THROTTLE, SlowStoreThrottle, ThrottleParams
 from .torn_chunks import ROLLED_BACK, TornChunks, claim_unit
 
@@ -151,6 +152,8 @@ class PutStage(BatchStage):
             if params.max_pinned_bytes
             else None
         )
+        #: when it stored each key lately, to find the filter's answers another batch outdated
+        self._stored_lately = StoredLately()
         #: claims on the chunks in flight, and the chunks rolled back lately (:mod:`.torn_chunks`)
         self._torn_chunks = TornChunks(
             exist=lambda keys: call_per_key(self, self._store.batch_is_exist, keys),
@@ -193,6 +196,7 @@ class PutStage(BatchStage):
         done = await self._torn_chunks.claim(units)
         try:
             await self._torn_chunks.fail_torn(holders)
+            await self._settle_stored_since(holders)
             # requests sharing a prefix share keys: each key is put once
             first_of_each_key = [holding[0][1] for holding in holders.values()]
             pinned, unpinned = await self._pinned(first_of_each_key, holders)
@@ -208,6 +212,37 @@ class PutStage(BatchStage):
                             self._pins.release(record.key)
         finally:
             self._torn_chunks.release(units, done)
+
+    async def _settle_stored_since(self, holders: Holders) -> None:
+        """Settle (and drop from ``holders``) the records whose key was stored since the filter asked.
+
+        Another batch of this stage may have stored a key between the filter's
+        answer and now (:mod:`.stored_lately`): put again, its record could anchor a
+        seal span whose seal key holds the first writer's span, and the rest of the
+        span would go unsealed. The store is asked only about the keys this stage
+        stored since their records were made (usually none: no call), once no other
+        batch puts them (the claims). A key it holds is existing in every holder's
+        job; one it cannot answer for fails, as at the filter (never put blindly).
+        """
+        keys = self._stored_lately.stale(holders)
+        if not keys:
+            return
+        try:
+            answers = await call_per_key(self, self._store.batch_is_exist, keys)
+        except StoreCallError as error:
+            for key in keys:
+                for emit, held in holders.pop(key):
+                    self._reporter.failed(emit, held, f"exist {held.key}: {error}", FailReason.STORE_ERROR)
+            return
+        for key, answer in zip(keys, answers, strict=True):
+            if answer == 0:  # gone since (evicted, removed): put it again
+                continue
+            for emit, held in holders.pop(key):
+                if answer == EXISTS:
+                    self._reporter.existing(emit, held)
+                else:
+                    message = f"exist {held.key}: {describe(answer)}"
+                    self._reporter.failed(emit, held, message, FailReason.STORE_ERROR)
 
     async def _put_call(self, call: Sequence[StoreObject], pin: bool, holders: Holders) -> set[str]:
         """Put one call's records (``pin``: soft-pinned) and report each; the keys it stored."""
@@ -233,9 +268,9 @@ class PutStage(BatchStage):
                 for emit, held in holders[record.key]:
                     self._reporter.failed(emit, held, f"put {held.key}: {error}", FailReason.STORE_ERROR)
             return set()
-        for key in unsealed:  # stored, but a load will find it unverified
-            holders[key][0][0].count("unsealed")
         rolled_back = await self._torn_chunks.remove_torn(call, codes)
+        for key in unsealed - rolled_back:  # stored, but a load will find it unverified
+            holders[key][0][0].count("unsealed")
         stored: dict[int, tuple[Emit, list[StoreObject]]] = {}  # per job, counted at once
         for record, code in zip(call, codes, strict=True):
             (emit, held), *sharers = holders[record.key]
@@ -258,6 +293,11 @@ class PutStage(BatchStage):
             self._reporter.all_stored(emit, records)
             if pin:
                 emit.count("pinned", len(records))
+        self._stored_lately.note(
+            record.key
+            for record, code in zip(call, codes, strict=True)
+            if code in (Code.OK, Code.ALREADY_EXISTS) and not (rolled_back and record.key in rolled_back)
+        )
         return {record.key for _, records in stored.values() for record in records}
 
     async def _pinned(

@@ -10,7 +10,7 @@ are a contract (see docs/configuration.md, "The report").
 from __future__ import annotations
 
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -22,6 +22,7 @@ from kvpipe.stages import (
     GroupSpec,
     KVCache,
     ObjectStatus,
+    StoreGroup,
     StoreObject,
     default_save_graph,
     storable_groups,
@@ -118,9 +119,27 @@ def _run_on(
         max_turns=w.max_turns,
         vocab_size=w.vocab_size,
     )
-    for address, nbytes in cache.memory_regions():
+    regions = cache.memory_regions()
+    for address, nbytes in regions:
         store.register_buffer(address, nbytes)
+    try:
+        return _save_and_check(config, store, cache, groups, requests, on_progress, baselines)
+    finally:  # a store kept open after the run must not keep the freed cache's memory registered
+        for address, _ in regions:
+            store.unregister_buffer(address)
 
+
+def _save_and_check(
+    config: RunConfig,
+    store: Store,
+    cache: SyntheticCache,
+    groups: Sequence[StoreGroup],
+    requests: Sequence[workload.Request],
+    on_progress: Callable[[EngineTotals, int], None] | None,
+    baselines: bool,
+) -> RunResult:
+    """The workload's saves through the pipeline on ``store`` (the cache's memory registered), checked."""
+    w = config.workload
     observed: list[tuple[StoreObject, ObjectStatus]] = []
     graph = _save_graph(config, cache.kv, store, lambda record, status: observed.append((record, status)))
     pipeline = SyncPipeline(
@@ -176,6 +195,8 @@ def _run_on(
             "put": totals.counts["put"],
             "failed": totals.counts["failed"],
             "throttled": totals.counts["throttled"],
+            # put with no seal naming them (the put stage's count): a load finds them unverified
+            "unsealed": totals.counts["unsealed"],
             "distinct_keys": len(objects),
         },
         "bytes_put": bytes_put,

@@ -74,7 +74,8 @@ def summary_table(report: dict[str, Any]) -> str:
         f"group semantics {semantics})",
         f"requests     {report['requests']:,}",
         f"objects      {objects['considered']:,} considered: {objects['existing']:,} existing, "
-        f"{objects['put']:,} put, {objects['failed']:,} failed, {objects['throttled']:,} throttled",
+        f"{objects['put']:,} put ({objects['unsealed']:,} unsealed), {objects['failed']:,} failed, "
+        f"{objects['throttled']:,} throttled",
         *_rate_lines(report),
         f"chunks       {chunks['total']:,}: {chunks['complete']:,} complete, {chunks['partial']:,} partial, "
         f"{chunks['absent']:,} absent",

@@ -232,6 +232,20 @@ async def test_an_object_stored_without_its_seal_is_counted_unsealed():
     assert (run.counts["put"], run.counts["unsealed"]) == (3, 3)
 
 
+async def test_an_object_rolled_back_with_its_torn_chunk_is_not_counted_unsealed():
+    """Two ranks, two chunks, the seals refused: rank 1's chunk 1 fails, so rank 0's is removed again."""
+    source = make_kv([FULL], shards=2)
+    request = make_request(source.kv, 32)
+    refused = object_key(source.kv.shards[1].namespace, 0, request.block_hashes[1])
+
+    def code(key: str) -> int:
+        return Code.NO_SPACE if is_seal_key(key) else Code.TRANSFER_FAILED if key == refused else Code.OK
+
+    run = await run_save_path(source.kv, ScriptedStore(put=code), [request])
+
+    assert (run.counts["put"], run.counts["failed_rolled_back"], run.counts["unsealed"]) == (2, 1, 2)
+
+
 async def test_an_object_another_configuration_wrote_is_refused_and_left_to_its_writer():
     source, store, saved = await _saved()  # written by a float16 engine
     bfloat16 = _kv(seed=1, byte_facts=BFLOAT16)

@@ -14,7 +14,7 @@ import ctypes
 import itertools
 import random
 from collections import Counter
-from collections.abc import Callable, Iterator, Mapping, Sequence
+from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import NamedTuple
@@ -26,14 +26,14 @@ from kvpipe.connector.store.protocol import Store
 from kvpipe.pipeline.config import one_line
 from kvpipe.stages import MAX_BUFFERS_PER_CALL
 from kvpipe.stages.integrity import SEAL_SIZE, Integrity, Verdict, judge
-from kvpipe.stages.keys import seal_key
-from kvpipe.stages.store import Code, describe
+from kvpipe.stages.keys import key_chunk_hex, seal_key
+from kvpipe.stages.store import EXISTS, Code, describe
 from kvpipe.stages.vouching import DAMAGED, SealPlace, Vouchers, size_unknown
 
 from .errors import InspectError
 from .figures import SCRUB_VERDICTS, NodeFigures, Verification
 
-__all__ = ["PROGRESS_EVERY", "SCRUB_CALL_BYTES", "Scrub", "scrub_client", "verify_objects"]
+__all__ = ["PROGRESS_EVERY", "SCRUB_CALL_BYTES", "Scrub", "scrub_client", "verify_keys", "verify_objects"]
 
 #: bytes of objects one verifying read brings at most (one registered buffer of this size, reused)
 SCRUB_CALL_BYTES = 64 << 20
@@ -121,6 +121,34 @@ def verify_objects(
     if scrub.repair:
         _repair(scrub.store, sorted(key for key, chunk in chunk_of.items() if chunk in corrupt), verification)
     return verification
+
+
+def verify_keys(scrub: Scrub, keys: Iterable[str]) -> Verification:
+    """:func:`verify_objects` on those of the objects ``keys`` that ``scrub.store`` still holds: any store.
+
+    For a store with no admin HTTP to list it (the in-process memory store, a
+    ``kvpipe run``'s): which objects are present and their sizes are asked of the
+    store itself, and so are their seals, every one of which lies under the key of
+    an object its writer offered (its span's anchor, :mod:`kvpipe.stages.integrity`).
+    So give every key a writer offered, stored or not: a seal may outlive its anchor.
+    The store counts as one node, of endpoint ``""``.
+    """
+    keys = list(dict.fromkeys(keys))
+    present = _existing(scrub.store, keys)
+    seals = _existing(scrub.store, [seal_key(key) for key in keys])
+    node = NodeFigures(None, "")
+    replicas = {key: [Replica(scrub.store.get_size(key), node.endpoint)] for key in present}
+    chunk_of = {key: bytes.fromhex(key_chunk_hex(key)) for key in [*present, *seals]}
+    return verify_objects(scrub, replicas, seals, chunk_of, [node])
+
+
+def _existing(store: Store, keys: Sequence[str]) -> list[str]:
+    """Those of ``keys`` ``store`` holds, asked in calls of :data:`MAX_BUFFERS_PER_CALL` keys."""
+    found = []
+    for start in range(0, len(keys), MAX_BUFFERS_PER_CALL):
+        call = keys[start : start + MAX_BUFFERS_PER_CALL]
+        found += [key for key, answer in zip(call, store.batch_is_exist(call), strict=True) if answer == EXISTS]
+    return found
 
 
 def _read_all(

@@ -1,10 +1,15 @@
 """``kvpipe run`` on the real Mooncake store (masters spawned on loopback by the tests)."""
 
+import contextlib
+import io
 import json
 import time
 from pathlib import Path
 
+import pytest
+
 from kvpipe.connector.cli.main import main
+from kvpipe.connector.engines.launch import segment_holder
 from kvpipe.connector.store.mooncake import MooncakeSettings, MooncakeStore
 from kvpipe.connector.store.mooncake.master import LocalMaster, free_port
 
@@ -57,6 +62,50 @@ def test_a_second_run_against_a_kept_store_finds_every_object_and_puts_none(caps
     assert second["objects"]["put"] == 0
     assert second["objects"]["existing"] == second["objects"]["considered"]
     assert second["verify"]["mismatches"] == 0
+
+
+def _main_json(*args: str) -> dict:
+    """``kvpipe ARGS`` (with --json): its report."""
+    out = io.StringIO()
+    with contextlib.redirect_stdout(out):
+        assert main(list(args)) == 0
+    return json.loads(out.getvalue())
+
+
+@pytest.fixture(scope="module")
+def sealed_run() -> tuple[dict, dict]:
+    """Issue 55's commands: the shipped config as it is on a master whose objects a store node holds
+    (``kvpipe store``), then ``kvpipe inspect --verify`` over all of them: the run's report and the verdicts."""
+    with LocalMaster() as master:
+        endpoints = master.endpoints
+        assert endpoints is not None
+        with segment_holder(endpoints, "256MB"):
+            report = _main_json(
+                "run", CONFIG, "--json",
+                "--set", f"store.master={endpoints.master_address}",
+                "--set", f"store.metadata_server={endpoints.metadata_server}",
+                "--set", "store.global_segment_size=0",
+            )  # fmt: skip
+            inspected = _main_json(
+                "inspect", "--json", "--verify", "--model", "synthetic-llama",
+                "--master", endpoints.master_address,
+                "--metadata-server", endpoints.metadata_server,
+                "--metrics", f"{endpoints.host}:{endpoints.metrics_port}",
+            )  # fmt: skip
+    return report, inspected["verify"]
+
+
+def test_after_a_run_the_scrubber_finds_every_object_on_the_master_sealed(sealed_run):
+    report, verify = sealed_run
+
+    assert verify["objects"] == report["objects"]["distinct_keys"] > 0
+    assert [verify[verdict] for verdict in ("ok", "unverified", "corrupt", "unreadable")] == [verify["objects"], 0, 0, 0]
+
+
+def test_a_run_on_the_master_reports_no_object_unsealed(sealed_run):
+    report, _ = sealed_run
+
+    assert report["objects"]["unsealed"] == 0
 
 
 def test_group_semantics_on_the_real_store_give_every_object_its_chunks_group_id(capsys, tmp_path):

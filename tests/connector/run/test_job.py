@@ -66,7 +66,7 @@ def test_the_report_has_the_contract_fields():
     report = run(_config(SMALL)).report
 
     assert report["store"].keys() >= {"kind", "group_ids_supported", "group_semantics"}
-    assert report["objects"].keys() >= {"considered", "existing", "put", "failed"}
+    assert report["objects"].keys() >= {"considered", "existing", "put", "failed", "unsealed"}
     assert report["chunks"].keys() >= {"total", "complete", "partial", "absent"}
     assert report["verify"].keys() >= {"checked", "mismatches", "missing"}
     assert report.keys() >= {"requests", "bytes_put", "elapsed_s", "put_gbps", "stages"}
