@@ -71,8 +71,12 @@ def run(
     store: Store | None = None,
     on_progress: Callable[[EngineTotals, int], None] | None = None,
     baselines: bool = False,
+    on_open: Callable[[Store], None] | None = None,
 ) -> RunResult:
     """Run the job; on ``store`` if given (kept open), else on the configured one.
+
+    ``on_open``: called with the configured store once it is open (a spawned master
+    runs from then until the run ends: a caller says where).
 
     ``baselines``: after the run, time the pipeline alone and raw puts on the run's
     objects (:mod:`.baselines`; the store needs room for two more copies of what
@@ -86,6 +90,8 @@ def run(
     if store is not None:
         return _run_on(config, store, on_progress, baselines)
     with open_store(config.store) as opened:
+        if on_open is not None:
+            on_open(opened)
         return _run_on(config, opened, on_progress, baselines)
 
 

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import sys
 from pathlib import Path
 from typing import Any
 
@@ -11,8 +12,9 @@ from kvpipe.connector.run.config import RunConfig
 from kvpipe.connector.run.job import RunResult, run
 from kvpipe.connector.run.report import ProgressLine, summary_table
 from kvpipe.connector.store.configs import MooncakeStoreConfig
-from kvpipe.connector.store.mooncake import MooncakeError
+from kvpipe.connector.store.mooncake import MooncakeError, MooncakeStore
 from kvpipe.connector.store.mooncake.master import MasterError
+from kvpipe.connector.store.protocol import ForwardingStore, Store
 from kvpipe.pipeline import BuildError
 from kvpipe.pipeline.config import one_line
 
@@ -46,7 +48,7 @@ def command(args: argparse.Namespace) -> int:
         check_file_to_write("--dump-objects", args.dump_objects)
     progress = ProgressLine()
     try:
-        result = run(config, on_progress=progress, baselines=args.baselines)
+        result = run(config, on_progress=progress, baselines=args.baselines, on_open=_say_spawned_master)
     except (MasterError, MooncakeError, BuildError, ValueError) as error:
         if args.verbose:  # -v: the whole story, traceback included
             raise
@@ -59,6 +61,22 @@ def command(args: argparse.Namespace) -> int:
         _dump_objects(result, args.dump_objects)
     print(json.dumps(result.report) if args.json else summary_table(result.report))
     return 0
+
+
+def _say_spawned_master(store: Store) -> None:
+    """On stderr, where a master the run spawned serves while the run lasts (its admin HTTP: ``kvpipe inspect --metrics``)."""
+    while isinstance(store, ForwardingStore):  # a breaker, a meter
+        store = store.inner
+    spawned = store.spawned_master if isinstance(store, MooncakeStore) else None
+    if spawned is None or spawned.endpoints is None:
+        return
+    endpoints = spawned.endpoints
+    print(
+        f"kvpipe run: a master serves the store at {endpoints.master_address} "
+        f"(admin HTTP {endpoints.host}:{endpoints.metrics_port}) until the run ends",
+        file=sys.stderr,
+        flush=True,
+    )
 
 
 def _unreachable_store_field(config: RunConfig, error: Exception) -> str | None:

@@ -38,6 +38,13 @@ def test_the_mooncake_config_saves_and_reads_back_intact_on_a_spawned_master(cap
     assert report["chunks"]["complete"] == report["chunks"]["total"]
 
 
+def test_a_run_on_a_spawned_master_says_where_its_admin_http_is(capsys):
+    """Where ``kvpipe inspect --metrics`` reads the keys while the run lasts."""
+    assert main(["run", CONFIG, "--json", *SMALL]) == 0
+    said = [line for line in capsys.readouterr().err.splitlines() if line.startswith("kvpipe run: a master")]
+    assert len(said) == 1 and " (admin HTTP 127.0.0.1:" in said[0]
+
+
 def test_a_second_run_against_a_kept_store_finds_every_object_and_puts_none(capsys):
     """Objects live in the segments clients mount: a long-lived client holds the store's
     memory (as a dedicated store process does), the runs contribute none (segment 0)."""
