@@ -12,6 +12,7 @@ from typing import Any
 from kvpipe.connector.run.config import RunConfig
 from kvpipe.connector.store.configs import MooncakeStoreConfig
 from kvpipe.connector.store.mooncake import MooncakeConfigError, MooncakeSettings
+from kvpipe.connector.store.mooncake.local_admin import local_master_metadata
 from kvpipe.connector.store.mooncake.master_address import MasterAddress, split_host_port
 from kvpipe.pipeline.config import one_line
 from kvpipe.stages import key_model_name
@@ -217,15 +218,14 @@ def _inspected_master(
 def _verified_store(args: argparse.Namespace, named: MooncakeStoreConfig | None) -> MooncakeStoreConfig:
     """The store --verify reads: --master's with --metadata-server, else the one --config or --run names."""
     if args.master is not None:
-        if args.metadata_server is None:
+        metadata_server = args.metadata_server or _local_metadata_server(str(args.master))
+        if metadata_server is None:
             raise UsageError(
-                "--metadata-server: is required with --verify and --master: the store's, "
-                "'P2PHANDSHAKE' or 'http://host:port/metadata'"
+                "--metadata-server: is required with --verify and --master (no master on this machine "
+                "serves it to read it from): the store's, 'P2PHANDSHAKE' or 'http://host:port/metadata'"
             )
         try:
-            return from_flags(
-                MooncakeStoreConfig, {"master": args.master, "metadata_server": args.metadata_server}
-            )
+            return from_flags(MooncakeStoreConfig, {"master": args.master, "metadata_server": metadata_server})
         except FlagError as error:
             raise UsageError(str(error)) from None
     if args.metadata_server is not None:
@@ -238,6 +238,15 @@ def _verified_store(args: argparse.Namespace, named: MooncakeStoreConfig | None)
             "or --config FILE"
         )
     return named
+
+
+def _local_metadata_server(master: str) -> str | None:
+    """The metadata server of ``master`` where it runs on this machine (its own flags); None elsewhere."""
+    try:
+        host, port = split_host_port(master)
+    except ValueError:
+        return None  # HA (etcd://...) or malformed: the address check names it
+    return local_master_metadata(host, port)
 
 
 def _scrub_progress(read: int, total: int) -> None:

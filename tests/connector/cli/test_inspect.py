@@ -366,7 +366,10 @@ def _bad_inputs(live: Live, tmp_path: Path) -> list[tuple[list[str], str]]:
         (["--model", "alpha", "--repair", *here], "--repair: only with --verify"),
         (["--model", "alpha", "--verify", "--sample", "0", *here], "--sample: must be >= 1, got 0"),
         (["--model", "alpha", "--verify", *here], "--verify: needs the store's client settings"),
-        (["--model", "alpha", "--verify", "--master", master, *here], "--metadata-server: is required"),
+        (
+            ["--model", "alpha", "--verify", "--master", "198.18.0.9:50051", *here],  # not on this machine
+            "--metadata-server: is required",
+        ),
         (
             ["--model", "alpha", "--verify", "--master", master, "--metadata-server", "x", *here],
             "--metadata-server: must be 'P2PHANDSHAKE' or a URL",
@@ -397,6 +400,16 @@ def test_a_master_on_this_machine_without_its_admin_given_is_found_by_its_own_fl
 
     assert (code, err) == (0, "")
     assert json.loads(out)["model"] == "alpha"
+
+
+def test_verify_of_a_master_on_this_machine_reads_its_metadata_server_off_its_flags(
+    live: Live, capsys: pytest.CaptureFixture[str]
+) -> None:
+    master = live.endpoints.master_address
+    code, out, err = _inspect(capsys, "--master", master, "--model", "alpha", "--verify", "--json")
+
+    assert code == 0, err
+    assert json.loads(out)["verify"]["objects"] > 0
 
 
 def test_the_console_script_fails_in_seconds_with_one_line_and_no_traceback(live: Live) -> None:

@@ -4,7 +4,12 @@ from __future__ import annotations
 
 import pytest
 
-from kvpipe.connector.store.mooncake.local_admin import _admin_of, local_master_admin, master_flags
+from kvpipe.connector.store.mooncake.local_admin import (
+    _admin_of,
+    _metadata_of,
+    local_master_admin,
+    master_flags,
+)
 from kvpipe.connector.store.mooncake.master import LocalMaster
 
 SPAWNED = ["/venv/bin/mooncake_master", "--rpc_port=23820", "--rpc_address=127.0.0.1", "--metrics_port=27001"]
@@ -28,6 +33,15 @@ def test_another_rpc_port_is_another_master() -> None:
 
 def test_flags_left_out_are_mooncakes_defaults() -> None:
     assert _admin_of(["mooncake_master"], "127.0.0.1", 50051) == ("127.0.0.1", 9003)
+
+
+def test_a_master_without_an_http_metadata_server_is_joined_peer_to_peer() -> None:
+    assert _metadata_of(SPAWNED, "127.0.0.1", 23820) == "P2PHANDSHAKE"
+
+
+def test_a_master_serving_http_metadata_names_its_url() -> None:
+    flags = [*SPAWNED, "--enable_http_metadata_server=true", "--http_metadata_server_port=8090"]
+    assert _metadata_of(flags, "127.0.0.1", 23820) == "http://127.0.0.1:8090/metadata"
 
 
 def test_an_address_of_another_machine_is_not_looked_for_here() -> None:
