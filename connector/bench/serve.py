@@ -201,15 +201,26 @@ class Measured:
 
 
 def replica_counters(urls: Sequence[str], names: Sequence[str] = COUNTERS) -> dict[str, float]:
-    """The replicas' counters now (their ``/metrics``): each of ``names``, summed over them."""
+    """The replicas' counters now (their ``/metrics``): each of ``names``, summed over them.
+
+    A name may select by one label, as Prometheus writes a sample:
+    ``kvpipe:handoffs_total{outcome="expired"}`` sums only the samples with that label value.
+    """
     totals = dict.fromkeys(names, 0.0)
+    # per sample name: the names asked for it, each with its label selector ({} for none)
+    wanted: dict[str, list[tuple[str, dict[str, str]]]] = {}
+    for name in names:
+        series, _, selector = name.partition("{")
+        label, _, value = selector.rstrip("}").partition("=")
+        wanted.setdefault(series, []).append((name, {label: value.strip('"')} if label else {}))
     for url in urls:
         with urllib.request.urlopen(f"{url}/metrics", timeout=30) as response:  # noqa: S310 - loopback
             text = response.read().decode()
         for family in text_string_to_metric_families(text):
             for sample in family.samples:
-                if sample.name in totals:
-                    totals[sample.name] += sample.value
+                for name, selected in wanted.get(sample.name, ()):
+                    if selected.items() <= sample.labels.items():
+                        totals[name] += sample.value
     return totals
 
 

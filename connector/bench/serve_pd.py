@@ -27,7 +27,6 @@ from __future__ import annotations
 
 import sys
 import tempfile
-import urllib.request
 from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -112,17 +111,7 @@ class Run:
 
 def _decode_counters(urls: Sequence[str]) -> dict[str, float]:
     """The decode engines' tokens from the store and from their own prefix caches now, and their expired handoffs."""
-    totals = replica_counters(urls, (CONNECTOR_HITS, LOCAL_HITS))
-    totals[EXPIRED] = 0.0
-    for url in urls:
-        with urllib.request.urlopen(f"{url}/metrics", timeout=30) as response:  # noqa: S310 - loopback
-            lines = response.read().decode().splitlines()
-        totals[EXPIRED] += sum(
-            float(line.rsplit(" ", 1)[1])
-            for line in lines
-            if line.startswith("kvpipe:handoffs_total{") and 'outcome="expired"' in line
-        )
-    return totals
+    return replica_counters(urls, (CONNECTOR_HITS, LOCAL_HITS, EXPIRED))
 
 
 def run(options: BenchOptions) -> WorkloadResult:

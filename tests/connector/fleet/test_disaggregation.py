@@ -53,12 +53,7 @@ def fleet(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Fleet]:
 
 def handoffs(url: str, outcome: str) -> float:
     """A replica's count of handoffs that ended with ``outcome``."""
-    text = urllib.request.urlopen(f"{url}/metrics", timeout=10).read().decode()  # noqa: S310 - loopback
-    return sum(
-        float(line.rsplit(" ", 1)[1])
-        for line in text.splitlines()
-        if line.startswith(HANDOFFS) and f'outcome="{outcome}"' in line
-    )
+    return counter(url, f'{HANDOFFS}{{outcome="{outcome}"}}')
 
 
 def prefill(fleet: Fleet, prompt: str) -> dict[str, Any]:
