@@ -10,19 +10,29 @@ STAMP  := $(VENV)/.installed
 
 CONFIG ?= configs/default.yaml
 
-.PHONY: run test check lint bench vllm-demo install system-deps gpu-wheels gpu-site gpu-check compat clean
+.PHONY: run test check lint typecheck bench vllm-demo install system-deps gpu-wheels gpu-site gpu-check compat clean
 
 run: $(STAMP)
 	$(VENV)/bin/kvpipe run $(CONFIG) $(ARGS)
 
 # The checks that need no test: mypy (strict on every package: pipeline/, stages/ and
-# connector/; pyproject's [tool.mypy] says what it checks), ruff (pyproject's [tool.ruff]) and
-# the layering (import-linter's contracts, pyproject's [tool.importlinter]). Seconds, where
-# the tests take minutes: a wrong type or an import across the layers fails first.
-lint: $(STAMP)
+# connector/; pyproject's [tool.mypy] says what it checks), a static resolver's view of every
+# import of the packages and examples/ (basedpyright, import errors only: typecheck/imports.json;
+# what an editor resolves), ruff (pyproject's [tool.ruff]) and the layering (import-linter's
+# contracts, pyproject's [tool.importlinter]). A minute or so, where the tests take many:
+# a wrong type, an import nothing resolves or one across the layers fails first.
+lint: $(STAMP) typecheck
 	$(PY) -m mypy
+	$(VENV)/bin/basedpyright --project typecheck/imports.json
 	$(VENV)/bin/ruff check .
 	$(VENV)/bin/lint-imports
+
+# typecheck/kvpipe/: the packages as a wheel installs them, a symlink per entry of pyproject's
+# package-dir (kvpipe.stages -> stages/, ...), for what cannot follow setuptools' editable
+# finder: mypy and basedpyright (make lint), an editor's language server ([tool.pyright]) and
+# gpu-check's bare python3 (PYTHONPATH). Generated (typecheck/make_links.py), not committed.
+typecheck:
+	$(PYTHON) typecheck/make_links.py
 
 # The tests run on PYTEST_WORKERS processes (pytest-xdist), each test file on one of them
 # (--dist loadfile: a module's fleet, cluster or engine is started once): much of the suite
@@ -46,7 +56,7 @@ bench: $(STAMP)
 vllm-demo: $(STAMP)
 	$(PY) examples/vllm_demo.py
 
-install: $(STAMP)
+install: $(STAMP) typecheck
 
 # Mooncake's client library links against libibverbs even for TCP; etcd (Debian's
 # etcd-server) coordinates the HA masters of the cluster tests and demos; iproute2's ip
@@ -79,8 +89,8 @@ $(STAMP): pyproject.toml | system-deps
 # with no network, run by that machine's own python3: its CUDA torch, anyio and PyYAML.
 # What else the tests import comes from wheels `make gpu-wheels` fetched here (copy the
 # checkout with .gpu-wheels/); gpu-check installs them offline into .gpu-check/site and
-# maps the packages as pyproject's package-dir does with a folder of symlinks
-# (.gpu-check/kvpipe/{pipeline,stages,connector}): nothing outside the checkout changes.
+# finds the packages through typecheck/ (the links make typecheck writes, as mypy and
+# editors do): nothing outside the checkout changes.
 # GPU_PYVER and GPU_PLATFORMS describe the GPU machine's python3 (a wheel is per version).
 GPU_PYTHON    ?= python3
 GPU_PYVER     ?= 3.12
@@ -88,7 +98,7 @@ GPU_PLATFORMS ?= manylinux2014_x86_64 manylinux_2_17_x86_64 manylinux_2_28_x86_6
 GPU_WHEELS    ?= .gpu-wheels
 GPU_SITE      := .gpu-check
 GPU_REQUIRES  := pydantic structlog xxhash pytest pytest-asyncio
-GPU_PATH      := $(CURDIR)/$(GPU_SITE):$(CURDIR)/$(GPU_SITE)/site:$(CURDIR)
+GPU_PATH      := $(CURDIR)/typecheck:$(CURDIR)/$(GPU_SITE)/site:$(CURDIR)
 
 gpu-wheels: $(STAMP)
 	$(PIP) download -q --only-binary=:all: --implementation cp --python-version $(GPU_PYVER) \
@@ -97,8 +107,7 @@ gpu-wheels: $(STAMP)
 gpu-site:
 	@test -d $(GPU_WHEELS) || { echo "gpu-site: no $(GPU_WHEELS)/: run make gpu-wheels where PyPI is reachable"; exit 1; }
 	$(GPU_PYTHON) -m pip install -q --no-index --find-links $(GPU_WHEELS) --target $(GPU_SITE)/site --upgrade $(GPU_REQUIRES)
-	mkdir -p $(GPU_SITE)/kvpipe
-	for package in pipeline stages connector; do ln -sfn $(CURDIR)/$$package $(GPU_SITE)/kvpipe/$$package; done
+	$(MAKE) --no-print-directory typecheck PYTHON=$(GPU_PYTHON)
 
 gpu-check: gpu-site
 	$(GPU_PYTHON) -c "import sys, torch; sys.exit(0 if torch.cuda.is_available() else 'gpu-check: no CUDA device here')"

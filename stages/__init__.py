@@ -15,7 +15,7 @@ from .gather import GatherParams, GatherStage
 from .group_ids import GroupIdsParams, GroupIdsStage
 from .integrity import Integrity, Seal, SealEntry, Verdict, fingerprint, is_seal_key, seal_key
 from .keys import GROUP_ID_SCOPE, group_id, key_model_name, object_key, shared_pool_id
-from .load import LoadObserver, LoadParams, LoadStage, LoadTarget, load_targets
+from .load import LayerObserver, LoadObserver, LoadParams, LoadStage, LoadTarget, load_targets
 from .load_pipeline import (
     DEFAULT_LOAD_PIPELINE,
     default_load_graph,
@@ -78,6 +78,7 @@ __all__ = [
     "Integrity",
     "KVCache",
     "KeyNamespace",
+    "LayerObserver",
     "LoadObserver",
     "LoadParams",
     "LoadRequest",

@@ -21,6 +21,7 @@ from .model import (
     BlockBuffers,
     BlockLayout,
     KVCache,
+    LayerProgress,
     ProjectedRequest,
     Records,
     SaveRequest,
@@ -58,10 +59,11 @@ class RecordMaker:
         request_id: str,
         reused_chunks: Mapping[bytes, int] | None = None,
         handoff: bool = False,
+        layers: LayerProgress | None = None,
     ) -> tuple[StoreObject, ...]:
         """One record per chunk per shard, earliest prefix first, each with its chunk's ``reused_chunks`` count.
 
-        ``handoff``: the request's (:attr:`~.model.SaveRequest.handoff`), carried by each record.
+        ``handoff`` and ``layers``: the request's (:class:`~.model.SaveRequest`), carried by each record.
         """
         # Groups interleave by prefix length. (One chunk needs no sorting: the common case.)
         if self._groups_interleave and len(chunks) > 1 and len({chunk.group.store_group for chunk in chunks}) > 1:
@@ -90,6 +92,7 @@ class RecordMaker:
                         None,
                         reuse,
                         handoff,
+                        layers,
                         made_at,
                     )
                 )
@@ -116,7 +119,9 @@ class _CollectStage(Stage):
             chunks: Sequence[Chunk] = self._chunks(request, groups[0])
         else:
             chunks = [chunk for group in groups for chunk in self._chunks(request, group)]
-        records = self._records.records(chunks, request.request_id, request.reused_chunks, request.handoff)
+        records = self._records.records(
+            chunks, request.request_id, request.reused_chunks, request.handoff, request.layers
+        )
         if not records:
             emit.drop("no chunk to save")
             return

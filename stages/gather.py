@@ -8,13 +8,13 @@ copied. Whether an object is gathered is decided per object:
 ``always``
     Gather every object that fits a slot.
 ``auto`` (default)
-    When the store's puts cross a network (``store.local_transfers`` is False),
+    When the store's puts cross a network (its ``local_transfers`` is False),
     gather an object of two or more buffers whose buffers average fewer than
-    ``below_bytes``: there the per-buffer cost of a transfer (about 30 us each
-    over TCP) outweighs one extra memory copy. Large per-layer buffers go as
-    they are, because copying them would only double the memory traffic; and
-    nothing is gathered for a local store, whose puts are copies already
-    (measured: gathering made local puts 1.5-3x slower at every object shape).
+    ``below_bytes``: there the per-buffer cost of a transfer outweighs one extra
+    memory copy (``kvpipe bench tcp`` measures both ways; BENCHMARKS.md has the
+    figures). Large per-layer buffers go as they are, because copying them would
+    only double the memory traffic; and nothing is gathered for a local store,
+    whose puts are copies already: gathering first only adds one.
 
 A gathered record keeps its engine buffers (observers still learn where the
 object came from) and gains ``staging``, a slot of the bounded
@@ -96,6 +96,8 @@ class GatherStage(BatchStage):
 
     def worth_gathering(self, record: StoreObject) -> bool:
         if self._pool is None or record.size > self._pool.slot_bytes or record.staging is not None:
+            return False
+        if record.layers is not None:  # its bytes are not there yet: they come layer by layer
             return False
         if self._mode == "always":
             return True

@@ -52,13 +52,14 @@ from .integrity import (
     seal_key,
 )
 from .keys import object_key
+from .layers import GetSessions, wave_pieces
 from .load_plan import LoadRequest, load_chunks, touched_block_ids
 from .model import KVCache, Shard, StoreGroup, StoreObject, hot_record, spans
 from .object_status import DEADLINE_PASSED
 from .retention import LoadedKeys
 from .seal import SealMemory
 from .storable import storable_groups
-from .store import EXISTS, LoadingStore, describe
+from .store import EXISTS, Code, LoadingStore, describe
 from .vouching import DAMAGED, SealPlace, Vouchers, Witness, size_unknown
 
 log = structlog.get_logger(__name__)
@@ -93,6 +94,18 @@ class LoadObserver(Protocol):
     """
 
     def __call__(self, request: LoadRequest, failed_block_ids: frozenset[int]) -> None: ...
+
+
+@runtime_checkable
+class LayerObserver(Protocol):
+    """Told, for a layered load request, that wave ``wave`` of its objects has landed (or failed).
+
+    Told once per wave, in order, once that wave's ranged gets have returned; a
+    record that failed is settled as failed when the request's job ends. Runs on
+    the pipeline's loop thread: it must be quick.
+    """
+
+    def __call__(self, request: LoadRequest, wave: int) -> None: ...
 
 
 @hot_record
@@ -177,11 +190,17 @@ class LoadStage(BatchStage):
         store: LoadingStore,
         observer: LoadObserver | None = None,
         loads: LoadedKeys | None = None,
+        layer_observer: LayerObserver | None = None,
     ) -> None:
-        """``loads`` is told the key of every object loaded (retention counts them as requests)."""
+        """``loads`` is told the key of every object loaded (retention counts them as requests);
+        ``layer_observer``, each wave of a layered load as it lands."""
         self._loads = loads
+        self._layer_observer = layer_observer
+        self._waves = kv.layer_waves
+        self._sessions = GetSessions()
         self._groups = storable_groups(kv)
         self._block_size = {group.store_group: group.spec.block_size for group in self._groups}
+        self._engine_group = {group.store_group: group.engine_group for group in self._groups}
         self._shards = kv.shards
         self._hash_block_size = kv.hash_block_size
         self._store = store
@@ -196,6 +215,7 @@ class LoadStage(BatchStage):
     async def process_batch(self, batch: Sequence[BatchEntry[LoadRequest]]) -> None:
         pending = [_Pending(entry.emit, entry.item) for entry in batch]
         sendable: list[tuple[_Pending, LoadTarget]] = []
+        layered: list[tuple[_Pending, LoadTarget]] = []
         for holder in pending:
             try:
                 targets = load_targets(self._groups, self._shards, self._hash_block_size, holder.request)
@@ -213,10 +233,14 @@ class LoadStage(BatchStage):
                         f"load {target.record.key}: {len(target.record.buffers) + self._seal_buffers} buffers exceed "
                         f"max_buffers_per_call={self._max_buffers}; not sent",
                     )
+                elif holder.request.layered and self._waves.get(self._engine_group[target.record.store_group]):
+                    layered.append((holder, target))
                 else:
                     sendable.append((holder, target))
         for call in self._calls(sendable):
             await self._load(call)
+        if layered:
+            await self._load_layered(layered)
         for holder in pending:
             if self._observer is not None:
                 self._observer(holder.request, frozenset(holder.failed_block_ids))
@@ -244,11 +268,102 @@ class LoadStage(BatchStage):
                 calls.append([by_record[id(record)] for record in call])
         return calls
 
-    async def _load(self, call: list[tuple[_Pending, LoadTarget]]) -> None:
-        """One store call (the objects and, with integrity on, the seals that may vouch for them); settle each record."""
+    async def _load_layered(self, sendable: list[tuple[_Pending, LoadTarget]]) -> None:
+        """Read ``sendable``'s objects wave by wave (one ranged get per call and wave), then judge and settle them.
+
+        Every object is in a get session while its waves are read (:class:`~.layers.GetSessions`);
+        after each wave the layered requests hear of it, so the engine can compute
+        that layer. The seals are read and the objects judged whole at the end, as
+        whole loads are: a damaged object fails its block before the load settles.
+        """
+        calls = self._calls(sendable)
+        keys = list(dict.fromkeys(target.record.key for _, target in sendable))
+        read: dict[int, int | None] = {id(target.record): 0 for _, target in sendable}  # None: failed, told
+        fresh = self._sessions.to_open(keys)
+        try:
+            started = await call_per_key(self, self._store.batch_get_session_start, fresh) if fresh else []
+        except StoreCallError as error:
+            started = [Code.RPC_FAILED] * len(fresh)
+            log.warning("get sessions could not start", keys=len(fresh), error=str(error))
+        refused = {key: code for key, code in zip(fresh, started, strict=True) if code != Code.OK}
+        for _, target in sendable:
+            if (code := refused.get(target.record.key)) is not None:
+                read[id(target.record)] = code
+        opened = [key for key in keys if key not in refused]
+        self._sessions.joined(opened)
+        waves = max(len(self._waves[self._engine_group[t.record.store_group]]) for _, t in sendable)
+        requests = list({id(holder): holder.request for holder, _ in sendable}.values())
+        try:
+            for wave in range(waves):
+                for call in calls:
+                    await self._read_wave(call, wave, read)
+                if self._layer_observer is not None:
+                    for request in requests:
+                        self._layer_observer(request, wave)
+        finally:
+            if closing := self._sessions.left(opened):
+                try:
+                    await self.run_blocking(self._store.batch_get_session_end, closing)
+                except Exception as error:  # noqa: BLE001 - a store outside our control: the reads are done
+                    log.warning("get sessions could not end", keys=len(closing), error=str(error))
+        for call in calls:
+            live = [(holder, target) for holder, target in call if read[id(target.record)] is not None]
+            if live:
+                await self._load(live, [read[id(target.record)] or 0 for _, target in live])
+
+    async def _read_wave(self, call: list[tuple[_Pending, LoadTarget]], wave: int, read: dict[int, int | None]) -> None:
+        """One ranged get of wave ``wave`` of ``call``'s objects still whole so far; their bytes or codes into ``read``."""
+        keys: list[str] = []
+        ptrs: list[list[int]] = []
+        sizes: list[list[int]] = []
+        offsets: list[list[int]] = []
+        reading: list[tuple[_Pending, LoadTarget]] = []
+        for holder, target in call:
+            record = target.record
+            if (so_far := read[id(record)]) is None or so_far < 0:
+                continue
+            if holder.emit.expired:  # its blocks are recomputed: a miss, not a late load
+                self._failed(holder, target, f"load {record.key}: {DEADLINE_PASSED}")
+                read[id(record)] = None
+                continue
+            waves = self._waves[self._engine_group[record.store_group]]
+            if wave >= len(waves) or not waves[wave]:
+                continue
+            piece_ptrs, piece_sizes, piece_offsets = wave_pieces(record.buffers, waves[wave])
+            keys.append(record.key)
+            ptrs.append(piece_ptrs)
+            sizes.append(piece_sizes)
+            offsets.append(piece_offsets)
+            reading.append((holder, target))
+        if not keys:
+            return
+        try:
+            codes = await call_per_key(
+                self, self._store.batch_get_into_multi_buffer_ranges, keys, ptrs, sizes, offsets
+            )
+        except StoreCallError as error:
+            for holder, target in reading:
+                self._failed(holder, target, f"load {target.record.key}: {error}")
+                read[id(target.record)] = None
+            return
+        for (_, target), code in zip(reading, codes, strict=True):
+            so_far = read[id(target.record)]
+            assert so_far is not None  # only records still whole were read
+            read[id(target.record)] = code if code < 0 else so_far + code
+
+    async def _load(self, call: list[tuple[_Pending, LoadTarget]], read: list[int] | None = None) -> None:
+        """One store call (the objects and, with integrity on, the seals that may vouch for them); settle each record.
+
+        ``read``: the objects were read already (layer by layer), each's bytes or
+        code: the call reads only the seals, if any.
+        """
         records = [target.record for _, target in call]
-        keys = [record.key for record in records]
-        ptrs, sizes = (list(column) for column in zip(*(spans(record.buffers) for record in records), strict=True))
+        keys: list[str] = []
+        ptrs: list[Sequence[int]] = []
+        sizes: list[Sequence[int]] = []
+        if read is None:
+            keys = [record.key for record in records]
+            ptrs, sizes = (list(column) for column in zip(*(spans(record.buffers) for record in records), strict=True))
         slab = None if self._integrity is Integrity.OFF else await self._seals.acquire(self)
         try:
             readable: list[tuple[str, SealPlace]] = []
@@ -260,11 +375,12 @@ class LoadStage(BatchStage):
                     ptrs.append([slab.address(slot)])
                     sizes.append([SEAL_SIZE])
             try:
-                results = await call_per_key(self, self._store.batch_get_into_multi_buffers, keys, ptrs, sizes)
+                got = await call_per_key(self, self._store.batch_get_into_multi_buffers, keys, ptrs, sizes) if keys else []
             except StoreCallError as error:
                 for holder, target in call:
                     self._failed(holder, target, f"load {target.record.key}: {error}")
                 return
+            results = got if read is None else [*read, *got]
             witnesses: list[Witness] = []
             verdicts: list[Verdict | None] = [None] * len(records)
             if slab is not None:

@@ -15,7 +15,7 @@ from kvpipe.pipeline import Graph, build_graph
 
 from .batch_calls import MAX_BUFFERS_PER_CALL
 from .integrity import Integrity
-from .load import LoadObserver
+from .load import LayerObserver, LoadObserver
 from .model import KVCache
 from .registry import KV_STAGES
 from .retention import LoadedKeys
@@ -45,14 +45,22 @@ def default_load_graph(
     max_buffers_per_call: int = MAX_BUFFERS_PER_CALL,
     integrity: Integrity | str = Integrity.VERIFY,
     loaded_keys: LoadedKeys | None = None,
+    layer_observer: LayerObserver | None = None,
 ) -> Graph:
     """The default load graph; ``load_observer`` is told each request's failed block ids.
 
     ``integrity`` is how loads check seals (:class:`~.integrity.Integrity`);
-    ``loaded_keys`` is told every object loaded (the save graph's retention counts them).
+    ``loaded_keys`` is told every object loaded (the save graph's retention counts them);
+    ``layer_observer``, each wave of a layered load as it lands (:mod:`.layers`).
     """
     document = copy.deepcopy(DEFAULT_LOAD_PIPELINE)
     document["stages"][0]["params"]["max_buffers_per_call"] = max_buffers_per_call
     document["stages"][0]["params"]["integrity"] = Integrity(integrity).value
-    resources = {"kv": kv, "store": store, "load_observer": load_observer, "loaded_keys": loaded_keys}
+    resources = {
+        "kv": kv,
+        "store": store,
+        "load_observer": load_observer,
+        "loaded_keys": loaded_keys,
+        "layer_observer": layer_observer,
+    }
     return build_graph(document, KV_STAGES, resources)

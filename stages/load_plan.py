@@ -42,6 +42,11 @@ class LoadRequest:
     (:meth:`.lookup.LookupPlan.cut_block_sources`). Only an end inside that
     block, of a group that reads the whole prefix, is used; the rest load the
     tail at ``end_tokens``.
+
+    ``layered``: its objects are read wave by wave in the forward's layer order
+    (:mod:`.layers`), and the load stage tells each wave's arrival
+    (:class:`~.load.LayerObserver`), so the engine computes a layer as soon as
+    its bytes are in; the objects are still judged whole before the load settles.
     """
 
     request_id: str
@@ -50,6 +55,8 @@ class LoadRequest:
     start_tokens: int
     end_tokens: int
     tail_ends: tuple[tuple[int, int], ...] = ()
+    #: read layer by layer (:mod:`.layers`), each layer's arrival told as it lands
+    layered: bool = False
 
     def __post_init__(self) -> None:
         if not 0 <= self.start_tokens <= self.end_tokens:

@@ -16,7 +16,7 @@ import time
 from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from enum import StrEnum
-from typing import NamedTuple, Protocol, TypeVar, dataclass_transform, overload
+from typing import NamedTuple, Protocol, TypeAlias, TypeVar, dataclass_transform, overload
 
 _Record = TypeVar("_Record")
 
@@ -211,6 +211,30 @@ class Shard:
     layouts: Mapping[int, BlockLayout]
 
 
+#: (offset, size) byte ranges of an object that one layer is the first of the forward to read
+Wave: TypeAlias = tuple[tuple[int, int], ...]
+#: per engine group, one wave per layer in the order the forward runs them (:mod:`.layers`)
+LayerWaves: TypeAlias = Mapping[int, tuple[Wave, ...]]
+
+
+class LayerProgress(Protocol):
+    """A layer-wise save's objects as the engine computes them (:mod:`.layers`).
+
+    ``waves[i]`` are the byte ranges of each object that layer ``i`` of the
+    forward completes; :meth:`wait` ``(i)`` says when they may be read, and
+    ``wait(len(waves))`` whether the step ended well (its objects may become
+    visible). A step that failed (a load its request computed over failed in it)
+    answers False from then on: nothing of it may be stored.
+    """
+
+    @property
+    def waves(self) -> tuple[Wave, ...]: ...
+
+    def wait(self, step: int, timeout_s: float) -> bool:
+        """Until step ``step`` is done (True), or the save is called off or ``timeout_s`` passed (False)."""
+        ...
+
+
 @dataclass(frozen=True, slots=True)
 class KVCache:
     """Everything the save stages need to know of the engine's cache.
@@ -228,6 +252,9 @@ class KVCache:
     #: what else decides the objects' bytes, as the engine knows it (dtypes, per-layer
     #: block shapes, layout, revision): (name, text) pairs, part of the seals' fingerprint
     byte_facts: tuple[tuple[str, str], ...] = ()
+    #: the layers' byte ranges of an object, for layer-wise loads (:mod:`.layers`); empty:
+    #: the engine's layers are unknown here, and every load reads whole objects
+    layer_waves: LayerWaves = field(default_factory=dict)
 
 
 @hot_record
@@ -246,7 +273,9 @@ class SaveRequest:
     last hash block's), each with how many requests asked: stored soft-pinned
     as the budget allows (:mod:`.retention`). ``handoff``: another engine waits
     for these chunks (a prefill handing its request to a decode engine): they are
-    never shed to spare a slow store.
+    never shed to spare a slow store. ``layers``: its objects are written layer by
+    layer as the forward computes them (:class:`LayerProgress`), and become
+    visible only once the step has ended well.
     """
 
     request_id: str
@@ -258,6 +287,7 @@ class SaveRequest:
     state_tokens: int | None = None
     reused_chunks: Mapping[bytes, int] = field(default_factory=dict)
     handoff: bool = False
+    layers: LayerProgress | None = None
 
     @property
     def state_end(self) -> int:
@@ -319,6 +349,8 @@ class StoreObject:
     reuse: int = field(default=0, compare=False)
     #: another engine waits for it (:attr:`SaveRequest.handoff`): never shed by the slow-store throttle
     handoff: bool = field(default=False, compare=False)
+    #: written layer by layer as the forward computes them (:attr:`SaveRequest.layers`)
+    layers: LayerProgress | None = field(default=None, compare=False, repr=False)
     #: when it was made (``time.monotonic()``): before the filter asked whether its key is stored, so
     #: a put of its key since may have made that answer stale (:mod:`.stored_lately`)
     made_at: float = field(default_factory=time.monotonic, compare=False)

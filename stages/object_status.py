@@ -45,6 +45,7 @@ class FailReason(StrEnum):
     DEADLINE = "deadline"  # its job's deadline passed before it was sent
     ROLLED_BACK = "rolled_back"  # its chunk was torn: removed, so that no half chunk stays
     TOO_LARGE = "too_large"  # more buffers than one put call may carry
+    CALLED_OFF = "called_off"  # written layer by layer, its step failed (or never ended): revoked unseen
 
 
 #: each reason's count name in a job's counts

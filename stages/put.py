@@ -24,7 +24,8 @@ from kvpipe.pipeline.stage import BatchEntry, BatchStage, Emit
 from .backoff import Backoff
 from .batch_calls import MAX_BUFFERS_PER_CALL, StoreCallError, call_per_key, remove_each, split_into_calls
 from .integrity import SEAL_SIZE, Seal, entry_of, seal_key, seal_spans
-from .model import Records, StoreObject
+from .layers import wave_pieces
+from .model import LayerProgress, Records, StoreObject
 from .object_status import DEADLINE_PASSED, FailReason, ObjectObserver, ObjectReporter
 from .retention import LoadedKeys, PinBudget
 from .seal import SealMemory, SealSlab
@@ -62,6 +63,12 @@ class PutParams(BaseModel):
 
 #: key -> the jobs' records that put it (requests sharing a prefix share keys), first first
 Holders = dict[str, list[tuple[Emit, StoreObject]]]
+
+#: not a store's code: a layer-wise record whose step failed, or never ended (:meth:`PutStage._put_layer_by_layer`)
+STEP_CALLED_OFF = -1001
+#: how long a layer-wise put waits for the engine's next layer: a forward's layer takes
+#: milliseconds; the engine calls every save off at its step's end, so this bounds only an engine gone
+LAYER_WAIT_S = 60.0
 
 
 def _split_expired(
@@ -416,7 +423,10 @@ class PutStage(BatchStage):
             seal = None
             if slab is not None:
                 seal = functools.partial(self._write_seals, slab, call, spans, layout)
-            codes = await self._timed_call(layout.keys, layout.ptrs, layout.sizes, layout.group_ids, seal, pin)
+            if any(record.layers is not None for record in call):
+                codes = await self._layered_call(call, layout, seal, pin)
+            else:
+                codes = await self._timed_call(layout.keys, layout.ptrs, layout.sizes, layout.group_ids, seal, pin)
         finally:
             if slab is not None:
                 slab.release()
@@ -471,11 +481,8 @@ class PutStage(BatchStage):
         pin: bool,
     ) -> list[int]:
         """The put call itself (group ids where the store takes them); the throttle learns its time."""
-        # fresh per call: overlapping puts must not share one
         pin_ttl_ms = self._pins.ttl_ms if pin and self._pins is not None else None
-        config = self._store.new_replicate_config(soft_pin_ttl_ms=pin_ttl_ms)
-        if self._store.supports_group_ids and any(group_ids):
-            config.group_ids = group_ids
+        config = self._config(pin_ttl_ms, group_ids)
         spent: list[float] = []
         try:
             timed_put = functools.partial(self._timed_put, spent, seal)
@@ -508,6 +515,128 @@ class PutStage(BatchStage):
         finally:
             spent.append(time.monotonic() - started - (self._cpu_wait() - waited))
 
+    async def _layered_call(
+        self, call: Sequence[StoreObject], layout: _CallLayout, seal: Callable[[], None] | None, pin: bool
+    ) -> list[int]:
+        """:meth:`_put_layer_by_layer` in a worker thread; per position of ``layout``, its code.
+
+        The throttle does not learn its time: most of it is the engine computing layers.
+        """
+        pin_ttl_ms = self._pins.ttl_ms if pin and self._pins is not None else None
+        try:
+            return await self.run_blocking(self._put_layer_by_layer, call, layout, seal, pin_ttl_ms)
+        except Exception as error:  # a store is outside our control: fail its records, not the pipeline
+            raise StoreCallError(f"store call raised {type(error).__name__}: {error}") from error
+
+    def _put_layer_by_layer(
+        self,
+        call: Sequence[StoreObject],
+        layout: _CallLayout,
+        seal: Callable[[], None] | None,
+        pin_ttl_ms: int | None,
+    ) -> list[int]:
+        """Put ``call``: its layer-wise records a layer at a time as the engine computes them, then the rest.
+
+        Each layer-wise object is reserved (a put session: invisible), written a
+        wave at a time as its :class:`~.model.LayerProgress` says the engine's copy
+        of that layer is readable, and once its step has ended well, sealed and
+        made visible: the seals (and the call's other records) are put first, then
+        the sessions end, so an object is never seen before its seal. An object
+        whose step failed, never ended, or one of whose writes failed is revoked:
+        never seen, half written or not. A writer killed midway leaves only
+        reservations, which the master drops (docs/layerwise.md).
+        """
+        codes: list[int] = [Code.OK] * len(layout.keys)
+        layered = {
+            layout.data_positions[index]: record for index, record in enumerate(call) if record.layers is not None
+        }
+        positions = list(layered)
+        config = self._config(pin_ttl_ms, [layout.group_ids[p] for p in positions])
+        reserved = _answers(
+            self._store.batch_put_session_start(
+                [layout.keys[p] for p in positions], [layered[p].size for p in positions], config
+            ),
+            len(positions),
+        )
+        open_ = {}
+        for position, code in zip(positions, reserved, strict=True):
+            codes[position] = code
+            if code == Code.OK:
+                open_[position] = layered[position]
+        failed = self._write_layers(open_, layout, codes)
+        if seal is not None:
+            seal()  # every layer is in: the checksums read what the objects hold
+        rest = [position for position in range(len(layout.keys)) if position not in layered]
+        if rest:
+            config = self._config(pin_ttl_ms, [layout.group_ids[p] for p in rest])
+            answers = self._store.batch_put_from_multi_buffers(
+                [layout.keys[p] for p in rest], [layout.ptrs[p] for p in rest], [layout.sizes[p] for p in rest], config
+            )
+            for position, code in zip(rest, _answers(answers, len(rest)), strict=True):
+                codes[position] = code
+        ending = [position for position in open_ if position not in failed]
+        if ending:
+            ended = self._store.batch_put_session_end([layout.keys[p] for p in ending])
+            for position, code in zip(ending, _answers(ended, len(ending)), strict=True):
+                codes[position] = code
+        if revoking := [layout.keys[position] for position in open_ if position in failed]:
+            # one the store does not revoke stays unseen and goes at its discard timeout
+            self._store.batch_put_session_revoke(revoking)
+        return codes
+
+    def _write_layers(self, open_: dict[int, StoreObject], layout: _CallLayout, codes: list[int]) -> set[int]:
+        """Write the reserved objects of ``open_`` (by position) wave by wave; the positions that failed.
+
+        Before each wave, every save's progress is waited for; after the last, each
+        says whether its step ended well. A save called off (or whose engine never
+        got there) fails its objects with :data:`STEP_CALLED_OFF`; a write the
+        store refused fails its object with the store's code.
+        """
+        failed: set[int] = set()
+        progresses: dict[int, LayerProgress] = {}
+        for record in open_.values():
+            assert record.layers is not None  # only layer-wise records are reserved
+            progresses[id(record.layers)] = record.layers
+        steps = max((len(progress.waves) for progress in progresses.values()), default=0)
+        called_off: set[int] = set()  # ids of progresses whose step failed
+        for step in range(steps + 1):
+            for key, progress in progresses.items():
+                if key not in called_off and not progress.wait(step, LAYER_WAIT_S):
+                    called_off.add(key)
+                    for position, record in open_.items():
+                        if id(record.layers) == key and position not in failed:
+                            failed.add(position)
+                            codes[position] = STEP_CALLED_OFF
+            writing = [
+                (position, record, waves[step])
+                for position, record in open_.items()
+                if position not in failed
+                and record.layers is not None
+                and step < len(waves := record.layers.waves)
+                and waves[step]
+            ]
+            if not writing:
+                continue
+            pieces = [wave_pieces(record.transfer_buffers, wave) for _, record, wave in writing]
+            answers = self._store.batch_put_from_multi_buffer_ranges(
+                [layout.keys[position] for position, _, _ in writing],
+                [piece[0] for piece in pieces],
+                [piece[1] for piece in pieces],
+                [piece[2] for piece in pieces],
+            )
+            for (position, _, _), code in zip(writing, _answers(answers, len(writing)), strict=True):
+                if code < 0:
+                    failed.add(position)
+                    codes[position] = code
+        return failed
+
+    def _config(self, pin_ttl_ms: int | None, group_ids: list[str]) -> Any:
+        """A fresh replicate config (overlapping puts must not share one), with group ids where the store takes them."""
+        config = self._store.new_replicate_config(soft_pin_ttl_ms=pin_ttl_ms)
+        if self._store.supports_group_ids and any(group_ids):
+            config.group_ids = group_ids
+        return config
+
     async def stop(self) -> None:
         if self._seals.allocated:
             await self.run_blocking(self._seals.close)
@@ -518,9 +647,19 @@ class PutStage(BatchStage):
             self._reporter.stored(emit, record)
         elif code == Code.ALREADY_EXISTS:  # someone stored it first: the object is there
             self._reporter.existing(emit, record)
+        elif code == STEP_CALLED_OFF:
+            message = f"put {record.key}: the step that computed it failed before it was visible: revoked"
+            self._reporter.failed(emit, record, message, FailReason.CALLED_OFF)
         else:
             no_space = code == Code.NO_SPACE
             if no_space:
                 emit.count("backpressure")
             reason = FailReason.NO_SPACE if no_space else FailReason.STORE_ERROR
             self._reporter.failed(emit, record, f"put {record.key}: {describe(code)}", reason)
+
+
+def _answers(results: Sequence[int], expected: int) -> Sequence[int]:
+    """A store call's per-key results, checked to be one per key (raises RuntimeError otherwise)."""
+    if len(results) != expected:
+        raise RuntimeError(f"store answered {len(results)} results for {expected} keys")
+    return results

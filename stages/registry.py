@@ -6,7 +6,8 @@ Factories take their objects from the build's resources: ``kv`` (the engine's
 kind is a build error naming it, not an AttributeError at the first request.
 
 The load stage takes the same ``kv`` and ``store`` (a :class:`LoadingStore`) and,
-optionally, ``load_observer`` (told each load request's failed block ids).
+optionally, ``load_observer`` (told each load request's failed block ids) and
+``layer_observer`` (told each wave of a layered load as it lands).
 
 Optionally too, ``loaded_keys`` (a :class:`LoadedKeys`) given to both graphs of one
 engine: the load stage tells it each object it loads, the put stage's retention
@@ -113,4 +114,5 @@ def _build_load(params: LoadParams, resources: Resources) -> LoadStage:
         _loading_store(resources),
         resources.get("load_observer"),
         _loaded_keys(resources),
+        resources.get("layer_observer"),
     )

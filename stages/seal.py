@@ -93,7 +93,8 @@ class SealMemory:
         # from this (worker) thread gives the process a second OpenMP thread pool. With
         # more OpenMP threads than cores, libgomp stops spinning at its barriers, so every
         # parallel region of the engine's own thread then pays futex sleeps and wakes:
-        # a plain decode step took 1.6-1.9x as long. memset runs here, alone.
+        # plain decode steps slowed (`kvpipe bench vllm-loads`, docs/bench/log/2026-12-04.md).
+        # memset runs here, alone.
         memory = torch.empty(self.slabs * slab_bytes, dtype=torch.uint8)
         ctypes.memset(memory.data_ptr(), 0, memory.nbytes)
         code = self._store.register_buffer(memory.data_ptr(), memory.nbytes)

@@ -1,9 +1,9 @@
 """Gather staging memory: a bounded pool of registered slots, and the copy into them.
 
 A KV block of one object is scattered over one buffer per layer. A transfer
-engine pays per buffer (over TCP about 30 us each, whatever its size), so an
-object of 64 small per-layer buffers costs 64 round trips of bookkeeping where
-one contiguous buffer would cost one. Gathering copies an object's buffers into
+engine pays per buffer over TCP, whatever its size, so an object of 64 small
+per-layer buffers costs 64 round trips of bookkeeping where one contiguous
+buffer would cost one (``kvpipe bench tcp`` puts both; BENCHMARKS.md). Gathering copies an object's buffers into
 one slot of this pool first; memory bandwidth is two orders of magnitude above
 what a put reaches, so the extra copy is cheap where the per-buffer cost is not.
 

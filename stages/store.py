@@ -93,6 +93,35 @@ class SavingStore(Protocol):
         """Store each key's buffers concatenated. Per key: 0 or negative."""
         ...
 
+    def batch_put_session_start(self, keys: Sequence[str], sizes: Sequence[int], config: Any) -> list[int]:
+        """Reserve each object (``sizes[i]`` bytes, ``config``'s group ids and pin) for ranged puts.
+
+        Per key: 0; ``ALREADY_EXISTS`` (stored: nothing to write); ``INVALID_PARAMS``
+        (another writer's session holds it); ``NO_SPACE``. A reserved object is
+        invisible (exists 0) until :meth:`batch_put_session_end`; one whose writer
+        never ends it is dropped by the master after its discard timeout.
+        """
+        ...
+
+    def batch_put_from_multi_buffer_ranges(
+        self,
+        keys: Sequence[str],
+        ptrs: Sequence[Sequence[int]],
+        sizes: Sequence[Sequence[int]],
+        offsets: Sequence[Sequence[int]],
+    ) -> list[int]:
+        """Write byte ranges of reserved objects: ``sizes[i][j]`` bytes from ``ptrs[i][j]`` at
+        ``offsets[i][j]`` of object ``keys[i]``. Per key: the bytes written, or negative."""
+        ...
+
+    def batch_put_session_end(self, keys: Sequence[str]) -> list[int]:
+        """Make each reserved object visible, as written: the store does not check that every byte was. Per key: 0 or negative."""
+        ...
+
+    def batch_put_session_revoke(self, keys: Sequence[str]) -> list[int]:
+        """Drop each reserved object unseen, its room freed. Per key: 0 or negative."""
+        ...
+
     def remove(self, key: str, *, force: bool = False) -> int:
         """Delete one object: 0, -704 if missing, -706 while a reader holds its lease.
 
@@ -122,6 +151,31 @@ class LoadingStore(Protocol):
         self, keys: Sequence[str], ptrs: Sequence[Sequence[int]], sizes: Sequence[Sequence[int]]
     ) -> list[int]:
         """Read each object into its buffers. Per key: bytes read or negative."""
+        ...
+
+    def batch_get_session_start(self, keys: Sequence[str]) -> list[int]:
+        """Open a get session on each key (its replicas asked once): 0, or negative (``NOT_FOUND``).
+
+        Ranged gets (:meth:`batch_get_into_multi_buffer_ranges`) read only keys in a
+        session. A session is one per key per client, not counted: the first
+        :meth:`batch_get_session_end` of a key closes it for every reader.
+        """
+        ...
+
+    def batch_get_into_multi_buffer_ranges(
+        self,
+        keys: Sequence[str],
+        ptrs: Sequence[Sequence[int]],
+        sizes: Sequence[Sequence[int]],
+        offsets: Sequence[Sequence[int]],
+    ) -> list[int]:
+        """Read byte ranges of objects in a session: ``sizes[i][j]`` bytes from ``offsets[i][j]`` of
+        object ``keys[i]`` into ``ptrs[i][j]``. Per key: the bytes read, or negative
+        (``INVALID_PARAMS``: no session on the key, or a range past the object's end)."""
+        ...
+
+    def batch_get_session_end(self, keys: Sequence[str]) -> int:
+        """Close the get sessions of ``keys`` (those that have none are skipped): 0 or negative."""
         ...
 
     def remove(self, key: str, *, force: bool = False) -> int:

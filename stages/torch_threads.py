@@ -4,8 +4,8 @@ torch's CPU build runs its parallel ops on libgomp, which gives each thread
 that starts a parallel region a pool of workers of its own. Once the workers
 outnumber the cores, libgomp stops spinning at its barriers, and every region
 of every pool (an inference engine's forward included) sleeps and wakes on a
-futex instead: one parallel op in a pipeline's thread made an engine's plain
-decode steps 1.6-1.9x as long. torch sizes a thread's regions by its OpenMP
+futex instead: one parallel op in a pipeline's thread slowed an engine's plain
+decode steps (``kvpipe bench vllm-loads``; docs/bench/log/2026-12-04.md). torch sizes a thread's regions by its OpenMP
 team size, which libgomp keeps per thread, so a thread whose team is one runs
 every op inline and starts no pool, while the engine's thread keeps its own.
 """

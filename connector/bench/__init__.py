@@ -1,5 +1,8 @@
 """``kvpipe bench``: the performance suite, every figure a ratio measured in one run.
 
+BENCHMARKS.md has how to run and read it, how long each workload takes and its
+latest figures; this docstring says what each workload measures, not what it read.
+
 Workloads (each a module with ``run(options) -> WorkloadResult``):
 
 ``local``
@@ -25,10 +28,19 @@ Workloads (each a module with ``run(options) -> WorkloadResult``):
     The 8-layer model with requests decoding while others load a shared stored
     prefix: decode-step p50/p99 and time to first token, sync against async
     loads, and loads per shared prefix.
+``vllm-layerwise``
+    The 8-layer model (a 16k context), prompts of 1k, 4k and 16k tokens stored
+    and reloaded after the prefix cache is reset: reload TTFT with sync, async and
+    layer-wise loads against a local prefix-cache hit, the saves' landing after
+    the forward (whole against layer-wise), and a layer-wise reload's timeline.
+``save-visible``
+    The 8-layer model kept busy (4 requests at all times): per chunk, the time
+    from the step that computed it to another process's lookup finding it stored,
+    at ``save_nice`` 10 (the default), 0 and 19.
 ``serve``
     A fleet (two ``vllm serve`` replicas behind vLLM's router over one store) under
     vLLM's own serving benchmark: a prefix-repetition and a multi-turn chat workload,
-    no connector / vLLM's connector / kvpipe, policies round_robin and cache_aware:
+    no connector / vLLM's connector / kvpipe, policies round_robin, cache_aware and kv_aware:
     TTFT, ITL, hits by tier, chunks one replica loaded that the other stored.
 ``serve-pd`` (``serve --pd``)
     Prefill and decode on different engines through the store, vLLM's router in
@@ -69,6 +81,7 @@ WORKLOADS: dict[str, str] = {
     "framework": "framework",
     "vllm": "vllm_prefix",
     "vllm-loads": "async_loads",
+    "vllm-layerwise": "layerwise",
     "save-visible": "save_visible",
     "serve": "serve",
     "serve-pd": "serve_pd",

@@ -2,8 +2,8 @@
 
     python -m kvpipe.connector.bench.gil
 
-Not a workload of the suite: a measurement behind BENCHMARKS.md ("What limits the
-rest"). A spinner thread counts Python loop iterations while this thread repeats
+Not a workload of the suite: a measurement behind docs/bench/log/design.md ("What
+limits the rest"). A spinner thread counts Python loop iterations while this thread repeats
 one store call. ``share`` is the spinner's progress during the calls over what it
 makes alone in the same time: near 1 means the call released the GIL for its
 whole native part. ``alone`` and ``beside`` are the call's duration without and

@@ -71,12 +71,46 @@ def _run_apart(name: str, options: BenchOptions) -> WorkloadResult:
 def write_markdown(path: Path, results: Sequence[WorkloadResult], command: str) -> None:
     """The results as BENCHMARKS.md's measured section: the command, the machine, every table."""
     lines = [
-        f"Measured {datetime.date.today().isoformat()} with `{command}`",
-        f"on {os.cpu_count()} CPUs, Python {platform.python_version()}, {_versions()}.",
+        f"Measured {datetime.date.today().isoformat()} at {commit()} with `{command}`",
+        f"on {machine()}; Python {platform.python_version()}, {_versions()}.",
         "",
     ]
     lines.extend(result.markdown() for result in results)
     path.write_text("\n".join(lines))
+
+
+def machine() -> str:
+    """The CPU as BENCHMARKS.md names it: model, cores, whether it has AMX (vLLM's CPU kernels use it)."""
+    model, flags = platform.processor() or platform.machine(), set()
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            name, _, value = line.partition(":")
+            if name.strip() == "model name":
+                model = value.strip()
+            elif name.strip() == "flags":
+                flags.update(value.split())
+    except OSError:  # not Linux: the model platform gives, AMX unknown
+        return f"{model}, {os.cpu_count()} cores"
+    return f"{model}, {os.cpu_count()} cores, {'AMX' if 'amx_tile' in flags else 'no AMX'}"
+
+
+def commit() -> str:
+    """The checkout's commit (``+changes`` when its tree differs from it), or ``an unknown commit``."""
+    here = Path(__file__).parent
+    try:
+        head = subprocess.run(
+            ["git", "rev-parse", "--short", "HEAD"], cwd=here, capture_output=True, text=True, check=True
+        ).stdout.strip()
+        changed = subprocess.run(
+            ["git", "status", "--porcelain", "--untracked-files=no"],
+            cwd=here,
+            capture_output=True,
+            text=True,
+            check=True,
+        ).stdout.strip()
+    except (OSError, subprocess.CalledProcessError):  # installed from a wheel, or no git
+        return "an unknown commit"
+    return f"{head}+changes" if changed else head
 
 
 def _versions() -> str:

@@ -1,14 +1,18 @@
 """The ``kvpipe`` command line: the parser, the dispatch to a command, one-line errors.
 
 ``kvpipe run CONFIG [--json] [--set dotted.path=value ...] [--baselines] [--dump-objects FILE]``
-``kvpipe bench [WORKLOAD ...] [--quick] [--repeats N] [--out DIR] [--json] [--markdown FILE]``
-``kvpipe store [--master ADDRESS|spawn] [--segment SIZE] [--master-metrics HOST:PORT ...] [--json]
+``kvpipe bench [WORKLOAD ...] [--quick] [--pd] [--repeats N] [--out DIR] [--json] [--markdown FILE]``
+``kvpipe store [--master ADDRESS|spawn] [--metadata-server M] [--segment SIZE] [--master-metrics HOST:PORT ...]
+[--local-hostname H] [--protocol P] [--device-name D] [--report-every S] [--json]
 [--disk DIR --disk-size SIZE [--disk-read-buffer SIZE]]``
 ``kvpipe inspect [--master ADDRESS | --config FILE] [--metrics HOST:PORT ...] [--model NAME]
-[--cache-prefix P] [--run CONFIG] [--groups N] [--tp-ranks N] [--json] [--png PATH]
+[--cache-prefix P] [--run CONFIG] [--groups N] [--tp-ranks N] [--json] [--png PATH] [--timeout S]
 [--verify [--sample N] [--repair] [--metadata-server M]]``
-``kvpipe fleet [--replicas N] [--connector kvpipe|vllm|none] [--policy P] [--masters N] [--store-nodes N]
-[--segment SIZE] [--copies N] [--model DIR] [--log-dir DIR] [--json]``
+``kvpipe fleet [--replicas N | --prefill N --decode M] [--connector kvpipe|vllm|none] [--policy P]
+[--masters N] [--store-nodes N] [--segment SIZE] [--copies N] [--network-namespaces] [--share-cores]
+[--model DIR] [--log-dir DIR] [--json]``
+
+``--help`` on each says the rest; docs/ names no flag the parser lacks (tests/docs checks it).
 
 Each command is a module of :mod:`.commands` (its arguments and what it does).
 Bad input (a missing file, malformed YAML, a wrong value, an unreachable master)
@@ -35,7 +39,7 @@ from .usage import USAGE_ERROR, UsageError
 
 def main(argv: Sequence[str] | None = None) -> int:
     try:
-        args = _parser().parse_args(argv)
+        args = parser().parse_args(argv)
         _configure_logging(args.verbose)
         with sigterm_unwinds():  # kvpipe store installs its own handler: it stops serving
             # set by the chosen subcommand's parser (set_defaults); a Namespace's attributes are untyped
@@ -56,13 +60,14 @@ class _ArgumentParser(argparse.ArgumentParser):
         raise UsageError(f"{message} (see {self.prog} --help)")
 
 
-def _parser() -> argparse.ArgumentParser:
-    parser = _ArgumentParser(prog="kvpipe", description="Move LLM KV-cache blocks into Mooncake Store.")
-    parser.add_argument("-v", "--verbose", action="count", default=0, help="more logging (-vv: debug)")
-    commands = parser.add_subparsers(required=True, metavar="COMMAND")
+def parser() -> argparse.ArgumentParser:
+    """The whole command line: each command's subparser (docs and tests read its flags from it)."""
+    top = _ArgumentParser(prog="kvpipe", description="Move LLM KV-cache blocks into Mooncake Store.")
+    top.add_argument("-v", "--verbose", action="count", default=0, help="more logging (-vv: debug)")
+    commands = top.add_subparsers(required=True, metavar="COMMAND")
     for command in COMMANDS:
         command.add_parser(commands)
-    return parser
+    return top
 
 
 def _configure_logging(verbosity: int) -> None:

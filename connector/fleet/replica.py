@@ -105,7 +105,7 @@ def core_shares(cores: Sequence[int], replicas: int) -> list[list[int]]:
 
     Why: vLLM's CPU engine binds its threads to every core it may use, and threads of
     two replicas bound to the same cores spin against each other at their barriers
-    (on 2 cores, a prefill two replicas run at once took 5-15x its time alone). Where
+    (``kvpipe bench serve`` before the binding: docs/bench/log/2026-12-02.md). Where
     replicas outnumber cores, each gets one core, round robin: one thread per replica
     shares a core without spinning.
     """

@@ -4,7 +4,8 @@ The job itself, below the command line (:mod:`kvpipe.connector.cli.commands.run`
 its arguments and prints its report) and the bench (whose ``fragmentation`` workload
 runs it on a shrinking store).
 
-- :mod:`.config`: the run's YAML (model, workload, store, save settings), every section defaulted.
+- :mod:`.config`: the run's YAML (model, workload, store, save settings), every section defaulted;
+  :mod:`.config_doc`: docs/configuration.md's tables of its keys, from the fields' descriptions.
 - :mod:`.synthetic`, :mod:`.workload`: the synthetic KV cache and the chat-like requests;
   :mod:`.pattern`: the bytes a synthetic block holds, a pure function of its name.
 - :mod:`.engine`: the engine stand-in that runs requests in steps and submits their saves.

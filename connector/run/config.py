@@ -30,10 +30,20 @@ class _Section(BaseModel):
 class GroupConfig(_Section):
     """One KV-cache group. ``layers`` defaults to the model's; ring buffers are not prefix-cacheable."""
 
-    kind: GroupKind = GroupKind.FULL_ATTENTION
-    layers: Count | None = None
-    prefix_cacheable: bool | None = None
-    mamba_mode: str | None = Field(None, validate_default=True)
+    kind: GroupKind = Field(
+        GroupKind.FULL_ATTENTION,
+        description="`full_attention`, `sliding_window`, `ring_buffer` (never stored) or `mamba` (one state per block).",
+    )
+    layers: Count | None = Field(None, description="Layers of this group; null: the model's `layers`.")
+    prefix_cacheable: bool | None = Field(
+        None,
+        description="The engine's verdict on reusing a prefix of this group; null: every kind but `ring_buffer` is.",
+    )
+    mamba_mode: str | None = Field(
+        None,
+        validate_default=True,
+        description="A mamba group's mode: its state is stored only in `align` mode (any other is an error).",
+    )
 
     @field_validator("mamba_mode")
     @classmethod
@@ -51,15 +61,29 @@ class GroupConfig(_Section):
 
 
 class ModelConfig(_Section):
-    name: str = Field("synthetic-llama", min_length=1)
-    layers: Count = 4
-    kv_heads: Count = 4
-    head_size: Count = 64
-    dtype: Literal["bfloat16", "float16", "float32"] = "bfloat16"
-    block_size: Count = 16
-    hash_block_size: Count | None = None
-    num_blocks: int = Field(2048, gt=1, strict=True)
-    groups: list[GroupConfig] = Field(default_factory=lambda: [GroupConfig()], min_length=1)
+    name: str = Field(
+        "synthetic-llama", min_length=1, description="The model part of every key and group id."
+    )
+    layers: Count = Field(4, description="Layers of each group that does not give its own.")
+    kv_heads: Count = Field(
+        4, description="KV heads, split over `parallel.tp_size` ranks (a multiple of it)."
+    )
+    head_size: Count = Field(64, description="Elements per head (K and V each).")
+    dtype: Literal["bfloat16", "float16", "float32"] = Field("bfloat16", description="The cache's dtype.")
+    block_size: Count = Field(16, description="Tokens per block, which is a stored chunk.")
+    hash_block_size: Count | None = Field(
+        None,
+        description="Tokens per block hash (divides `block_size`; smaller makes partial tails); "
+        "null: `block_size`.",
+    )
+    num_blocks: int = Field(
+        2048, gt=1, strict=True, description="Blocks per group and rank; requests wait for free blocks."
+    )
+    groups: list[GroupConfig] = Field(
+        default_factory=lambda: [GroupConfig()],
+        min_length=1,
+        description="The KV-cache groups in engine order (`model.groups[]` below); at least one must be stored.",
+    )
 
     @field_validator("groups")
     @classmethod
@@ -83,21 +107,27 @@ class ModelConfig(_Section):
 
 
 class ParallelConfig(_Section):
-    tp_size: Count = 1
+    tp_size: Count = Field(1, description="TP ranks: each its own tensors and key namespace.")
 
 
 class WorkloadConfig(_Section):
-    seed: int = Field(0, strict=True)
-    requests: Count = 300
-    system_prompts: Count = 4
-    system_prompt_tokens: tuple[int, int] = (64, 512)
-    user_tokens: tuple[int, int] = (16, 128)
-    output_tokens: tuple[int, int] = (16, 64)
-    max_turns: Count = 4
-    vocab_size: int = Field(32000, gt=1, strict=True)
-    concurrency: Count = 32
-    prefill_tokens_per_step: Count = 256
-    decode_tokens_per_step: Count = 8
+    seed: int = Field(0, strict=True, description="Everything the workload draws follows from it.")
+    requests: Count = Field(300, description="Requests (conversation turns) to run.")
+    system_prompts: Count = Field(4, description="System prompts that the conversations share.")
+    system_prompt_tokens: tuple[int, int] = Field(
+        (64, 512), description="A system prompt's length, [min, max]."
+    )
+    user_tokens: tuple[int, int] = Field((16, 128), description="A turn's new user tokens, [min, max].")
+    output_tokens: tuple[int, int] = Field((16, 64), description="A turn's output tokens, [min, max].")
+    max_turns: Count = Field(
+        4, description="Turns of a conversation at most; a turn's prompt is the context so far."
+    )
+    vocab_size: int = Field(32000, gt=1, strict=True, description="Token ids are drawn below it.")
+    concurrency: Count = Field(32, description="Requests running at once.")
+    prefill_tokens_per_step: Count = Field(
+        256, description="Prompt tokens a request computes per engine step."
+    )
+    decode_tokens_per_step: Count = Field(8, description="Output tokens a request computes per engine step.")
 
     @model_validator(mode="after")
     def _ranges_are_ordered(self) -> WorkloadConfig:
@@ -109,22 +139,44 @@ class WorkloadConfig(_Section):
 
 
 class SaveConfig(_Section):
-    enable_group_semantics: StrictFlag = False
-    cache_prefix: str = ""
-    max_buffers_per_call: Count = MAX_BUFFERS_PER_CALL
-    queue_capacity: Count = 1024
-    when_full: WhenFull = WhenFull.WAIT
-    #: seal every object put (its checksum and fingerprint beside it); off: sizes only
-    integrity: Integrity = Integrity.VERIFY
+    enable_group_semantics: StrictFlag = Field(
+        False,
+        description="Put every object of a chunk under one Mooncake group id, so the store evicts the chunk "
+        "whole. true or false only.",
+    )
+    cache_prefix: str = Field("", description="A namespace in every key and group id.")
+    max_buffers_per_call: Count = Field(
+        MAX_BUFFERS_PER_CALL,
+        description="Buffers one put call sends at most (more to one peer make Mooncake fail with -800).",
+    )
+    queue_capacity: Count = Field(1024, description="Save requests the sync bridge's entry holds.")
+    when_full: WhenFull = Field(
+        WhenFull.WAIT,
+        description="At a full entry: `wait`, or `drop` (the save is dropped and counted; the caller never blocks).",
+    )
+    integrity: Integrity = Field(
+        Integrity.VERIFY,
+        description="Seals (docs/integrity.md): `verify` seals every object put (its checksum and fingerprint "
+        "beside it) and loads check them, `required` also makes a chunk without seals a miss, `off` checks sizes only.",
+    )
 
 
 class RunConfig(_Section):
-    store: StoreConfig = Field(default_factory=MemoryStoreConfig)
-    model: ModelConfig = Field(default_factory=ModelConfig)
-    parallel: ParallelConfig = Field(default_factory=ParallelConfig)
-    workload: WorkloadConfig = Field(default_factory=WorkloadConfig)
-    save: SaveConfig = Field(default_factory=SaveConfig)
-    pipeline: dict[str, Any] | None = None  # a custom save graph; default: kvpipe's
+    store: StoreConfig = Field(
+        default_factory=MemoryStoreConfig, description="The store: `kind` memory (the default) or mooncake."
+    )
+    model: ModelConfig = Field(
+        default_factory=ModelConfig, description="The synthetic model whose KV cache is saved."
+    )
+    parallel: ParallelConfig = Field(default_factory=ParallelConfig, description="The engine's ranks.")
+    workload: WorkloadConfig = Field(default_factory=WorkloadConfig, description="The seeded chat workload.")
+    save: SaveConfig = Field(default_factory=SaveConfig, description="The save path's settings.")
+    pipeline: dict[str, Any] | None = Field(
+        None,
+        description="A custom save graph, `{stages: [...]}` as in configs/save-pipeline.yaml: its stages' params "
+        "then rule, not `save.enable_group_semantics`, `save.max_buffers_per_call` or `save.integrity`; null: "
+        "kvpipe's default graph.",
+    )
 
     @model_validator(mode="before")
     @classmethod

@@ -23,6 +23,19 @@ from .mooncake.client import MooncakeStore
 from .mooncake.settings import MooncakeSettings, parse_size
 from .protocol import Store
 
+#: what the ``breaker`` key of either store kind sets (its fields' own meaning; breaker.py)
+BREAKER_HELP = (
+    "The circuit breaker the store is opened behind: after `failures_to_open` calls in a row that all came "
+    "back -900/-901 (master unreachable), calls fail at once; a probe after `open_s` closes it again. "
+    "null: no breaker."
+)
+
+#: what a mooncake ``store:`` section's ``vllm_config`` key does (read before validation, so no field)
+VLLM_CONFIG_HELP = (
+    "Read vLLM's Mooncake JSON file at this path (the one `MOONCAKE_CONFIG_PATH` names) for the fields "
+    "above; keys given beside it override the file's."
+)
+
 #: A size in bytes: an int or a string such as "256MB" (binary units, as vLLM reads them).
 Size = Annotated[int, BeforeValidator(parse_size), Field(gt=0)]
 #: The same, where 0 means "none".
@@ -33,13 +46,21 @@ class MemoryStoreConfig(BaseModel):
     """The in-process model of Mooncake: for demos and fast tests."""
 
     model_config = ConfigDict(extra="forbid")
-    kind: Literal["memory"] = "memory"
-    capacity: Size = 1 << 30
-    high_watermark: float = Field(0.95, gt=0, le=1)
-    eviction_ratio: float = Field(0.05, gt=0, le=1)
-    lease_ttl_s: float = Field(5.0, ge=0)
-    group_ids_supported: bool = True  # False: present as a Mooncake without group ids
-    breaker: BreakerSettings | None = Field(default_factory=BreakerSettings)
+    kind: Literal["memory"] = Field("memory", description="The in-process model of Mooncake Store.")
+    capacity: Size = Field(1 << 30, description="Bytes the store holds (the master's mounted segments).")
+    high_watermark: float = Field(
+        0.95, gt=0, le=1, description="Share of `capacity` past which a put first evicts (oldest read first)."
+    )
+    eviction_ratio: float = Field(
+        0.05, gt=0, le=1, description="Share of `capacity` one eviction frees at least."
+    )
+    lease_ttl_s: float = Field(
+        5.0, ge=0, description="Seconds a read leases an object (a leased one is not evicted)."
+    )
+    group_ids_supported: bool = Field(
+        True, description="false: present as a Mooncake whose replicate config has no `group_ids`."
+    )
+    breaker: BreakerSettings | None = Field(default_factory=BreakerSettings, description=BREAKER_HELP)
 
     def open(self, *, mount_segment: bool = True, shared: bool = False) -> MemoryStore:
         """A new in-process store (it has no client to share, no segment to leave out)."""
@@ -60,11 +81,12 @@ class MooncakeStoreConfig(MooncakeSettings):
     """The real Mooncake client (a spawned local master by default).
 
     ``vllm_config: PATH`` reads the JSON file vLLM's own connector uses (the one
-    ``MOONCAKE_CONFIG_PATH`` names); fields given beside it override the file's.
+    ``MOONCAKE_CONFIG_PATH`` names); fields given beside it override the file's. It is
+    no field (the file becomes the fields): :data:`VLLM_CONFIG_HELP` documents it.
     """
 
-    kind: Literal["mooncake"] = "mooncake"
-    breaker: BreakerSettings | None = Field(default_factory=BreakerSettings)
+    kind: Literal["mooncake"] = Field("mooncake", description="The real Mooncake client.")
+    breaker: BreakerSettings | None = Field(default_factory=BreakerSettings, description=BREAKER_HELP)
 
     def settings(self) -> MooncakeSettings:
         """The client's own settings: this config without the kvpipe-side fields."""

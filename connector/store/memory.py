@@ -228,6 +228,11 @@ class MemoryStore:
         self._objects: OrderedDict[str, _Object] = OrderedDict()  # least recently used first
         self._groups: dict[str, set[str]] = {}
         self._registered: dict[int, int] = {}
+        # get sessions: key -> the object as its session found it (a removed one is still read, as the
+        # real client reads the replica it was told of)
+        self._sessions: dict[str, _Object] = {}
+        # put sessions: key -> the object being written, its room taken, invisible until its end
+        self._pending: dict[str, _Object] = {}
         self._used = 0
         self._evicted_objects = 0
         self._evicted_bytes = 0
@@ -306,6 +311,133 @@ class MemoryStore:
         with self._lock:
             now = self._clock()
             return [self._get_one(key, p, s, now) for key, p, s in zip(keys, ptrs, sizes, strict=True)]
+
+    def batch_get_session_start(self, keys: Sequence[str]) -> list[int]:
+        if (failed := self._unavailable("exist", len(keys))) is not None:
+            return failed
+        with self._lock:
+            now = self._clock()
+            results: list[int] = []
+            for key in keys:
+                obj = self._read(key, now)
+                if obj is not None:
+                    self._sessions[key] = obj
+                results.append(Code.NOT_FOUND if obj is None else Code.OK)
+            return results
+
+    def batch_get_into_multi_buffer_ranges(
+        self,
+        keys: Sequence[str],
+        ptrs: Sequence[Sequence[int]],
+        sizes: Sequence[Sequence[int]],
+        offsets: Sequence[Sequence[int]],
+    ) -> list[int]:
+        _check_unsigned(ptrs, sizes)
+        if not _same_lengths(keys, ptrs, sizes, offsets):
+            return [Code.INVALID_PARAMS] * len(keys)
+        if (failed := self._unavailable("get", len(keys))) is not None:
+            return failed
+        with self._lock:
+            return [self._get_ranges(*per_key) for per_key in zip(keys, ptrs, sizes, offsets, strict=True)]
+
+    def _get_ranges(self, key: str, ptrs: Sequence[int], sizes: Sequence[int], offsets: Sequence[int]) -> int:
+        obj = self._sessions.get(key)
+        if obj is None or not len(ptrs) == len(sizes) == len(offsets):
+            return Code.INVALID_PARAMS  # the real client's answer to a key with no session
+        if (code := self.faults.draw("get")) is not None:
+            return code
+        if any(offset < 0 or offset + size > len(obj.data) for offset, size in zip(offsets, sizes, strict=True)):
+            return Code.INVALID_PARAMS
+        base = _address(obj.data)
+        for ptr, size, offset in zip(ptrs, sizes, offsets, strict=True):
+            ctypes.memmove(ptr, base + offset, size)
+        return sum(sizes)
+
+    def batch_get_session_end(self, keys: Sequence[str]) -> int:
+        with self._lock:
+            for key in keys:
+                self._sessions.pop(key, None)
+        return Code.OK
+
+    def batch_put_session_start(
+        self, keys: Sequence[str], sizes: Sequence[int], config: LegacyReplicateConfig
+    ) -> list[int]:
+        group_ids = config.group_ids if isinstance(config, MemoryReplicateConfig) else None
+        pin_ms = config.soft_pin_ttl_ms if isinstance(config, MemoryReplicateConfig) else None
+        if not _same_lengths(keys, sizes) or (group_ids is not None and len(group_ids) != len(keys)):
+            return [Code.INVALID_PARAMS] * len(keys)
+        if (failed := self._unavailable("put", len(keys))) is not None:
+            return failed
+        with self._lock:
+            pinned_until = -math.inf if pin_ms is None else self._clock() + pin_ms / 1000
+            results: list[int] = []
+            for index, (key, size) in enumerate(zip(keys, sizes, strict=True)):
+                if key in self._objects:
+                    results.append(Code.ALREADY_EXISTS)
+                elif key in self._pending or size <= 0:
+                    results.append(Code.INVALID_PARAMS)
+                elif size > self._capacity or not self._make_room(size, protected=()):
+                    results.append(Code.NO_SPACE)
+                else:
+                    group = (group_ids[index] if group_ids else "") or None
+                    self._pending[key] = _Object(bytearray(size), group, pinned_until=pinned_until)
+                    self._used += size
+                    results.append(Code.OK)
+            return results
+
+    def batch_put_from_multi_buffer_ranges(
+        self,
+        keys: Sequence[str],
+        ptrs: Sequence[Sequence[int]],
+        sizes: Sequence[Sequence[int]],
+        offsets: Sequence[Sequence[int]],
+    ) -> list[int]:
+        _check_unsigned(ptrs, sizes)
+        if not _same_lengths(keys, ptrs, sizes, offsets):
+            return [Code.INVALID_PARAMS] * len(keys)
+        if (failed := self._unavailable("put", len(keys))) is not None:
+            return failed
+        with self._lock:
+            return [self._put_ranges(*per_key) for per_key in zip(keys, ptrs, sizes, offsets, strict=True)]
+
+    def _put_ranges(self, key: str, ptrs: Sequence[int], sizes: Sequence[int], offsets: Sequence[int]) -> int:
+        obj = self._pending.get(key)
+        if obj is None or not len(ptrs) == len(sizes) == len(offsets):
+            return Code.INVALID_PARAMS  # the real client's answer to a key with no put session
+        if (code := self.faults.draw("put")) is not None:
+            return code
+        if any(offset < 0 or offset + size > len(obj.data) for offset, size in zip(offsets, sizes, strict=True)):
+            return Code.INVALID_PARAMS
+        base = _address(obj.data)
+        for ptr, size, offset in zip(ptrs, sizes, offsets, strict=True):
+            ctypes.memmove(base + offset, ptr, size)
+        return sum(sizes)
+
+    def batch_put_session_end(self, keys: Sequence[str]) -> list[int]:
+        if (failed := self._unavailable("put", len(keys))) is not None:
+            return failed
+        with self._lock:
+            results: list[int] = []
+            for key in keys:
+                obj = self._pending.pop(key, None)
+                if obj is None:
+                    results.append(Code.INVALID_PARAMS)
+                    continue
+                self._visible(key, obj)  # as written: the store does not check every byte was
+                results.append(Code.OK)
+            return results
+
+    def batch_put_session_revoke(self, keys: Sequence[str]) -> list[int]:
+        if (failed := self._unavailable("put", len(keys))) is not None:
+            return failed
+        with self._lock:
+            results: list[int] = []
+            for key in keys:
+                obj = self._pending.pop(key, None)
+                if obj is not None:
+                    self._used -= len(obj.data)
+                results.append(Code.INVALID_PARAMS if obj is None else Code.OK)
+            return results
 
     def batch_put_from(
         self, keys: Sequence[str], ptrs: Sequence[int], sizes: Sequence[int], config: LegacyReplicateConfig
@@ -434,20 +566,23 @@ class MemoryStore:
             return Code.INVALID_PARAMS  # empty buffers are fine, empty objects are not
         if (code := self.faults.draw("put")) is not None:
             return code
-        if key in self._objects:
+        if key in self._objects or key in self._pending:
             return Code.OK  # the first value stays; so does its group
         size = sum(sizes)
         if size > self._capacity or not self._make_room(size, protected=stored):
             return Code.NO_SPACE
         data = bytearray(size)
         _copy(_address(data), ptrs, sizes, into_buffers=False)
-        group = group_id or None
-        self._objects[key] = _Object(data, group, pinned_until=pinned_until)
         self._used += size
-        if group is not None:
-            self._groups.setdefault(group, set()).add(key)
+        self._visible(key, _Object(data, group_id or None, pinned_until=pinned_until))
         stored.add(key)
         return Code.OK
+
+    def _visible(self, key: str, obj: _Object) -> None:
+        """``obj`` (its room taken) is stored under ``key`` from now on, in its group."""
+        self._objects[key] = obj
+        if obj.group is not None:
+            self._groups.setdefault(obj.group, set()).add(key)
 
     def _get_one(self, key: str, ptrs: Sequence[int], sizes: Sequence[int], now: float) -> int:
         if len(ptrs) != len(sizes):
@@ -533,8 +668,8 @@ def _check_unsigned(ptrs: Sequence[Sequence[int]], sizes: Sequence[Sequence[int]
                 raise TypeError(f"pointers and sizes must be unsigned ints, got {value!r}")
 
 
-def _same_lengths(keys: Sequence[str], ptrs: Sequence[object], sizes: Sequence[object]) -> bool:
-    return len(keys) == len(ptrs) == len(sizes)
+def _same_lengths(keys: Sequence[str], *per_key: Sequence[object]) -> bool:
+    return all(len(column) == len(keys) for column in per_key)
 
 
 def _copy(base: int, ptrs: Sequence[int], sizes: Sequence[int], *, into_buffers: bool) -> None:

@@ -20,6 +20,19 @@ The primitives, and why each is here:
 ``batch_get_into_multi_buffers(keys, ptrs, sizes)``
     The load path's mirror: bytes read or a negative code. The destination's
     total size must equal the object's; its split into buffers is free.
+``batch_get_session_start(keys)`` / ``batch_get_into_multi_buffer_ranges(keys, ptrs, sizes, offsets)`` / ``batch_get_session_end(keys)``
+    Layer-wise loads (docs/layerwise.md): an object's bytes are its layers in
+    order, so a layer is a byte range of it, read into that layer's buffers while
+    the engine computes the layers before it. A session asks the master for the
+    replicas once; each ranged get is then a transfer only. Ranged gets refuse
+    (-600) a key with no session, and a session is one per key per client: the
+    first end closes it for every reader (callers count their own users).
+``batch_put_session_start(keys, sizes, config)`` / ``batch_put_from_multi_buffer_ranges(keys, ptrs, sizes, offsets)`` / ``batch_put_session_end(keys)`` / ``batch_put_session_revoke(keys)``
+    Layer-wise saves: an object is reserved (invisible), written a layer at a
+    time while the engine computes the next, and made visible at its end, or
+    revoked; a writer that dies leaves nothing a reader can see, and the master
+    drops its reservation after ``--put_start_discard_timeout_sec``. The end does
+    not check that every byte was written: the writer must.
 ``batch_put_from`` / ``batch_get_into``
     The one-buffer-per-object forms, for callers that already hold contiguous
     objects.
@@ -133,7 +146,7 @@ class ForwardingStore:
     Wrappers (the circuit breaker, the operation meter) override :meth:`_call`
     only, so each of them sees every store call the data path makes, and none
     restates the protocol. Local calls (buffer registration, capabilities,
-    close), ``remove_all`` and ``capacity_bytes`` go straight through.
+    close, a get session's end), ``remove_all`` and ``capacity_bytes`` go straight through.
     """
 
     def __init__(self, inner: Store) -> None:
@@ -169,6 +182,49 @@ class ForwardingStore:
         return self._call(
             "get", len(keys), None, lambda: self.inner.batch_get_into_multi_buffers(keys, ptrs, sizes)
         )
+
+    def batch_get_session_start(self, keys: Sequence[str]) -> list[int]:
+        return self._call("exist", len(keys), None, lambda: self.inner.batch_get_session_start(keys))
+
+    def batch_get_into_multi_buffer_ranges(
+        self,
+        keys: Sequence[str],
+        ptrs: Sequence[Sequence[int]],
+        sizes: Sequence[Sequence[int]],
+        offsets: Sequence[Sequence[int]],
+    ) -> list[int]:
+        return self._call(
+            "get",
+            len(keys),
+            None,
+            lambda: self.inner.batch_get_into_multi_buffer_ranges(keys, ptrs, sizes, offsets),
+        )
+
+    def batch_get_session_end(self, keys: Sequence[str]) -> int:
+        return self.inner.batch_get_session_end(keys)
+
+    def batch_put_session_start(self, keys: Sequence[str], sizes: Sequence[int], config: Any) -> list[int]:
+        return self._call("put", len(keys), None, lambda: self.inner.batch_put_session_start(keys, sizes, config))
+
+    def batch_put_from_multi_buffer_ranges(
+        self,
+        keys: Sequence[str],
+        ptrs: Sequence[Sequence[int]],
+        sizes: Sequence[Sequence[int]],
+        offsets: Sequence[Sequence[int]],
+    ) -> list[int]:
+        return self._call(
+            "put",
+            len(keys),
+            sizes,
+            lambda: self.inner.batch_put_from_multi_buffer_ranges(keys, ptrs, sizes, offsets),
+        )
+
+    def batch_put_session_end(self, keys: Sequence[str]) -> list[int]:
+        return self._call("put", len(keys), None, lambda: self.inner.batch_put_session_end(keys))
+
+    def batch_put_session_revoke(self, keys: Sequence[str]) -> list[int]:
+        return self._call("remove", len(keys), None, lambda: self.inner.batch_put_session_revoke(keys))
 
     def batch_put_from(
         self, keys: Sequence[str], ptrs: Sequence[int], sizes: Sequence[int], config: Any

@@ -268,17 +268,22 @@ class KVPipeConnector(KVConnectorBase_V1, SupportsHMA):
         if self.worker is not None:
             self.worker.before_step()  # done already where vLLM called handle_preemptions
             self.worker.submit_loads(self._metadata())
+            self.worker.start_layered_saves(self._metadata())
 
     def start_load_kv(self, forward_context: Any, **kwargs: Any) -> None:
         self._worker().start_load_kv(self._metadata())
 
     def wait_for_layer_load(self, layer_name: str) -> None:
-        return None
+        """Before a layer's attention: its bytes of the step's layer-wise loads are in (``load_layerwise``)."""
+        if self.worker is not None:
+            self.worker.wait_for_layer_load(layer_name)
 
     def save_kv_layer(
         self, layer_name: str, kv_layer: torch.Tensor, attn_metadata: Any, **kwargs: Any
     ) -> None:
-        return None
+        """After a layer's attention: its bytes of the step's layer-wise saves go to their slots (``save_layerwise``)."""
+        if self.worker is not None:
+            self.worker.save_kv_layer(layer_name)
 
     def wait_for_save(self) -> None:
         self._worker().wait_for_save(self._metadata())

@@ -24,6 +24,10 @@ so a layout vLLM adds later is either handled or refused, never mis-stored:
 - **anything else is refused at start**, naming the layer and the layout:
   bytes that cannot be named as equal-stride rows would be stored wrong.
 
+A layer's bytes are the regions that hold it, so in every layout but the
+cross-layer ones a layer is one byte range of the object (two where its K and V
+lie apart): :func:`layer_waves` names them, for layer-wise loads.
+
 Every region steps by its own size from block to block, which is what
 :class:`~kvpipe.stages.Region` promises, and is checked to stay inside its
 storage for the last block. Each region also carries a ``uint8`` view of its
@@ -40,6 +44,7 @@ import torch
 
 from kvpipe.stages import BlockLayout, Region
 from kvpipe.stages.errors import ConfigError
+from kvpipe.stages.model import Wave
 
 __all__ = [
     "EngineRegion",
@@ -250,6 +255,35 @@ def group_layout(
         first = min(order[id(run)] for run in cluster)
         regions.append((first, EngineRegion(Region(head.start, head.stride), rows, names)))
     return GroupLayout(tuple(region for _, region in sorted(regions, key=lambda pair: pair[0])))
+
+
+def layer_waves(
+    layout: GroupLayout, forward_order: Sequence[str], *, completed: bool = False
+) -> tuple[Wave, ...]:
+    """Per layer of ``forward_order``, the byte ranges of an object it is the first to need.
+
+    A region belongs to the wave of the first of its layers the forward runs (a
+    cross-layer row: the first layer's), what a load must have in by then; with
+    ``completed``, to the last (a cross-layer row: the last layer's), when a save
+    may read it. Ranges that meet are one. Raises :class:`LayoutError` for a region
+    of a layer ``forward_order`` does not name.
+    """
+    position = {name: index for index, name in enumerate(forward_order)}
+    waves: list[list[tuple[int, int]]] = [[] for _ in forward_order]
+    offset = 0
+    for engine_region in layout.regions:
+        unknown = [name for name in engine_region.layers if name not in position]
+        if unknown:
+            raise LayoutError(f"KV cache of layers {unknown}: not among the layers the forward runs")
+        owners = [position[name] for name in engine_region.layers]
+        ranges = waves[max(owners) if completed else min(owners)]
+        size = engine_region.region.bytes_per_block
+        if ranges and sum(ranges[-1]) == offset:
+            ranges[-1] = (ranges[-1][0], ranges[-1][1] + size)
+        else:
+            ranges.append((offset, size))
+        offset += size
+    return tuple(tuple(ranges) for ranges in waves)
 
 
 def storages_of(values: Sequence[torch.Tensor | Sequence[torch.Tensor]]) -> dict[int, int]:

@@ -15,7 +15,10 @@ other requests; sync loads (the scheduler's choice, per load:
 ``KVPipeMetadata.sync_loads``) are waited for before the forward. Failed blocks go
 to vLLM as block ids (one KV-cache group) or as a failed request (several groups:
 vLLM cannot map block ids back then), and are recomputed under
-``kv_load_failure_policy: recompute``. A load lands in staging slots (host memory,
+``kv_load_failure_policy: recompute``. With ``load_layerwise``, a load that runs
+in its request's step is read layer by layer while the forward runs instead: the
+engine waits before each attention layer for that layer only, and the step's end
+settles it. A load lands in staging slots (host memory,
 checked there) and is copied into the engine's blocks on the engine's thread,
 ordered before the next forward; one that finds saves holding the slots it needs
 waits for them (by its deadline: an async one starts at a later hook, a sync one
@@ -33,6 +36,10 @@ load pipeline's thread, into a thread-safe :class:`_LoadFailures`). None but
 - :meth:`Loads.submit`: start a step's loads, once per step's metadata.
 - :meth:`Loads.before_forward`: the same, then wait for the step's sync loads and
   copy them home (ordered before the forward).
+- :meth:`Loads.wait_for_layer`: before a layer's attention, that layer of the
+  step's layer-wise loads is in the engine's blocks (docs/layerwise.md).
+- :meth:`Loads.after_forward`: at the step's end, its layer-wise loads settled
+  (judged whole); the requests whose loads failed in the step, whose saves go.
 - :meth:`Loads.finished`: the async loads whose jobs ended (or were given up) since
   the last call, each reported once, copied home.
 - :meth:`Loads.take_failed_blocks`, :meth:`Loads.take_failed_requests`: what failed
@@ -55,7 +62,7 @@ import time
 from collections import Counter, deque
 from collections.abc import Callable, Container, Mapping, Sequence
 from dataclasses import dataclass, field, replace
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, NamedTuple
 
 import structlog
 
@@ -63,9 +70,11 @@ from kvpipe.connector.store.protocol import Store
 from kvpipe.pipeline import Job, SyncPipeline
 from kvpipe.stages import KVCache, LoadRequest, Verdict, default_load_graph
 from kvpipe.stages.load_plan import load_chunks, touched_block_ids
+from kvpipe.stages.model import Wave
 from kvpipe.stages.retention import LoadedKeys
 
 from .engine_cache import EngineCache
+from .layer_arrivals import LayerArrivals
 from .metrics import (
     CHUNKS_BY_VERDICT,
     CHUNKS_LOAD_FAILED,
@@ -74,6 +83,8 @@ from .metrics import (
     LOADS,
     LOADS_FAILED_NO_STAGING,
     LOADS_GIVEN_UP,
+    LOADS_LAYER_LATE,
+    LOADS_LAYERED,
     LOADS_WAITED_FOR_STAGING,
 )
 from .settings import ConnectorSettings
@@ -86,6 +97,23 @@ log = structlog.get_logger("kvpipe.connector.vllm")
 
 #: the outer bound on waiting for a sync load; its job's deadline ends it long before
 LOAD_TIMEOUT_S = 60.0
+#: the layer waits kept for :attr:`Loads.timeline`, the oldest going first
+TIMELINE_KEPT = 4096
+
+
+class LayerWait(NamedTuple):
+    """One layer of a step's first layer-wise load, as the forward met it (``time.monotonic`` seconds).
+
+    ``asked``: the forward reached the layer (its wait began); ``landed``: the
+    load stage told the layer's bytes in (None: never); ``returned``: the layer's
+    attention could start (its bytes copied home, or given up).
+    """
+
+    layer: str
+    wave: int
+    asked: float
+    landed: float | None
+    returned: float
 
 
 @dataclass
@@ -100,9 +128,16 @@ class LoadInFlight:
     request: LoadRequest  # over engine block ids
     job: Job | None  # its item is the request over the slots it lands in
     bounce: list[SlotCopy] = field(default_factory=list)
-    via_slots: bool = False  # nothing it writes reaches the engine before it is settled
+    via_slots: bool = False  # nothing it writes reaches the engine before it is settled (unless layered)
+    waves_home: int = 0  # layered: the waves (from the first) in the engine's blocks, copied home or landed
+    late: bool = False  # layered: the forward reached a layer before its wave had landed
     slots_wanted: list[Placement] | None = None  # waiting for free slots: where its chunks go
     waits_until: float = math.inf  # when a load waiting for slots fails instead
+
+    @property
+    def layered(self) -> bool:
+        """It is read layer by layer while its step's forward runs."""
+        return self.request.layered
 
     @property
     def waiting(self) -> bool:
@@ -193,6 +228,7 @@ class Loads:
         put_here: Container[bytes],
         slots_held_by_saves: Callable[[], int],
         reap_next_save: Callable[[float], bool],
+        layers: Sequence[str] = (),
     ) -> None:
         """Start the load pipeline, which loads into ``kv`` from ``store``.
 
@@ -202,7 +238,10 @@ class Loads:
         into them); ``put_here``, the chunk hashes it put (a load of others' chunks is
         counted as such); ``slots_held_by_saves()``, the staging slots its saves in
         flight hold; ``reap_next_save(timeout_s)``, wait at most that long for a save
-        to end and give its slots back, and say whether one did.
+        to end and give its slots back, and say whether one did. ``layers``: the
+        layers the forward runs, in order, one per wave of ``kv.layer_waves``
+        (whose first group's waves the copies home follow), for layer-wise loads;
+        empty: none.
 
         Raises what starting a pipeline raises (:meth:`~kvpipe.pipeline.SyncPipeline.start`).
         """
@@ -221,6 +260,15 @@ class Loads:
         self._submitted: KVPipeMetadata | None = None  # the step whose loads went out
         self._stopped = False  # by stop: nothing starts, nothing is reported finished
         self._failures = _LoadFailures()
+        self._failed_in_step: set[str] = set()  # requests computed in this step whose loads failed
+        self._waves: tuple[Wave, ...] = next(iter(kv.layer_waves.values()), ()) if layers else ()
+        self._wave_of = {name: wave for wave, name in enumerate(layers)}
+        # waves up to the last that holds bytes: each must be home before the forward reads it
+        self._waves_needed = max((wave + 1 for wave, ranges in enumerate(self._waves) if ranges), default=0)
+        self._arrivals = LayerArrivals()
+        self._layered: list[LoadInFlight] = []  # this step's layer-wise loads, settled after its forward
+        #: where a step's time went, layer by layer (the first layer-wise load of each step; bench's timeline)
+        self.timeline: deque[LayerWait] = deque(maxlen=TIMELINE_KEPT)
         self.pipeline = SyncPipeline(
             default_load_graph(
                 kv,
@@ -229,6 +277,7 @@ class Loads:
                 max_buffers_per_call=settings.max_buffers_per_call,
                 integrity=settings.integrity,
                 loaded_keys=loaded_keys,
+                layer_observer=self._arrivals if self._waves else None,
             ),
             queue_capacity=settings.queue_capacity,
             when_full="wait",
@@ -255,18 +304,29 @@ class Loads:
             return
         self._submitted = meta
         for load in meta.loads:
-            submitted = self._submit_load(load)
-            if load.request_id in meta.sync_loads:
+            sync = load.request_id in meta.sync_loads
+            submitted = self._submit_load(replace(load, layered=True) if sync and self._waves else load)
+            if submitted.layered:
+                self._layered.append(submitted)
+                self._stats[LOADS_LAYERED] += 1
+            elif sync:
                 self._sync.append(submitted)
             else:
                 self._in_flight[load.request_id] = submitted
 
     def before_forward(self, meta: KVPipeMetadata) -> None:
-        """Submit this step's loads unless :meth:`submit` did; wait for the sync ones (before the forward)."""
+        """Submit this step's loads unless :meth:`submit` did; wait for the sync ones (before the forward).
+
+        A layer-wise load only has its slots by now (it waited for saves to give
+        them back, if it had to): its layers are waited for one by one
+        (:meth:`wait_for_layer`).
+        """
         self.submit(meta)
         waited, self._sync = self._sync, []
         if self._stopped:
             return
+        for load in self._layered:
+            self._wait_for_slots(load)
         for load in waited:
             self._wait_for_slots(load)
             if load.job is not None and not load.job.wait(load.wait_s()):
@@ -275,6 +335,57 @@ class Loads:
         self._settle_loads(waited, reported=False)
         if waited:
             self.pipeline.completed()  # their completions: nothing waits for them now
+
+    def wait_for_layer(self, layer: str) -> None:
+        """Before ``layer``'s attention: its wave of this step's layer-wise loads is in the engine's blocks.
+
+        Waits for the wave to land (each load's deadline bounds it), then copies
+        it home from the staging slots, ordered before the layer's kernels; a
+        wave that does not land in time makes its load late: it fails whole in
+        this step (:meth:`after_forward`). Layers the loads do not know return at once.
+        """
+        wave = self._wave_of.get(layer)
+        if wave is None or not self._layered:
+            return
+        asked = time.monotonic()
+        for load in self._layered:
+            if load.job is None or load.late or load.waves_home > wave:
+                continue
+            if not self._arrivals.wait(load.job, wave, load.wait_s()):
+                load.late = True
+                if not load.job.done:
+                    log.warning("a layer's load was late", request_id=load.request.request_id, layer=layer)
+                continue
+            if load.via_slots:
+                for home in range(load.waves_home, wave + 1):
+                    if self._waves[home]:
+                        self._staging.copy_out(load.bounce, self._waves[home])
+            load.waves_home = wave + 1
+        first = self._layered[0].job
+        landed = None if first is None else self._arrivals.told_at(first, wave)
+        self.timeline.append(LayerWait(layer, wave, asked, landed, time.monotonic()))
+
+    def after_forward(self) -> set[str]:
+        """At the step's end: settle its layer-wise loads; the requests whose loads failed in this step.
+
+        Each layer-wise load's job is waited for (by its deadline): its objects are
+        judged whole, and one that fails its check fails its blocks now, in the
+        step that read them, so vLLM throws the step's work for the request away
+        and recomputes. A load a layer of which the forward reached before it was
+        home (late, or never waited for) fails whole. The requests returned (sync
+        loads' too) computed this step over failed blocks: nothing of it is saved.
+        """
+        layered, self._layered = self._layered, []
+        for load in layered:
+            if load.job is not None and not load.job.wait(load.wait_s()):
+                log.warning("layer-wise load given up at its deadline", request_id=load.request.request_id)
+            if load.job is not None and load.waves_home < self._waves_needed:
+                load.late = True
+        self._settle_loads(layered, reported=False)
+        if layered:
+            self.pipeline.completed()  # their completions: nothing waits for them now
+        failed, self._failed_in_step = self._failed_in_step, set()
+        return failed
 
     def finished(self) -> set[str]:
         """Async loads whose jobs have ended (or that were given up) since the last call, each reported once."""
@@ -384,10 +495,13 @@ class Loads:
         for load in loads:
             given_up = not load.done  # read once: its job may end on the pipeline's thread meanwhile
             failed = self._settle_load(load, reported, given_up)
+            if load.layered and load.job is not None:
+                self._arrivals.forget(load.job)
             if given_up:
                 self._given_up.append(load)  # its call may still write its slots: they stay taken
             elif load.bounce:
-                home.extend(copy for copy in load.bounce if copy.block not in failed)
+                if not load.layered:  # a layer-wise load's waves went home as they landed
+                    home.extend(copy for copy in load.bounce if copy.block not in failed)
                 slots.extend(copy.slot for copy in load.bounce)
         if slots:
             if home:
@@ -403,8 +517,10 @@ class Loads:
         told = None if job is None or given_up else self._failures.take_told(job.item)
         if given_up:
             self._stats[LOADS_GIVEN_UP] += 1
-        if told is None:
-            # never started, given up, or refused before the stage: every block of its range
+        if load.late:
+            self._stats[LOADS_LAYER_LATE] += 1
+        if told is None or load.late:
+            # never started, given up, late, or refused before the stage: every block of its range
             # (not the blocks below it: those are the engine's own, maybe shared with others)
             failed = set(touched_block_ids(self._cache.store_groups, load.request))
         else:
@@ -421,6 +537,8 @@ class Loads:
             return failed
         # vLLM cannot map block ids of several groups back
         self._failures.record(rid, failed, as_request=len(self._cache.groups) > 1 and reported)
+        if not reported:
+            self._failed_in_step.add(rid)  # computed in this step over the failed blocks
         return failed
 
     def _stored_elsewhere(self, load: LoadRequest) -> int:
@@ -453,7 +571,7 @@ class Loads:
         """
         while self._waiting:
             self._fail_waiting(self._waiting.popleft())
-        for load in [*self._in_flight.values(), *self._sync]:
+        for load in [*self._in_flight.values(), *self._sync, *self._layered]:
             if load.job is not None and not load.job.wait(LOAD_TIMEOUT_S):
                 log.warning("a load outlived its wait before sleep", request_id=load.request.request_id)
 

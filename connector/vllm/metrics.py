@@ -104,6 +104,10 @@ LOADS_FAILED: Final = "loads_failed"
 LOADS_FAILED_NO_STAGING: Final = "loads_failed_no_staging"
 LOADS_WAITED_FOR_STAGING: Final = "loads_waited_for_staging"
 LOADS_GIVEN_UP: Final = "loads_given_up"
+LOADS_LAYERED: Final = "loads_layered"
+SAVES_LAYERED: Final = "saves_layered"
+LOADS_LAYER_LATE: Final = "loads_layer_late"
+SAVES_DROPPED_FAILED_LOAD: Final = "saves_dropped_failed_load"
 LOADS_SPARED: Final = "loads_spared"
 CHUNKS_LOADED: Final = "chunks_loaded"
 CHUNKS_LOAD_FAILED: Final = "chunks_load_failed"
@@ -179,10 +183,11 @@ CATALOGUE: Final = (
         OBJECT_FAILURES,
         Kind.COUNTER,
         Side.WORKER,
-        'Save-path objects that failed, by why (with `objects{status="throttled"}`, '
-        '`saves_dropped_no_staging` and `stage_dropped{stage="entry"}`, every save not stored has a '
-        "reason): store_error, no_space (refused after the back-off), deadline (`save_deadline_s` "
-        "passed before it was sent), rolled_back (its chunk was torn), too_large.",
+        'Save-path objects that failed, by why (with `kvpipe:objects_total{status="throttled"}`, '
+        '`kvpipe:saves_dropped_no_staging_total` and `kvpipe:stage_dropped_total{stage="entry"}`, every '
+        "save not stored has a reason): store_error, no_space (refused after the back-off), deadline "
+        "(`save_deadline_s` passed before it was sent), rolled_back (its chunk was torn), too_large, "
+        "called_off (written layer by layer, its step failed: revoked unseen).",
         labels=(Label("reason", tuple(reason.value for reason in FailReason)),),
         keyed=Keyed.PER_VALUE,
     ),
@@ -358,6 +363,32 @@ CATALOGUE: Final = (
         Kind.COUNTER,
         Side.WORKER,
         "Loads given up at their deadline while a store call still ran (their blocks recomputed).",
+    ),
+    Metric(
+        LOADS_LAYERED,
+        Kind.COUNTER,
+        Side.WORKER,
+        "Loads read layer by layer while their step's forward ran (`load_layerwise`).",
+    ),
+    Metric(
+        SAVES_LAYERED,
+        Kind.COUNTER,
+        Side.WORKER,
+        "Saves written layer by layer as their step's forward computed them (`save_layerwise`).",
+    ),
+    Metric(
+        LOADS_LAYER_LATE,
+        Kind.COUNTER,
+        Side.WORKER,
+        "Layer-wise loads a layer of which had not landed when the forward reached it (its "
+        "deadline passed, or the layer was never waited for): their blocks failed in that step.",
+    ),
+    Metric(
+        SAVES_DROPPED_FAILED_LOAD,
+        Kind.COUNTER,
+        Side.WORKER,
+        "Saves not made because their request's load failed in the same step: what the step "
+        "computed over the failed blocks is recomputed, never stored.",
     ),
     Metric(
         CHUNKS_LOADED,

@@ -173,6 +173,27 @@ class ConnectorSettings(BaseModel):
             "connector; false: before the forward (models of one KV-cache group only)."
         ),
     )
+    load_layerwise: StrictFlag = Field(
+        False,
+        description=(
+            "Loads that run in their request's own step (`load_async: false`, or an idle engine) "
+            "are read layer by layer while the forward runs (docs/layerwise.md): the engine waits "
+            "before each attention layer for that layer's bytes only, so the transfer overlaps the "
+            "layers before it. The objects are judged whole by the step's end, and a layer that is "
+            "late or damaged fails its blocks in that step (vLLM recomputes them; nothing computed "
+            "from it is stored). Models with mamba layers load whole."
+        ),
+    )
+    save_layerwise: StrictFlag = Field(
+        False,
+        description=(
+            "A step's saves are written layer by layer while its forward runs (docs/layerwise.md): "
+            "their objects are reserved in the store (invisible) before the forward, each layer "
+            "is written as soon as the forward has computed it, and at the step's end the objects "
+            "are sealed and made visible, so a save lands one layer's transfer after the forward "
+            "instead of a whole transfer after it. A step that fails leaves nothing visible."
+        ),
+    )
     load_sync_when_idle: StrictFlag = Field(
         True,
         description=(

@@ -56,6 +56,7 @@ from typing import NamedTuple
 import torch
 
 from kvpipe.stages import BlockLayout, Region
+from kvpipe.stages.model import Wave
 
 from .device import DONE, Device, Fence, device_of
 from .kv_layout import GroupLayout
@@ -83,6 +84,12 @@ class _Run:
 
     offset: int  # where the run's first region starts within a slot
     rows: torch.Tensor  # uint8 [regions, num_blocks, bytes], over the engine's memory
+
+    @property
+    def span(self) -> slice:
+        """The run's bytes within a slot."""
+        regions, _, width = self.rows.shape
+        return slice(self.offset, self.offset + regions * width)
 
     def columns(self, slots: torch.Tensor) -> torch.Tensor:
         """The run's part of ``slots`` ([n, slot bytes]) as ``[regions, n, bytes]``, a view."""
@@ -142,6 +149,7 @@ class StagingArea:
         self._free = list(range(slots))  # a heap: the lowest slots go first, so a step's are consecutive
         self._fences: dict[int, Fence] = {}  # slot -> the last copy that touches it
         self._cooling: list[tuple[Fence, list[int]]] = []  # given back while that copy may still run
+        self._waves: dict[tuple[int, Wave], tuple[_Run, ...]] = {}  # (area, wave) -> its regions, see copy_out
 
     def layouts(self) -> list[dict[int, BlockLayout]]:
         """Per store shard, per engine group: the layout that makes a slot id one buffer of one whole object."""
@@ -189,32 +197,36 @@ class StagingArea:
                 still.append((fence, slots))
         self._cooling = still
 
-    def copy_in(self, copies: Sequence[SlotCopy]) -> Fence:
+    def copy_in(self, copies: Sequence[SlotCopy], wave: Wave | None = None) -> Fence:
         """Start copying a step's engine blocks into their slots; the fence a reader of the slots waits on.
 
-        Never blocks. The engine's next step waits for the blocks to have been
-        read (on a device, the device does; on a copy thread, :meth:`before_engine`),
-        not for them to reach the slots.
+        ``wave``: only these byte ranges of each object (a layer-wise save's layer,
+        :func:`~.kv_layout.layer_waves`). Never blocks. The engine's next step waits
+        for the blocks to have been read (on a device, the device does; on a copy
+        thread, :meth:`before_engine`), not for them to reach the slots.
         """
         device = self._device
         device.after_engine()
-        moves: list[tuple[_GroupArea, list[tuple[int, int, int]], torch.Tensor]] = []
+        moves: list[tuple[_GroupArea, list[tuple[int, int, int]], torch.Tensor, slice]] = []
         for area, runs, index in self._batches(copies):
+            regions = area.runs if wave is None else self._wave_runs(area, wave)
             if device.host:
                 for slot, first, last in runs:
                     landing = area.rows[slot : slot + last - first]
-                    for run in area.runs:
+                    for run in regions:
                         device.gather(run.columns(landing), run.rows, index[first:last])
                 continue
             scratch = device.scratch(len(index), area.rows.shape[1])
-            for run in area.runs:
+            for run in regions:
                 device.gather(run.columns(scratch), run.rows, index)
-            moves.append((area, runs, scratch))
+            # a wave's columns only: the rest of the scratch holds nothing, the slots the waves before
+            columns = [slice(None)] if wave is None else [run.span for run in regions]
+            moves.extend((area, runs, scratch, span) for span in columns)
         if copies:
             device.record(engine_waits=True)  # the blocks are read: the engine may overwrite them
-        for area, runs, scratch in moves:
+        for area, runs, scratch, span in moves:
             for slot, first, last in runs:
-                device.transfer(area.rows[slot : slot + last - first], scratch[first:last])
+                device.transfer(area.rows[slot : slot + last - first, span], scratch[first:last, span])
         return self._fenced(copies)
 
     def _batches(
@@ -225,26 +237,46 @@ class StagingArea:
             runs, blocks = _batch(pairs)
             yield self._areas[group], runs, self._device.index(blocks)
 
-    def copy_out(self, copies: Sequence[SlotCopy]) -> None:
+    def copy_out(self, copies: Sequence[SlotCopy], wave: Wave | None = None) -> None:
         """Start copying slots into engine blocks (a load), ordered before the engine's next forward.
 
-        Never blocks; the slots are reused only once the copies are done.
+        ``wave``: only these byte ranges of each object (a layer-wise load's layer,
+        :func:`~.kv_layout.layer_waves`), ordered before the engine's next kernel
+        (its layer's attention). Never blocks; the slots are reused only once the
+        copies are done.
         """
         device = self._device
         device.after_engine()
         for area, runs, index in self._batches(copies):
+            regions = area.runs if wave is None else self._wave_runs(area, wave)
             if device.host:
                 for slot, first, last in runs:
                     landed = area.rows[slot : slot + last - first]
-                    for run in area.runs:
+                    for run in regions:
                         device.scatter(run.rows, index[first:last], run.columns(landed))
                 continue
             scratch = device.scratch(len(index), area.rows.shape[1])
             for slot, first, last in runs:
                 device.transfer(scratch[first:last], area.rows[slot : slot + last - first])
-            for run in area.runs:
+            for run in regions:
                 device.scatter(run.rows, index, run.columns(scratch))
         self._fenced(copies, engine_waits=True)
+
+    def _wave_runs(self, area: _GroupArea, wave: Wave) -> tuple[_Run, ...]:
+        """The regions of ``area`` whose bytes lie in ``wave``'s ranges of each shard's object, one run each."""
+        key = (id(area), wave)
+        found = self._waves.get(key)
+        if found is None:
+            starts = list(itertools.accumulate((layout.object_size for layout in area.shards), initial=0))[:-1]
+            ranges = [(start + offset, start + offset + size) for start in starts for offset, size in wave]
+            found = tuple(
+                _Run(run.offset + index * run.rows.shape[2], run.rows[index : index + 1])
+                for run in area.runs
+                for index in range(run.rows.shape[0])
+                if any(low <= run.offset + index * run.rows.shape[2] < high for low, high in ranges)
+            )
+            self._waves[key] = found
+        return found
 
     def before_engine(self) -> float:
         """On the engine thread, before its step's work: wait until no copy still reads a block it may overwrite.

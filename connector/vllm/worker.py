@@ -33,6 +33,7 @@ from kvpipe.connector.store.protocol import Store
 from kvpipe.pipeline import Job, Outcome, SyncPipeline
 from kvpipe.stages import (
     BlockLayout,
+    GroupKind,
     KVCache,
     ObjectStatus,
     SaveRequest,
@@ -41,13 +42,15 @@ from kvpipe.stages import (
     default_save_graph,
 )
 from kvpipe.stages.integrity import engine_facts
+from kvpipe.stages.model import Wave
 from kvpipe.stages.retention import LoadedKeys
 
-from .device import Device
+from .device import DONE, Device
 from .engine_cache import EngineCache
 from .events import ChunkReporter
-from .kv_layout import GroupLayout, group_layout, layer_facts, shard_layouts, storages_of
-from .loads import Loads
+from .kv_layout import GroupLayout, group_layout, layer_facts, layer_waves, shard_layouts, storages_of
+from .layer_saves import SaveLayers, StepLayers
+from .loads import LayerWait, Loads
 from .metrics import (
     BREAKER_STATE,
     ENGINE_COPY_WAIT_SECONDS,
@@ -55,7 +58,9 @@ from .metrics import (
     OBJECTS_BY_STATUS,
     SAVE_JOBS_BY_OUTCOME,
     SAVE_LANDING_SECONDS,
+    SAVES_DROPPED_FAILED_LOAD,
     SAVES_DROPPED_NO_STAGING,
+    SAVES_LAYERED,
     SAVES_SUBMITTED,
     SEALS_FAILED,
     STAGE_DROPPED,
@@ -108,6 +113,7 @@ class _StagedSave(NamedTuple):
     copies: list[SlotCopy]
     request: SaveRequest  # over staging slots
     chunks: list[Chunk]
+    job_id: int = -1  # once submitted
 
 
 @dataclass(frozen=True)
@@ -163,6 +169,12 @@ class WorkerSide:
         self._save_pipeline: SyncPipeline | None = None
         self._loads: Loads | None = None
         self._job_slots: dict[int, list[int]] = {}  # save jobs in flight: their staging slots
+        # layer-wise saves (save_layerwise): each layer's waves, which wave a layer completes,
+        # and the step whose saves go out layer by layer, with their copies and views
+        self._save_waves: tuple[Wave, ...] = ()
+        self._save_wave_of: dict[str, int] = {}
+        self._layered_step: tuple[KVPipeMetadata, StepLayers, list[tuple[_StagedSave, SaveLayers]]] | None = None
+        self._forward_ended: dict[int, float] = {}  # layer-wise save jobs: when their step's forward ended
         reports = kv_events or settings.waits_for_saves
         self.reporter = ChunkReporter((cache.writer(tp_rank), cache.pp_rank)) if reports else None
 
@@ -211,6 +223,14 @@ class WorkerSide:
         ]
         # each load of a pinned chunk is one more request for it: the save's pin budget hears of it
         loaded_keys = LoadedKeys() if options.max_pinned_bytes else None
+        if self.settings.save_layerwise and len({layer_waves(s, list(layers), completed=True) for s in shards}) == 1:
+            self._save_waves = layer_waves(shards[0], list(layers), completed=True)
+            self._save_wave_of = {name: wave for wave, name in enumerate(layers)}
+        forward_order = self._layerwise_order(shards, list(layers))
+        loads_cache = self._rank_cache(staging.layouts() if self._load_via_staging else engine, byte_facts)
+        if forward_order:
+            waves = layer_waves(shards[0], forward_order)
+            loads_cache = replace(loads_cache, layer_waves={group: waves for group in self.layouts})
         self._save_pipeline = SyncPipeline(
             default_save_graph(
                 self._rank_cache(staging.layouts(), byte_facts),
@@ -233,7 +253,7 @@ class WorkerSide:
             cache,
             self.settings,
             staging,
-            self._rank_cache(staging.layouts() if self._load_via_staging else engine, byte_facts),
+            loads_cache,
             self.store,
             via_staging=self._load_via_staging,
             loaded_keys=loaded_keys,
@@ -241,7 +261,25 @@ class WorkerSide:
             put_here=self._put_here,
             slots_held_by_saves=self._slots_held_by_saves,
             reap_next_save=self._reap_next_save,
+            layers=forward_order,
         )
+
+    def _layerwise_order(self, shards: Sequence[GroupLayout], layers: list[str]) -> list[str]:
+        """The layers in the order the forward runs them, if loads go layer by layer; else none.
+
+        Only attention layers are waited for one by one (vLLM wraps their attention
+        in the connector's hooks); a model with mamba layers loads whole. Store
+        shards of one rank must split their objects alike.
+        """
+        if not self.settings.load_layerwise:
+            return []
+        if any(group.kind is GroupKind.MAMBA for group in self.cache.groups):
+            log.info("load_layerwise: a model with mamba layers loads whole objects")
+            return []
+        if len({layer_waves(shard, layers) for shard in shards}) != 1:
+            log.info("load_layerwise: the rank's store shards split their objects differently; loads go whole")
+            return []
+        return layers
 
     # -- sleep mode (vLLM 0.33) -----------------------------------------------------------
 
@@ -287,16 +325,57 @@ class WorkerSide:
         if self.reporter is not None:
             self.reporter.observed(record, status)
 
+    def start_layered_saves(self, meta: KVPipeMetadata) -> None:
+        """Before the step's forward (``save_layerwise``): take its saves' slots and submit them, once per step.
+
+        Their objects are reserved while the forward runs; :meth:`save_kv_layer`
+        copies each layer into the slots as it is computed, and :meth:`wait_for_save`
+        gives the step's verdict (:mod:`.layer_saves`).
+        """
+        if not self._save_waves or self._save_pipeline is None or self._staging is None or not meta.saves:
+            return
+        if (self._layered_step is not None and self._layered_step[0] is meta) or not self.cache.puts_from(self.tp_rank):
+            return
+        step = StepLayers(self._save_waves)
+        saves: list[tuple[_StagedSave, SaveLayers]] = []
+        for save in meta.saves:
+            layers = SaveLayers(step)
+            if (staged := self._stage(replace(save, layers=layers))) is not None:
+                saves.append((staged._replace(job_id=self._submit(staged, ready=None)), layers))
+        self.stats[SAVES_LAYERED] += len(saves)
+        self._layered_step = (meta, step, saves)
+
+    def save_kv_layer(self, layer: str) -> None:
+        """After ``layer``'s attention: its bytes of the step's layer-wise saves go into their slots (copy started)."""
+        if self._layered_step is not None and (wave := self._save_wave_of.get(layer)) is not None:
+            self._copy_waves(self._layered_step[1], self._layered_step[2], wave + 1)
+
+    def _copy_waves(self, step: StepLayers, saves: list[tuple[_StagedSave, SaveLayers]], upto: int) -> None:
+        """Start copying the waves ``step`` has not copied yet, below ``upto``, and tell it of each."""
+        assert self._staging is not None  # layer-wise saves start with the staging area
+        copies = [copy for staged, _ in saves for copy in staged.copies]
+        for wave in range(step.copied, upto):
+            step.landed(self._staging.copy_in(copies, step.waves[wave]) if step.waves[wave] else DONE)
+
     def wait_for_save(self, meta: KVPipeMetadata) -> None:
-        """Copy this step's saves into staging slots, then hand them to the save pipeline."""
+        """Settle the step's layer-wise loads, copy its saves into staging slots, hand them to the save pipeline.
+
+        A request whose load failed in this step computed over blocks vLLM now
+        recomputes: its saves of the step go (what they hold may derive from bad
+        bytes); a layer-wise one is called off (its objects revoked unseen).
+        """
+        failed_loads = self._loads.after_forward() if self._loads is not None else set()
+        self._end_layered_saves(failed_loads)
         self._reap()
         if self._loads is not None:  # slots the saves gave back go to the loads waiting for them first
             self._loads.start_waiting()
-        if self._save_pipeline is None or self._staging is None or not meta.saves:
+        if self._save_pipeline is None or self._staging is None or not meta.saves or self._save_waves:
             return
         if not self.cache.puts_from(self.tp_rank):
             return  # a replica's bytes: the first rank of its replicas puts them
-        staged = [staged for save in meta.saves if (staged := self._stage(save)) is not None]
+        saves = [save for save in meta.saves if save.request_id not in failed_loads]
+        self.stats[SAVES_DROPPED_FAILED_LOAD] += len(meta.saves) - len(saves)
+        staged = [staged for save in saves if (staged := self._stage(save)) is not None]
         if not staged:
             return
         # One batch for the step's every block; on a device it is still under way, and
@@ -304,13 +383,33 @@ class WorkerSide:
         fence = self._staging.copy_in([copy for staged_save in staged for copy in staged_save.copies])
         ready = None if fence.done() else fence.wait
         for staged_save in staged:
-            request = staged_save.request
-            job = self._save_pipeline.submit(request, ready=ready)
-            self.stats[SAVES_SUBMITTED] += 1
-            self._job_slots[job.id] = [copy.slot for copy in staged_save.copies]
-            if self.reporter is not None:
-                self.reporter.planned(job.id, request.request_id, staged_save.chunks)
+            self._submit(staged_save, ready)
         self._reap()
+
+    def _end_layered_saves(self, failed_loads: set[str]) -> None:
+        """The step's forward is over: its layer-wise saves get the layers no hook announced, then its verdict."""
+        if self._layered_step is None:
+            return
+        _, step, saves = self._layered_step
+        self._layered_step = None
+        self._copy_waves(step, saves, len(step.waves))
+        ended = time.monotonic()
+        for staged, layers in saves:
+            if staged.request.request_id in failed_loads:
+                layers.call_off()
+                self.stats[SAVES_DROPPED_FAILED_LOAD] += 1
+            self._forward_ended[staged.job_id] = ended
+        step.end()
+
+    def _submit(self, staged: _StagedSave, ready: Callable[[], object] | None) -> int:
+        """Hand a staged save to the save pipeline (``ready``: what it waits for before it reads the slots); its job's id."""
+        assert self._save_pipeline is not None  # saves are staged only once it started
+        job = self._save_pipeline.submit(staged.request, ready=ready)
+        self.stats[SAVES_SUBMITTED] += 1
+        self._job_slots[job.id] = [copy.slot for copy in staged.copies]
+        if self.reporter is not None:
+            self.reporter.planned(job.id, staged.request.request_id, staged.chunks)
+        return job.id
 
     def _stage(self, save: SaveRequest) -> _StagedSave | None:
         """Free slots for the save's chunks: the copies that fill them, the request over them, its chunks.
@@ -360,9 +459,11 @@ class WorkerSide:
                 self.stats[stats_key] += failed
         assert job.outcome is not None  # a completed job has its outcome
         self.stats[SAVE_JOBS_BY_OUTCOME[job.outcome]] += 1
-        if job.outcome is Outcome.OK and job.elapsed_s is not None:
-            # from the step that computed it to stored: when another replica can hit it
-            self.landings.append(job.elapsed_s)
+        forward_ended = self._forward_ended.pop(job.id, None)
+        if job.outcome is Outcome.OK and job.finished_at is not None:
+            # from the end of the forward that computed it to stored: when another replica can hit
+            # it (a whole save is submitted then; a layer-wise one before the forward)
+            self.landings.append(job.finished_at - (job.submitted_at if forward_ended is None else forward_ended))
         if self.reporter is not None:
             self.reporter.ended(job.id)
 
@@ -391,6 +492,11 @@ class WorkerSide:
         if self._loads is not None:
             self._loads.before_forward(meta)
 
+    def wait_for_layer_load(self, layer: str) -> None:
+        """Before ``layer``'s attention: its bytes of the step's layer-wise loads are in (:meth:`.loads.Loads.wait_for_layer`)."""
+        if self._loads is not None:
+            self._loads.wait_for_layer(layer)
+
     def get_finished(self) -> set[str]:
         """Async loads whose jobs have ended since the last call, each reported once."""
         self._reap()
@@ -403,6 +509,14 @@ class WorkerSide:
         return set() if self._loads is None else self._loads.take_failed_blocks()
 
     # -- telemetry -----------------------------------------------------------------------
+
+    def take_layer_timeline(self) -> list[LayerWait]:
+        """The layer waits of layer-wise loads since the last call, oldest first (:class:`.loads.LayerWait`)."""
+        if self._loads is None:
+            return []
+        waits = list(self._loads.timeline)
+        self._loads.timeline.clear()
+        return waits
 
     def take_chunk_reports(self) -> list[ChunkReport]:
         """Chunks whose saves ended since the last call, stored whole or not (empty when nobody wants them)."""

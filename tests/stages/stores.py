@@ -177,3 +177,24 @@ class StalledPuts(_Stalling):
     ) -> list[int]:
         self._hang_if_stalled()
         return super().batch_put_from_multi_buffers(keys, ptrs, sizes, config)
+
+
+class StalledRanges(_Stalling):
+    """A store whose ranged gets hang from the ``after``-th on (0: the first), ``stalled`` of them, until :attr:`let_go`."""
+
+    def __init__(self, after: int, stalled: int = 1) -> None:
+        super().__init__(stalled)
+        self.ranged_calls = 0
+        self._after = after
+
+    def batch_get_into_multi_buffer_ranges(
+        self,
+        keys: Sequence[str],
+        ptrs: Sequence[Sequence[int]],
+        sizes: Sequence[Sequence[int]],
+        offsets: Sequence[Sequence[int]],
+    ) -> list[int]:
+        self.ranged_calls += 1
+        if self.ranged_calls > self._after:
+            self._hang_if_stalled()
+        return super().batch_get_into_multi_buffer_ranges(keys, ptrs, sizes, offsets)

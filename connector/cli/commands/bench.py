@@ -11,8 +11,20 @@ from ..usage import UsageError, check_file_to_write
 
 
 def add_parser(commands: Any) -> None:
-    parser = commands.add_parser("bench", help="the performance suite (see BENCHMARKS.md)")
-    parser.add_argument("workloads", nargs="*", metavar="WORKLOAD", help="default: all, in order")
+    from kvpipe.connector.bench import WORKLOADS  # names only: no workload module is imported
+
+    parser = commands.add_parser(
+        "bench",
+        help="the performance suite (see BENCHMARKS.md)",
+        description="The performance suite: each workload times its contenders side by side and checks "
+        "its targets. BENCHMARKS.md says what each workload measures, how long it takes and how to read it.",
+    )
+    parser.add_argument(
+        "workloads",
+        nargs="*",
+        metavar="WORKLOAD",
+        help=f"one or more of: {', '.join(WORKLOADS)} (default: all, in this order)",
+    )
     parser.add_argument("--quick", action="store_true", help="tiny sizes: a smoke test, not figures")
     parser.add_argument(
         "--pd",

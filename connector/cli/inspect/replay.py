@@ -90,6 +90,39 @@ class KeyNames(Store):
     ) -> list[int]:
         return [Code.NOT_FOUND] * len(keys)
 
+    def batch_put_session_start(self, keys: Sequence[str], sizes: Sequence[int], config: object) -> list[int]:
+        return [0] * len(keys)
+
+    def batch_put_from_multi_buffer_ranges(
+        self,
+        keys: Sequence[str],
+        ptrs: Sequence[Sequence[int]],
+        sizes: Sequence[Sequence[int]],
+        offsets: Sequence[Sequence[int]],
+    ) -> list[int]:
+        return [sum(per_key) for per_key in sizes]
+
+    def batch_put_session_end(self, keys: Sequence[str]) -> list[int]:
+        return [0] * len(keys)
+
+    def batch_put_session_revoke(self, keys: Sequence[str]) -> list[int]:
+        return [0] * len(keys)
+
+    def batch_get_session_start(self, keys: Sequence[str]) -> list[int]:
+        return [Code.NOT_FOUND] * len(keys)
+
+    def batch_get_into_multi_buffer_ranges(
+        self,
+        keys: Sequence[str],
+        ptrs: Sequence[Sequence[int]],
+        sizes: Sequence[Sequence[int]],
+        offsets: Sequence[Sequence[int]],
+    ) -> list[int]:
+        return [Code.INVALID_PARAMS] * len(keys)
+
+    def batch_get_session_end(self, keys: Sequence[str]) -> int:
+        return 0
+
     def batch_put_from(
         self, keys: Sequence[str], ptrs: Sequence[int], sizes: Sequence[int], config: object
     ) -> list[int]:

@@ -340,6 +340,43 @@ class MooncakeStore:
     ) -> list[int]:
         return self._master_call(len(keys), lambda c: c.batch_get_into_multi_buffers(list(keys), ptrs, sizes))
 
+    def batch_put_session_start(self, keys: Sequence[str], sizes: Sequence[int], config: Any) -> list[int]:
+        return self._master_call(len(keys), lambda c: c.batch_put_session_start(list(keys), list(sizes), config))
+
+    def batch_put_from_multi_buffer_ranges(
+        self,
+        keys: Sequence[str],
+        ptrs: Sequence[Sequence[int]],
+        sizes: Sequence[Sequence[int]],
+        offsets: Sequence[Sequence[int]],
+    ) -> list[int]:
+        return self._batch(
+            len(keys), lambda c: c.batch_put_from_multi_buffer_ranges(list(keys), ptrs, sizes, offsets)
+        )
+
+    def batch_put_session_end(self, keys: Sequence[str]) -> list[int]:
+        return self._master_call(len(keys), lambda c: c.batch_put_session_end(list(keys)))
+
+    def batch_put_session_revoke(self, keys: Sequence[str]) -> list[int]:
+        return self._master_call(len(keys), lambda c: c.batch_put_session_revoke(list(keys)))
+
+    def batch_get_session_start(self, keys: Sequence[str]) -> list[int]:
+        return self._master_call(len(keys), lambda c: c.batch_get_session_start(list(keys)))
+
+    def batch_get_into_multi_buffer_ranges(
+        self,
+        keys: Sequence[str],
+        ptrs: Sequence[Sequence[int]],
+        sizes: Sequence[Sequence[int]],
+        offsets: Sequence[Sequence[int]],
+    ) -> list[int]:
+        return self._batch(
+            len(keys), lambda c: c.batch_get_into_multi_buffer_ranges(list(keys), ptrs, sizes, offsets)
+        )
+
+    def batch_get_session_end(self, keys: Sequence[str]) -> int:
+        return self._one(lambda c: c.batch_get_session_end(list(keys)))
+
     def batch_put_from(
         self, keys: Sequence[str], ptrs: Sequence[int], sizes: Sequence[int], config: Any
     ) -> list[int]:

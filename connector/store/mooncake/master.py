@@ -214,6 +214,7 @@ class LocalMaster:
         eviction_high_watermark: float | None = None,
         eviction_ratio: float | None = None,
         client_ttl_s: int | None = None,
+        put_discard_s: int | None = None,
         enable_offload: bool = False,
         etcd_endpoints: str | None = None,
         cluster_id: str | None = None,
@@ -230,6 +231,10 @@ class LocalMaster:
         and restore the latest snapshot when it starts (Mooncake reads the folder from
         ``MOONCAKE_SNAPSHOT_LOCAL_PATH``), so a restart keeps what the last snapshot held;
         objects whose lease ran out are dropped on restore.
+
+        ``put_discard_s``: how long an object reserved for a ranged put (a layer-wise save)
+        waits for its writer to end it before the master drops it (``--put_start_discard_timeout_sec``,
+        Mooncake's default 30 s): a writer that died leaves its reservation that long.
 
         ``enable_offload`` lets clients mount a disk tier (:class:`~.settings.DiskTier`;
         without it their ``setup()`` fails with -1300) and has them write an object
@@ -252,6 +257,8 @@ class LocalMaster:
             self._flags["eviction_ratio"] = str(eviction_ratio)
         if client_ttl_s is not None:
             self._flags["client_ttl"] = str(client_ttl_s)
+        if put_discard_s is not None:
+            self._flags["put_start_discard_timeout_sec"] = str(put_discard_s)
         if enable_offload:
             self._flags.update(enable_offload="true", offload_on_evict="true")
         self._env: dict[str, str] | None = None

@@ -149,9 +149,17 @@ class DiskTier(BaseModel):
 
     model_config = ConfigDict(extra="forbid", frozen=True)
 
-    path: Path
-    size: PositiveSize
-    read_buffer: PositiveSize = 256 * MiB
+    path: Path = Field(
+        description="The disk tier's folder (made absolute; created if missing): one per client."
+    )
+    size: PositiveSize = Field(
+        description="Bytes the tier keeps at most; past it the least recently read go."
+    )
+    read_buffer: PositiveSize = Field(
+        256 * MiB,
+        description="Memory the disk's owner reads objects into before they travel: one load call's objects "
+        "on this disk must fit (else Mooncake's -10 for every key of the call).",
+    )
 
     @field_validator("path")
     @classmethod
@@ -201,10 +209,16 @@ class ClusterSpawn(BaseModel):
 
     model_config = ConfigDict(extra="forbid", frozen=True)
 
-    masters: int = Field(2, ge=1, le=5)
-    store_nodes: int = Field(1, ge=0, le=16)
-    node_segment: SegmentSize = 256 * MiB
-    node_disk: PositiveSize | None = None
+    masters: int = Field(2, ge=1, le=5, description="HA masters on one etcd (1 to 5).")
+    store_nodes: int = Field(
+        1, ge=0, le=16, description="`kvpipe store` nodes that hold the objects (0 to 16)."
+    )
+    node_segment: SegmentSize = Field(
+        256 * MiB, description="Memory each store node lends (at least 16 MiB)."
+    )
+    node_disk: PositiveSize | None = Field(
+        None, description="A disk tier of this size on every store node (docs/ssd-tier.md); null: none."
+    )
 
     @field_validator("node_segment")
     @classmethod
@@ -251,28 +265,93 @@ class MooncakeSettings(BaseModel):
 
     model_config = ConfigDict(extra="forbid", frozen=True)
 
-    master: Literal["spawn"] | str = "spawn"
-    metadata_server: str | None = Field(default=None, validate_default=True)
-    cluster: ClusterSpawn | None = None
-    protocol: str = "tcp"
-    device_name: str = ""
-    global_segment_size: SegmentSize = 256 * MiB
-    local_buffer_size: BufferSize = 64 * MiB
-    local_hostname: str = "127.0.0.1"
-    tenant_id: str = "default"
-    connect_timeout_s: float = Field(5.0, gt=0)
-    rpc_timeout_ms: int = Field(2000, gt=0)
+    master: Literal["spawn"] | str = Field(
+        "spawn",
+        description="`spawn` (a local master on free loopback ports, stopped with the store), the `host:port` "
+        "of a running master, or HA masters: `etcd://h1:p1;h2:p2` or `redis://host:port`.",
+    )
+    metadata_server: str | None = Field(
+        default=None,
+        validate_default=True,
+        description="The transfer engine's metadata: `P2PHANDSHAKE` or `http://host:port/metadata`; "
+        "required with an existing master.",
+    )
+    cluster: ClusterSpawn | None = Field(
+        None,
+        description="With `master: spawn`: a local HA cluster instead (etcd, masters, store nodes on loopback; "
+        "`store.cluster` below).",
+    )
+    protocol: str = Field(
+        "tcp", description="The transfer engine's protocol (`tcp`; `rdma` where there is one)."
+    )
+    device_name: str = Field("", description="The RDMA device(s) to use; empty for TCP.")
+    global_segment_size: SegmentSize = Field(
+        256 * MiB,
+        description="Memory this client lends the store (0, or at least 16 MiB). 0 mounts none (vLLM's "
+        "standalone-store mode): objects then live in store nodes' segments (`kvpipe store`), and outlive "
+        "this client.",
+    )
+    local_buffer_size: BufferSize = Field(
+        64 * MiB, description="The client's transfer buffer (Mooncake's `local_buffer_size`)."
+    )
+    local_hostname: str = Field(
+        "127.0.0.1",
+        description="This client's address in the store, which other clients connect to: set it for a store "
+        "of several hosts.",
+    )
+    tenant_id: str = Field("default", description="Mooncake's tenant: tenants share no objects.")
+    connect_timeout_s: float = Field(
+        5.0,
+        gt=0,
+        description="How long opening the store waits for a master that serves (and an HTTP metadata server) "
+        "before it fails in one line, where Mooncake's set-up would retry for ~90 s.",
+    )
+    rpc_timeout_ms: int = Field(
+        2000, gt=0, description="A stopped master costs a call this long, not Mooncake's 30 s."
+    )
     # A TCP transfer that makes no progress this long fails (-800): a store node cut off
     # by the network costs a load or a put this long, not Mooncake's 30 s default.
-    transfer_timeout_s: int = Field(3, gt=0)
-    lease_ttl_ms: int | None = Field(None, ge=0)
-    eviction_high_watermark: float | None = Field(None, gt=0, le=1)
-    eviction_ratio: float | None = Field(None, ge=0, le=1)
-    client_ttl_s: int | None = Field(None, gt=0)
-    replicas: int = Field(1, ge=1, le=16)
-    verify_replicas: bool = True
-    disk: DiskTier | None = None
-    master_metrics: tuple[str, ...] = ()
+    transfer_timeout_s: int = Field(
+        3,
+        gt=0,
+        description="A transfer that makes no progress this long fails (-800): a store node cut off by the "
+        "network costs a get or a put this long, not Mooncake's 30 s.",
+    )
+    lease_ttl_ms: int | None = Field(
+        None, ge=0, description="A spawned master's read lease (`--default_kv_lease_ttl`); null: its default."
+    )
+    eviction_high_watermark: float | None = Field(
+        None, gt=0, le=1, description="A spawned master's eviction watermark; null: its default (0.9)."
+    )
+    eviction_ratio: float | None = Field(
+        None, ge=0, le=1, description="A spawned master's share evicted per pass; null: its default."
+    )
+    client_ttl_s: int | None = Field(
+        None,
+        gt=0,
+        description="A spawned master's client TTL: how long a dead client's objects stay listed; null: its default (10 s).",
+    )
+    replicas: int = Field(
+        1,
+        ge=1,
+        le=16,
+        description="Mooncake's `replica_num` for every put: copies of each object, on different nodes where "
+        "there are enough (fewer nodes: fewer copies).",
+    )
+    verify_replicas: bool = Field(
+        True,
+        description="Lookups count no object with a copy a read may go to on a store node that does not answer.",
+    )
+    disk: DiskTier | None = Field(
+        None,
+        description="A local-disk segment behind this client's memory one (`store.disk` below, docs/ssd-tier.md); "
+        "null: none.",
+    )
+    master_metrics: tuple[str, ...] = Field(
+        (),
+        description="`host:port` of the masters' admin HTTP (`--metrics_port`; one per HA master): where the "
+        "store's capacity is read (retention's default budget, docs/retention.md).",
+    )
 
     @field_validator("master")
     @classmethod

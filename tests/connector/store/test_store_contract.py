@@ -140,6 +140,135 @@ def test_results_are_per_key(kv: Kv) -> None:
     assert codes == [4, Code.NOT_FOUND, Code.INVALID_PARAMS]
 
 
+# -- ranged gets (layer-wise loads) ---------------------------------------------------------
+
+
+def _ranges(kv: Kv, key: str, *ranges: tuple[int, int]) -> tuple[int, list[bytes]]:
+    """One ranged get of ``key``: (offset, size) ranges into fresh buffers; its code and what each got."""
+    buffers = [kv.buffer(size) for _, size in ranges]
+    code = kv.store.batch_get_into_multi_buffer_ranges(
+        [key], [buffers], [[size for _, size in ranges]], [[offset for offset, _ in ranges]]
+    )[0]
+    return code, [ctypes.string_at(addr, size) for addr, (_, size) in zip(buffers, ranges, strict=True)]
+
+
+def test_a_ranged_get_reads_byte_ranges_of_an_object_in_a_session(kv: Kv) -> None:
+    kv.put({"k": [b"layer0", b"layer1", b"layer2"]})
+    assert kv.store.batch_get_session_start(["k"]) == [0]
+
+    assert _ranges(kv, "k", (12, 6), (0, 6)) == (12, [b"layer2", b"layer0"])
+    kv.store.batch_get_session_end(["k"])
+
+
+def test_a_ranged_get_without_a_session_is_600(kv: Kv) -> None:
+    kv.put({"k": b"abcdef"})
+    assert _ranges(kv, "k", (0, 3))[0] == Code.INVALID_PARAMS
+
+
+def test_a_ranged_get_after_the_session_ends_is_600(kv: Kv) -> None:
+    kv.put({"k": b"abcdef"})
+    kv.store.batch_get_session_start(["k"])
+    assert kv.store.batch_get_session_end(["k"]) == 0
+    assert _ranges(kv, "k", (0, 3))[0] == Code.INVALID_PARAMS
+
+
+def test_a_session_is_one_per_key_so_a_second_start_is_ended_by_the_first_end(kv: Kv) -> None:
+    kv.put({"k": b"abcdef"})
+    kv.store.batch_get_session_start(["k"])
+    kv.store.batch_get_session_start(["k"])
+    kv.store.batch_get_session_end(["k"])
+    assert _ranges(kv, "k", (0, 3))[0] == Code.INVALID_PARAMS
+
+
+def test_a_session_on_a_missing_key_is_704(kv: Kv) -> None:
+    kv.put({"here": b"abc"})
+    assert kv.store.batch_get_session_start(["here", "missing"]) == [0, Code.NOT_FOUND]
+    kv.store.batch_get_session_end(["here"])
+
+
+def test_a_range_past_the_end_of_the_object_is_600(kv: Kv) -> None:
+    kv.put({"k": b"abcdef"})
+    kv.store.batch_get_session_start(["k"])
+    assert _ranges(kv, "k", (4, 3))[0] == Code.INVALID_PARAMS
+    kv.store.batch_get_session_end(["k"])
+
+
+def test_a_session_start_leases_the_object(kv: Kv) -> None:
+    kv.put({"k": b"abcdef"})
+    kv.store.batch_get_session_start(["k"])
+    assert kv.store.remove("k") == Code.HAS_LEASE
+    kv.store.batch_get_session_end(["k"])
+
+
+# -- put sessions (layer-wise saves) ------------------------------------------------------
+
+
+def _write_ranges(kv: Kv, key: str, *ranges: tuple[int, bytes]) -> int:
+    """One ranged put into ``key``: (offset, bytes) ranges; its code."""
+    return kv.store.batch_put_from_multi_buffer_ranges(
+        [key], [[kv.buffer(data) for _, data in ranges]], [[len(data) for _, data in ranges]], [[o for o, _ in ranges]]
+    )[0]
+
+
+def test_an_object_written_in_ranges_is_visible_only_once_its_session_ends(kv: Kv) -> None:
+    assert kv.store.batch_put_session_start(["k"], [12], kv.store.new_replicate_config()) == [0]
+    assert _write_ranges(kv, "k", (6, b"layer1")) == 6
+    assert _write_ranges(kv, "k", (0, b"layer0")) == 6
+    assert kv.exists("k") == [0]
+
+    assert kv.store.batch_put_session_end(["k"]) == [0]
+
+    assert kv.exists("k") == [1]
+    assert kv.get("k", 12) == b"layer0layer1"
+
+
+def test_a_revoked_object_is_never_visible(kv: Kv) -> None:
+    kv.store.batch_put_session_start(["k"], [6], kv.store.new_replicate_config())
+    _write_ranges(kv, "k", (0, b"abcdef"))
+
+    assert kv.store.batch_put_session_revoke(["k"]) == [0]
+
+    assert kv.exists("k") == [0]
+    assert kv.store.batch_put_session_end(["k"]) == [Code.INVALID_PARAMS]
+
+
+def test_a_session_on_a_stored_key_is_705(kv: Kv) -> None:
+    kv.put({"k": b"abcdef"})
+    assert kv.store.batch_put_session_start(["k"], [6], kv.store.new_replicate_config()) == [Code.ALREADY_EXISTS]
+
+
+def test_a_session_on_a_key_another_session_holds_is_600(kv: Kv) -> None:
+    kv.store.batch_put_session_start(["k"], [6], kv.store.new_replicate_config())
+    assert kv.store.batch_put_session_start(["k"], [6], kv.store.new_replicate_config()) == [Code.INVALID_PARAMS]
+    kv.store.batch_put_session_revoke(["k"])
+
+
+def test_a_ranged_put_without_a_session_is_600(kv: Kv) -> None:
+    assert _write_ranges(kv, "k", (0, b"abc")) == Code.INVALID_PARAMS
+
+
+def test_the_end_of_a_session_does_not_check_every_byte_was_written(kv: Kv) -> None:
+    kv.store.batch_put_session_start(["k"], [12], kv.store.new_replicate_config())
+    _write_ranges(kv, "k", (0, b"layer0"))
+
+    assert kv.store.batch_put_session_end(["k"]) == [0]
+    assert kv.exists("k") == [1]  # half written, and visible: the writer must check
+
+
+def test_objects_ended_in_one_session_keep_their_group(kv: Kv) -> None:
+    if not kv.store.supports_group_ids:
+        pytest.skip("this backend's replicate config has no group_ids")
+    config = kv.store.new_replicate_config()
+    config.group_ids = ["g", "g"]
+    kv.store.batch_put_session_start(["a", "b"], [3, 3], config)
+    for key in ("a", "b"):
+        _write_ranges(kv, key, (0, b"abc"))
+    kv.store.batch_put_session_end(["a", "b"])
+
+    kv.exists("a")  # a read leases the whole group
+    assert kv.store.remove("b") == Code.HAS_LEASE
+
+
 def test_the_one_buffer_calls_put_and_get_whole_objects(kv: Kv) -> None:
     src, dst = kv.buffer(b"contiguous"), kv.buffer(10)
     assert kv.store.batch_put_from(["k"], [src], [10], kv.store.new_replicate_config()) == [0]

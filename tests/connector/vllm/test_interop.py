@@ -5,8 +5,12 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
+import torch
+
 from kvpipe.connector.engines.launch import close_llm, kvpipe_transfer, mooncake_transfer, vllm_mooncake_env
+from kvpipe.connector.store.mooncake import MooncakeStore
 from kvpipe.connector.store.mooncake.master import LocalMaster
+from kvpipe.stages import seal_key
 
 from . import engine
 from .conftest import stored_keys, wait_for_keys
@@ -99,3 +103,71 @@ def test_a_sharded_store_is_interchangeable_with_vllm_mooncake_connector(
         close_llm(llm)
     assert back["cached"] == [engine.FULL_HIT, engine.FULL_HIT]
     assert back["tokens"] == reference[6] == own["tokens"]
+
+
+#: layer by layer both ways: every load in its request's step, every save written as the forward computes it
+LAYERWISE = {"load_layerwise": True, "save_layerwise": True, "load_async": False}
+
+
+def _objects(holder: MooncakeStore, keys: list[str]) -> dict[str, bytes]:
+    """The bytes of each object under ``keys``."""
+    found = {}
+    for key in keys:
+        size = holder.get_size(key)
+        value = torch.zeros(size, dtype=torch.uint8)
+        assert holder.register_buffer(value.data_ptr(), size) == 0
+        try:
+            assert holder.batch_get_into([key], [value.data_ptr()], [size]) == [size]
+        finally:
+            holder.unregister_buffer(value.data_ptr())
+        found[key] = bytes(value.tolist())
+    return found
+
+
+def test_objects_moved_layer_by_layer_are_interchangeable_with_vllm_mooncake_connector(
+    master: LocalMaster,
+    holder: MooncakeStore,
+    store_section: dict[str, Any],
+    mooncake_json: Path,
+    reference: dict[int, list[list[int]]],
+) -> None:
+    """kvpipe saves layer by layer, vLLM's connector loads them whole; it saves whole, kvpipe loads layer
+    by layer; and what kvpipe writes layer by layer is byte for byte what vLLM's connector wrote."""
+    kvpipe = kvpipe_transfer({"store": store_section, **LAYERWISE})
+    llm = engine.make_llm(kvpipe)
+    try:
+        before = set(stored_keys(master))
+        assert engine.generate(llm, engine.prompts(75))["cached"] == [0, 0]
+        assert engine.worker(llm).drain(10.0)
+        assert engine.worker(llm).stats["saves_layered"] >= 2
+    finally:
+        close_llm(llm)
+    ours = set(stored_keys(master)) - before
+    assert len(ours) == PER_BATCH
+
+    commands = [engine.gen(75), engine.gen(76), {"sleep": 1}]
+    hit, own, _ = engine.run_engine_process(mooncake_transfer(), commands, vllm_mooncake_env(mooncake_json))
+    assert hit["cached"] == [engine.FULL_HIT, engine.FULL_HIT]
+    assert hit["tokens"] == reference[75]
+    theirs = sorted(set(wait_for_keys(master, len(before) + 2 * PER_BATCH)) - before - ours)
+    assert len(theirs) == PER_BATCH
+
+    llm = engine.make_llm(kvpipe)
+    try:
+        back = engine.generate(llm, engine.prompts(76))
+        counts = engine.worker(llm).stats
+        assert back["cached"] == [engine.FULL_HIT, engine.FULL_HIT]
+        assert back["tokens"] == reference[76] == own["tokens"]
+        assert (counts["loads_layered"], counts["chunks_unverified"]) == (2, PER_BATCH)
+        # the same prompts computed and saved by kvpipe, layer by layer, over vLLM's objects removed
+        written_by_vllm = _objects(holder, theirs)
+        for key in theirs:
+            assert holder.remove(key, force=True) == 0
+        assert llm.reset_prefix_cache()
+        assert engine.generate(llm, engine.prompts(76))["cached"] == [0, 0]
+        assert engine.worker(llm).drain(10.0)
+    finally:
+        close_llm(llm)
+    assert _objects(holder, theirs) == written_by_vllm
+    assert holder.batch_is_exist([seal_key(key) for key in theirs]).count(1) >= 1  # kvpipe's seals now name them
+
