@@ -66,18 +66,39 @@ def object_key_prefix(namespace: KeyNamespace, store_group: int) -> str:
 SEAL_SUFFIX = "@kvpipe-seal"
 
 
+#: a layer seal's (:mod:`.layer_seals`): beside the seal, under the same anchor
+LAYER_SEAL_SUFFIX = "@kvpipe-layers"
+
+
 def seal_key(key: str) -> str:
     """The key of the seal of the object ``key``."""
     return key + SEAL_SUFFIX
+
+
+def layer_seal_key(key: str) -> str:
+    """The key of the layer seal of the object ``key`` (the seal's anchor)."""
+    return key + LAYER_SEAL_SUFFIX
 
 
 def is_seal_key(key: str) -> bool:
     return key.endswith(SEAL_SUFFIX)
 
 
+def is_layer_seal_key(key: str) -> bool:
+    return key.endswith(LAYER_SEAL_SUFFIX)
+
+
+def is_object_key(key: str) -> bool:
+    """Whether ``key`` names a KV object rather than kvpipe's metadata about objects (a seal, a layer seal)."""
+    return not (key.endswith(SEAL_SUFFIX) or key.endswith(LAYER_SEAL_SUFFIX))
+
+
 def sealed_key(seal: str) -> str:
-    """The object key a seal key belongs to (the inverse of :func:`seal_key`)."""
-    return seal[: -len(SEAL_SUFFIX)] if seal.endswith(SEAL_SUFFIX) else seal
+    """The object key a seal's or a layer seal's key belongs to (the inverse of :func:`seal_key`)."""
+    for suffix in (SEAL_SUFFIX, LAYER_SEAL_SUFFIX):
+        if seal.endswith(suffix):
+            return seal[: -len(suffix)]
+    return seal
 
 
 def key_chunk_hex(key: str) -> str:

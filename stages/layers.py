@@ -27,9 +27,15 @@ from __future__ import annotations
 from collections import Counter
 from collections.abc import Sequence
 
-from .model import Buffer, LayerWaves, Wave
+from .model import Buffer, KVCache, LayerWaves, Wave
 
-__all__ = ["GetSessions", "LayerWaves", "Wave", "wave_pieces"]
+__all__ = ["GetSessions", "LayerWaves", "Wave", "common_waves", "wave_pieces"]
+
+
+def common_waves(kv: KVCache) -> tuple[Wave, ...]:
+    """The waves every group of ``kv`` shares (a hybrid model's groups overlay one cache); none if they differ."""
+    found = set(kv.layer_waves.values())
+    return found.pop() if len(found) == 1 else ()
 
 
 def wave_pieces(buffers: Sequence[Buffer], wave: Wave) -> tuple[list[int], list[int], list[int]]:

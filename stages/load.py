@@ -51,8 +51,10 @@ from .integrity import (
     seal_candidates,
     seal_key,
 )
-from .keys import object_key
-from .layers import GetSessions, wave_pieces
+from .keys import is_layer_seal_key, is_seal_key, layer_seal_key, object_key, sealed_key
+from .layer_seals import LayerEntry, layer_seal_size, wave_intact
+from .layer_seals import unpack as unpack_layer_seal
+from .layers import GetSessions, common_waves, wave_pieces
 from .load_plan import LoadRequest, load_chunks, touched_block_ids
 from .model import KVCache, Shard, StoreGroup, StoreObject, hot_record, spans
 from .object_status import DEADLINE_PASSED
@@ -210,6 +212,12 @@ class LoadStage(BatchStage):
         self._seal_buffers = 0 if params.integrity is Integrity.OFF else 1  # a seal is read beside each object
         self._fingerprint = fingerprint(kv)
         self._seals = SealMemory(store, params.max_buffers_per_call)
+        self._common_waves = common_waves(kv)
+        self._layer_seals = (
+            SealMemory(store, params.max_buffers_per_call, slot_bytes=layer_seal_size(len(self._common_waves)))
+            if self._common_waves and params.integrity is not Integrity.OFF
+            else None
+        )
         self._logged: OrderedDict[bytes, None] = OrderedDict()  # chunks whose failure was logged
 
     async def process_batch(self, batch: Sequence[BatchEntry[LoadRequest]]) -> None:
@@ -271,10 +279,14 @@ class LoadStage(BatchStage):
     async def _load_layered(self, sendable: list[tuple[_Pending, LoadTarget]]) -> None:
         """Read ``sendable``'s objects wave by wave (one ranged get per call and wave), then judge and settle them.
 
-        Every object is in a get session while its waves are read (:class:`~.layers.GetSessions`);
-        after each wave the layered requests hear of it, so the engine can compute
-        that layer. The seals are read and the objects judged whole at the end, as
-        whole loads are: a damaged object fails its block before the load settles.
+        Every object is in a get session while its waves are read (:class:`~.layers.GetSessions`).
+        With integrity on, the seals and layer seals that may vouch for the objects are
+        read first (:mod:`.layer_seals`): an object a layer seal vouches for is
+        checked wave by wave, each wave before the requests hear of it, so no layer
+        reaches the engine's attention unchecked; one sealed without a layer seal
+        is read whole and judged before the first wave (as a whole load would).
+        After each wave the layered requests hear of it; at the end every object
+        read is judged whole, as whole loads are, and settled.
         """
         calls = self._calls(sendable)
         keys = list(dict.fromkeys(target.record.key for _, target in sendable))
@@ -293,10 +305,17 @@ class LoadStage(BatchStage):
         self._sessions.joined(opened)
         waves = max(len(self._waves[self._engine_group[t.record.store_group]]) for _, t in sendable)
         requests = list({id(holder): holder.request for holder, _ in sendable}.values())
+        witnesses: dict[int, Witness] = {}
+        checks: dict[int, LayerEntry] = {}  # id(record) -> its layer seal's entry: checked wave by wave
+        damaged: set[str] = set()
         try:
+            if self._integrity is not Integrity.OFF:
+                await self._vouched(calls, read, witnesses, checks)
             for wave in range(waves):
                 for call in calls:
                     await self._read_wave(call, wave, read)
+                    if checks:
+                        damaged |= await self._checked_wave(call, wave, read, witnesses, checks)
                 if self._layer_observer is not None:
                     for request in requests:
                         self._layer_observer(request, wave)
@@ -309,7 +328,142 @@ class LoadStage(BatchStage):
         for call in calls:
             live = [(holder, target) for holder, target in call if read[id(target.record)] is not None]
             if live:
-                await self._load(live, [read[id(target.record)] or 0 for _, target in live])
+                # an object whose session never opened read nothing: it fails whatever its seals say
+                known = [witnesses.get(id(target.record), Witness(None)) for _, target in live] if witnesses else None
+                await self._load(live, [read[id(target.record)] or 0 for _, target in live], known)
+        if damaged:
+            await self._remove_damaged(damaged)
+
+    async def _vouched(
+        self,
+        calls: list[list[tuple[_Pending, LoadTarget]]],
+        read: dict[int, int | None],
+        witnesses: dict[int, Witness],
+        checks: dict[int, LayerEntry],
+    ) -> None:
+        """Before the first wave: what the seals say of each object still to read, into ``witnesses`` and ``checks``.
+
+        An object vouched for by a seal of this configuration whose layer seal
+        names the same bytes is checked wave by wave (``checks``); one vouched for
+        otherwise, whose seal could not be read, or (``integrity: required``) that
+        no seal vouches for, is read whole and judged now, before the forward, and
+        left out of the waves (``read`` None). One no seal vouches for is read layer
+        by layer unverified, as a whole load would load it.
+        """
+        whole: list[tuple[_Pending, LoadTarget]] = []
+        for call in calls:
+            live = [(holder, target) for holder, target in call if read[id(target.record)] == 0]
+            if not live:
+                continue
+            try:
+                found = await self._read_layer_seals(live)
+            except StoreCallError as error:
+                for holder, target in live:
+                    self._failed(holder, target, f"load {target.record.key}: {error}")
+                    read[id(target.record)] = None
+                continue
+            for (holder, target), (witness, entry) in zip(live, found, strict=True):
+                witnesses[id(target.record)] = witness
+                if entry is not None:
+                    checks[id(target.record)] = entry
+                elif witness.vouch is not None or witness.problem is not None or self._integrity is Integrity.REQUIRED:
+                    whole.append((holder, target))
+                    read[id(target.record)] = None  # settled by its whole load, now
+        for call in self._calls(whole):
+            await self._load(call)
+
+    async def _read_layer_seals(
+        self, call: list[tuple[_Pending, LoadTarget]]
+    ) -> list[tuple[Witness, LayerEntry | None]]:
+        """Read the seals and layer seals that may vouch for ``call``'s objects: each one's witness, and the
+        layer seal entry that names its bytes (one of this configuration, bound to the vouching entry).
+
+        Raises :class:`~.batch_calls.StoreCallError` for a store call that failed.
+        """
+        places = self._seal_places(call)
+        layer_places = {layer_seal_key(sealed_key(key)): place for key, place in places.items()}
+        readable = (await self._readable_seals({**places, **layer_places}))[: self._max_buffers]
+        seals = [(key, place) for key, place in readable if is_seal_key(key)]
+        layer_seals = [(key, place) for key, place in readable if is_layer_seal_key(key)]
+        waves = len(self._common_waves)
+        layer_size = layer_seal_size(waves)
+        slab = await self._seals.acquire(self)
+        assert self._layer_seals is not None  # a stage with waves and integrity on has layer seal memory
+        layer_slab = await self._layer_seals.acquire(self)
+        try:
+            keys = [key for key, _ in seals] + [key for key, _ in layer_seals]
+            ptrs = [[slab.address(slot)] for slot in range(len(seals))]
+            ptrs += [[layer_slab.address(slot)] for slot in range(len(layer_seals))]
+            sizes = [[SEAL_SIZE]] * len(seals) + [[layer_size]] * len(layer_seals)
+            results = await call_per_key(self, self._store.batch_get_into_multi_buffers, keys, ptrs, sizes) if keys else []
+            stored = await self._stored_sizes(
+                [key for (key, _), result in zip(seals, results, strict=False) if size_unknown(result)]
+            )
+            vouchers = Vouchers()
+            for slot, ((key, place), result) in enumerate(zip(seals, results, strict=False)):
+                vouchers.add(key, place, result, slab.read(slot) if result == SEAL_SIZE else None, stored.get(key))
+            by_seal: dict[str, dict[int, LayerEntry]] = {}
+            for slot, ((key, _), result) in enumerate(zip(layer_seals, results[len(seals) :], strict=True)):
+                entries = unpack_layer_seal(layer_slab.read(slot), waves) if result == layer_size else None
+                if entries is not None:
+                    by_seal[seal_key(sealed_key(key))] = entries
+        finally:
+            slab.release()
+            layer_slab.release()
+        found: list[tuple[Witness, LayerEntry | None]] = []
+        for _, target in call:
+            witness = vouchers.witness(target.record)
+            entry = None
+            vouch = witness.vouch
+            if vouch is not None and witness.seal is not None and vouch.fingerprint == self._fingerprint:
+                named = by_seal.get(witness.seal, {}).get(vouch.entry.key_id)
+                if named is not None and named.checksum == vouch.entry.checksum:
+                    entry = named
+            found.append((witness, entry))
+        return found
+
+    async def _checked_wave(
+        self,
+        call: list[tuple[_Pending, LoadTarget]],
+        wave: int,
+        read: dict[int, int | None],
+        witnesses: dict[int, Witness],
+        checks: dict[int, LayerEntry],
+    ) -> set[str]:
+        """Check wave ``wave`` of ``call``'s objects that layer seals vouch for; fail those whose bytes differ.
+
+        A failed one is refused as corrupt (its block fails, before its layer is
+        told); the keys returned go from the store with it (:meth:`_doomed`).
+        """
+        checking = [
+            (holder, target, checks[id(target.record)])
+            for holder, target in call
+            if id(target.record) in checks and (so_far := read[id(target.record)]) is not None and so_far >= 0
+        ]
+        if not checking:
+            return set()
+        ranges = [self._waves[self._engine_group[target.record.store_group]][wave] for _, target, _ in checking]
+        intact = await self.run_blocking(
+            lambda: [
+                not wave_ranges or wave_intact(entry, wave, target.record.buffers, wave_ranges)
+                for (_, target, entry), wave_ranges in zip(checking, ranges, strict=True)
+            ]
+        )
+        damaged: set[str] = set()
+        for (holder, target, _), ok in zip(checking, intact, strict=True):
+            if ok:
+                continue
+            holder.verdicts[Verdict.CORRUPT] += 1
+            self._refused(holder, target, Verdict.CORRUPT, f"layer {wave}")
+            read[id(target.record)] = None
+            damaged.update(self._doomed(target.record, witnesses[id(target.record)]))
+        return damaged
+
+    async def _remove_damaged(self, damaged: set[str]) -> None:
+        try:  # forced: every lookup leases a hot chunk's objects
+            await call_per_key(self, remove_each, sorted(damaged), self._store, True)
+        except StoreCallError as error:
+            log.warning("removing damaged objects failed", keys=sorted(damaged), error=str(error))
 
     async def _read_wave(self, call: list[tuple[_Pending, LoadTarget]], wave: int, read: dict[int, int | None]) -> None:
         """One ranged get of wave ``wave`` of ``call``'s objects still whole so far; their bytes or codes into ``read``."""
@@ -351,11 +505,17 @@ class LoadStage(BatchStage):
             assert so_far is not None  # only records still whole were read
             read[id(target.record)] = code if code < 0 else so_far + code
 
-    async def _load(self, call: list[tuple[_Pending, LoadTarget]], read: list[int] | None = None) -> None:
+    async def _load(
+        self,
+        call: list[tuple[_Pending, LoadTarget]],
+        read: list[int] | None = None,
+        known: list[Witness] | None = None,
+    ) -> None:
         """One store call (the objects and, with integrity on, the seals that may vouch for them); settle each record.
 
         ``read``: the objects were read already (layer by layer), each's bytes or
-        code: the call reads only the seals, if any.
+        code: the call reads only the seals, if any; ``known``: what the seals say of
+        each object, read already (then no seal is read).
         """
         records = [target.record for _, target in call]
         keys: list[str] = []
@@ -364,7 +524,7 @@ class LoadStage(BatchStage):
         if read is None:
             keys = [record.key for record in records]
             ptrs, sizes = (list(column) for column in zip(*(spans(record.buffers) for record in records), strict=True))
-        slab = None if self._integrity is Integrity.OFF else await self._seals.acquire(self)
+        slab = None if self._integrity is Integrity.OFF or known is not None else await self._seals.acquire(self)
         try:
             readable: list[tuple[str, SealPlace]] = []
             if slab is not None:
@@ -381,8 +541,10 @@ class LoadStage(BatchStage):
                     self._failed(holder, target, f"load {target.record.key}: {error}")
                 return
             results = got if read is None else [*read, *got]
-            witnesses: list[Witness] = []
+            witnesses: list[Witness] = known or []
             verdicts: list[Verdict | None] = [None] * len(records)
+            if known is not None:
+                verdicts = await self._judged(records, results, known)
             if slab is not None:
                 vouchers = Vouchers()
                 seal_results = results[len(records) :]
@@ -421,10 +583,7 @@ class LoadStage(BatchStage):
         if self._loads is not None:
             self._loads.loaded(loaded)
         if damaged:
-            try:  # forced: every lookup leases a hot chunk's objects
-                await call_per_key(self, remove_each, sorted(damaged), self._store, True)
-            except StoreCallError as error:
-                log.warning("removing damaged objects failed", keys=sorted(damaged), error=str(error))
+            await self._remove_damaged(damaged)
 
     async def _stored_sizes(self, seals: list[str]) -> dict[str, int]:
         """The stored sizes of ``seals`` (reads that failed as a transfer: a seal of another, smaller size?)."""
@@ -448,7 +607,7 @@ class LoadStage(BatchStage):
         """
         seal = witness.seal
         if seal is not None and (witness.problem == DAMAGED or seal == seal_key(record.key)):
-            return [record.key, seal]
+            return [record.key, seal, layer_seal_key(sealed_key(seal))]  # the layer seal goes with its seal
         return [record.key]
 
     def _seal_places(self, call: Sequence[tuple[_Pending, LoadTarget]]) -> dict[str, SealPlace]:
@@ -546,10 +705,13 @@ class LoadStage(BatchStage):
             )
         return verdicts
 
-    def _refused(self, holder: _Pending, target: LoadTarget, verdict: Verdict) -> None:
-        """A block whose bytes must not be used: failed, and the chunk's first such failure logged."""
+    def _refused(self, holder: _Pending, target: LoadTarget, verdict: Verdict, where: str = "") -> None:
+        """A block whose bytes must not be used: failed, and the chunk's first such failure logged.
+
+        ``where``: the part of the object found so (a layer), if not the whole.
+        """
         record = target.record
-        self._failed(holder, target, f"load {record.key}: integrity: {verdict.value}")
+        self._failed(holder, target, f"load {record.key}: integrity: {verdict.value}{f' ({where})' if where else ''}")
         if record.chunk_hash in self._logged:
             return
         self._logged[record.chunk_hash] = None
@@ -563,8 +725,9 @@ class LoadStage(BatchStage):
         )
 
     async def stop(self) -> None:
-        if self._seals.allocated:
-            await self.run_blocking(self._seals.close)
+        for memory in (self._seals, self._layer_seals):
+            if memory is not None and memory.allocated:
+                await self.run_blocking(memory.close)
 
     def _failed(self, holder: _Pending, target: LoadTarget, message: str) -> None:
         holder.failures.append(message)

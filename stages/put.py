@@ -24,8 +24,10 @@ from kvpipe.pipeline.stage import BatchEntry, BatchStage, Emit
 from .backoff import Backoff
 from .batch_calls import MAX_BUFFERS_PER_CALL, StoreCallError, call_per_key, remove_each, split_into_calls
 from .integrity import SEAL_SIZE, Seal, entry_of, seal_key, seal_spans
+from .keys import layer_seal_key
+from .layer_seals import layer_entry_of, layer_seal_size, pack_into
 from .layers import wave_pieces
-from .model import LayerProgress, Records, StoreObject
+from .model import LayerProgress, Records, StoreObject, Wave
 from .object_status import DEADLINE_PASSED, FailReason, ObjectObserver, ObjectReporter
 from .retention import LoadedKeys, PinBudget
 from .seal import SealMemory, SealSlab
@@ -101,8 +103,15 @@ class _CallLayout:
     seal_positions: list[int]  # per span
 
     @classmethod
-    def of(cls, call: Sequence[StoreObject], spans: Sequence[Sequence[int]], slab: SealSlab | None) -> _CallLayout:
-        """Records in their order, each span's seal (in ``slab``'s slot of its number) right after its last record."""
+    def of(
+        cls,
+        call: Sequence[StoreObject],
+        spans: Sequence[Sequence[int]],
+        slab: SealSlab | None,
+        layer_slab: SealSlab | None = None,
+    ) -> _CallLayout:
+        """Records in their order, each span's seal (in ``slab``'s slot of its number) right after its last record,
+        and its layer seal (in ``layer_slab``'s, if any) right after the seal."""
         layout = cls([], [], [], [], [], [0] * len(spans))
         closing: dict[int, list[int]] = {}  # record position -> the spans whose last record it is
         for number, span in enumerate(spans):
@@ -116,6 +125,9 @@ class _CallLayout:
                 anchor = call[spans[number][0]]
                 layout.seal_positions[number] = len(layout.keys)
                 layout._add(seal_key(anchor.key), [slab.address(number)], [SEAL_SIZE], anchor.group_id)
+                if layer_slab is not None:
+                    address, size = layer_slab.address(number), layer_slab.slot_bytes
+                    layout._add(layer_seal_key(anchor.key), [address], [size], anchor.group_id)
         return layout
 
     def _add(self, key: str, addresses: Sequence[int], lengths: Sequence[int], group_id: str | None) -> None:
@@ -139,8 +151,11 @@ class PutStage(BatchStage):
         cpu_wait: Callable[[], float] = cpu_wait_seconds,
         fingerprint: bytes | None = None,
         loads: LoadedKeys | None = None,
+        layer_waves: tuple[Wave, ...] = (),
     ) -> None:
         """``fingerprint``: the cache's (:func:`~.integrity.fingerprint`), for the seals; None: no seals.
+        ``layer_waves``: the objects' waves (:mod:`.layers`): each seal gets a layer seal
+        beside it (:mod:`.layer_seals`), for readers that load layer by layer; none: no layer seals.
 
         ``loads``: the keys the load stage of the same engine loads, which count as
         requests for the chunks this stage holds pinned (:class:`~.retention.PinBudget`).
@@ -153,6 +168,12 @@ class PutStage(BatchStage):
         self._space_wait_s = params.space_wait_s
         self._fingerprint = fingerprint
         self._seals = SealMemory(store, params.max_buffers_per_call)  # registered at the first sealed put
+        self._layer_waves = layer_waves if fingerprint is not None else ()
+        self._layer_seals = (
+            SealMemory(store, params.max_buffers_per_call, slot_bytes=layer_seal_size(len(layer_waves)))
+            if self._layer_waves
+            else None
+        )
         self.throttle = None if params.throttle is None else SlowStoreThrottle(params.throttle)
         self._pins = (
             PinBudget(params.max_pinned_bytes, params.soft_pin_ttl_s, loads=loads)
@@ -170,8 +191,8 @@ class PutStage(BatchStage):
 
     @property
     def _seal_buffers(self) -> int:
-        """The buffers a record's seal adds to a call."""
-        return 0 if self._fingerprint is None else 1
+        """The buffers a record's seal (and layer seal) add to a call, at most."""
+        return 0 if self._fingerprint is None else 1 if self._layer_seals is None else 2
 
     async def process_batch(self, batch: Sequence[BatchEntry[Records]]) -> None:
         try:
@@ -417,19 +438,21 @@ class PutStage(BatchStage):
         never a wrong byte).
         """
         slab = None if self._fingerprint is None else await self._seals.acquire(self)
+        layer_slab = None if slab is None or self._layer_seals is None else await self._layer_seals.acquire(self)
         try:
             spans = seal_spans(call) if slab is not None else []
-            layout = _CallLayout.of(call, spans, slab)
+            layout = _CallLayout.of(call, spans, slab, layer_slab)
             seal = None
             if slab is not None:
-                seal = functools.partial(self._write_seals, slab, call, spans, layout)
+                seal = functools.partial(self._write_seals, slab, call, spans, layout, layer_slab)
             if any(record.layers is not None for record in call):
                 codes = await self._layered_call(call, layout, seal, pin)
             else:
                 codes = await self._timed_call(layout.keys, layout.ptrs, layout.sizes, layout.group_ids, seal, pin)
         finally:
-            if slab is not None:
-                slab.release()
+            for held in (slab, layer_slab):
+                if held is not None:
+                    held.release()
         self._backoff.record(pressured=Code.NO_SPACE in codes)
         data_codes = [codes[position] for position in layout.data_positions]
         unsealed = {
@@ -447,8 +470,10 @@ class PutStage(BatchStage):
         call: Sequence[StoreObject],
         spans: Sequence[Sequence[int]],
         layout: _CallLayout,
+        layer_slab: SealSlab | None = None,
     ) -> None:
-        """Write each span's seal into its slot of ``slab`` (in the worker thread that makes the call).
+        """Write each span's seal into its slot of ``slab`` (in the worker thread that makes the call),
+        and its layer seal into ``layer_slab``'s, if any.
 
         Sealing there reads the very bytes the put sends (a staging slot, or the
         engine's blocks) and costs no hop of its own; a staged copy whose checksum
@@ -470,6 +495,12 @@ class PutStage(BatchStage):
                     )
                 )
             slab.write(number, Seal(fingerprint_, tuple(entries)))
+            if layer_slab is not None:
+                layer_entries = [
+                    layer_entry_of(call[index].key, call[index].transfer_buffers, entry.checksum, self._layer_waves)
+                    for index, entry in zip(span, entries, strict=True)
+                ]
+                pack_into(layer_entries, len(self._layer_waves), layer_slab.view(number))
 
     async def _timed_call(
         self,
@@ -638,8 +669,9 @@ class PutStage(BatchStage):
         return config
 
     async def stop(self) -> None:
-        if self._seals.allocated:
-            await self.run_blocking(self._seals.close)
+        for memory in (self._seals, self._layer_seals):
+            if memory is not None and memory.allocated:
+                await self.run_blocking(memory.close)
 
     def _settle(self, emit: Emit, record: StoreObject, code: int) -> None:
         """Report what became of one record, in its own job."""

@@ -26,6 +26,7 @@ from .full_and_tail import FullChunksStage, TailStage
 from .gather import GatherParams, GatherStage
 from .group_ids import GroupIdsParams, GroupIdsStage
 from .integrity import fingerprint
+from .layers import common_waves
 from .load import LoadParams, LoadStage
 from .model import KVCache
 from .project import ProjectStage
@@ -96,13 +97,14 @@ def _build_gather(params: GatherParams, resources: Resources) -> GatherStage:
 
 @KV_STAGES.register("put", PutParams)
 def _build_put(params: PutParams, resources: Resources) -> PutStage:
-    seal_with = fingerprint(_kv(resources)) if params.seal else None
+    kv = _kv(resources)
     return PutStage(
         params,
         _store(resources),
         resources.get("observer"),
-        fingerprint=seal_with,
+        fingerprint=fingerprint(kv) if params.seal else None,
         loads=_loaded_keys(resources),
+        layer_waves=common_waves(kv),
     )
 
 

@@ -39,27 +39,32 @@ class SealMemoryError(RuntimeError):
 
 
 class SealSlab:
-    """Room for one call's seals: seal ``i`` lives at :meth:`address` ``(i)``."""
+    """Room for one call's seals: seal ``i`` lives at :meth:`address` ``(i)``, ``slot_bytes`` long."""
 
-    __slots__ = ("base", "seals", "_view", "_memory")
+    __slots__ = ("base", "seals", "slot_bytes", "_view", "_memory")
 
-    def __init__(self, memory: SealMemory, base: int, seals: int) -> None:
+    def __init__(self, memory: SealMemory, base: int, seals: int, slot_bytes: int = SEAL_SIZE) -> None:
         self._memory = memory
         self.base = base
         self.seals = seals
-        self._view = memoryview((ctypes.c_char * (seals * SEAL_SIZE)).from_address(base)).cast("B")
+        self.slot_bytes = slot_bytes
+        self._view = memoryview((ctypes.c_char * (seals * slot_bytes)).from_address(base)).cast("B")
 
     def address(self, index: int) -> int:
         if not 0 <= index < self.seals:
             raise IndexError(f"seal {index} of a slab of {self.seals}")
-        return self.base + index * SEAL_SIZE
+        return self.base + index * self.slot_bytes
 
     def write(self, index: int, seal: Seal) -> None:
         seal.pack_into(self._view, self.address(index) - self.base)
 
-    def read(self, index: int) -> bytes:
+    def view(self, index: int) -> memoryview:
+        """Slot ``index`` as writable bytes (a layer seal packs itself into it)."""
         offset = self.address(index) - self.base
-        return bytes(self._view[offset : offset + SEAL_SIZE])
+        return self._view[offset : offset + self.slot_bytes]
+
+    def read(self, index: int) -> bytes:
+        return bytes(self.view(index))
 
     def release(self) -> None:
         """Give the slab back (on the pipeline's loop)."""
@@ -67,12 +72,19 @@ class SealSlab:
 
 
 class SealMemory:
-    """``slabs`` registered slabs of ``seals_per_slab`` seals each, allocated on first use."""
+    """``slabs`` registered slabs of ``seals_per_slab`` seals of ``slot_bytes`` each, allocated on first use.
 
-    def __init__(self, store: RegisteringStore, seals_per_slab: int, slabs: int = SEAL_SLABS) -> None:
+    ``slot_bytes``: a seal's (:data:`~.integrity.SEAL_SIZE`), or a layer seal's
+    (:func:`~.layer_seals.layer_seal_size`).
+    """
+
+    def __init__(
+        self, store: RegisteringStore, seals_per_slab: int, slabs: int = SEAL_SLABS, slot_bytes: int = SEAL_SIZE
+    ) -> None:
         if seals_per_slab <= 0 or slabs <= 0:
             raise ValueError(f"seal memory needs slabs > 0 and seals > 0, got {slabs} x {seals_per_slab}")
         self.seals_per_slab = seals_per_slab
+        self.slot_bytes = slot_bytes
         self.slabs = slabs
         self._store = store
         self._memory: torch.Tensor | None = None
@@ -88,7 +100,7 @@ class SealMemory:
         """Allocate and register the slabs (blocking: call from a worker thread)."""
         if self._memory is not None:
             return
-        slab_bytes = self.seals_per_slab * SEAL_SIZE
+        slab_bytes = self.seals_per_slab * self.slot_bytes
         # Not torch.zeros: a fill this size runs an OpenMP parallel region, and one run
         # from this (worker) thread gives the process a second OpenMP thread pool. With
         # more OpenMP threads than cores, libgomp stops spinning at its barriers, so every
@@ -102,7 +114,9 @@ class SealMemory:
             raise SealMemoryError(f"registering {memory.nbytes} bytes of seal memory failed: {describe(code)}")
         self._memory = memory
         base = memory.data_ptr()
-        self._free = [SealSlab(self, base + i * slab_bytes, self.seals_per_slab) for i in range(self.slabs)]
+        self._free = [
+            SealSlab(self, base + i * slab_bytes, self.seals_per_slab, self.slot_bytes) for i in range(self.slabs)
+        ]
 
     async def acquire(self, stage: BatchStage) -> SealSlab:
         """A free slab (allocating the memory in ``stage``'s worker thread first); waits while all are held."""

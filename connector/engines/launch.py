@@ -25,7 +25,7 @@ from typing import TYPE_CHECKING, Any, Literal, Protocol
 
 from kvpipe.connector.store.mooncake import MooncakeSettings, MooncakeStore
 from kvpipe.connector.store.mooncake.master import MasterEndpoints
-from kvpipe.stages.keys import is_seal_key
+from kvpipe.stages.keys import is_object_key
 
 if TYPE_CHECKING:
     from vllm.config.model import ModelDType  # for the annotation only: vLLM is imported where it runs
@@ -272,13 +272,13 @@ def segment_holder(endpoints: MasterEndpoints, global_segment_size: int | str = 
 def stored_keys(endpoints: MasterEndpoints, *, seals: bool = False) -> list[str]:
     """The keys the master holds (its admin HTTP, as ``kvpipe inspect`` reads it).
 
-    Seals (one per run of objects kvpipe puts) are left out unless ``seals``: what
+    Seals and layer seals (kvpipe's metadata beside its objects) are left out unless ``seals``: what
     callers count is objects, whichever connector wrote them.
     """
     from kvpipe.connector.store.mooncake.admin import AdminClient
 
     keys = AdminClient(endpoints.host, endpoints.metrics_port).keys()
-    return keys if seals else [key for key in keys if not is_seal_key(key)]
+    return keys if seals else [key for key in keys if is_object_key(key)]
 
 
 def make_llm(

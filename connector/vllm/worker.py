@@ -223,17 +223,21 @@ class WorkerSide:
         ]
         # each load of a pinned chunk is one more request for it: the save's pin budget hears of it
         loaded_keys = LoadedKeys() if options.max_pinned_bytes else None
-        if self.settings.save_layerwise and len({layer_waves(s, list(layers), completed=True) for s in shards}) == 1:
-            self._save_waves = layer_waves(shards[0], list(layers), completed=True)
-            self._save_wave_of = {name: wave for wave, name in enumerate(layers)}
-        forward_order = self._layerwise_order(shards, list(layers))
+        order = list(layers)
+        if self.settings.save_layerwise and len({layer_waves(s, order, completed=True) for s in shards}) == 1:
+            self._save_waves = layer_waves(shards[0], order, completed=True)
+            self._save_wave_of = {name: wave for wave, name in enumerate(order)}
+        forward_order = self._layerwise_order(shards, order)
+        # layer-wise here: the waves a load reads, which each seal's layer seal checks (stages/layer_seals.py)
+        waves = layer_waves(shards[0], order) if forward_order or self._save_waves else ()
+        by_group = {group: waves for group in self.layouts} if waves else {}
+        save_cache = replace(self._rank_cache(staging.layouts(), byte_facts), layer_waves=by_group)
         loads_cache = self._rank_cache(staging.layouts() if self._load_via_staging else engine, byte_facts)
         if forward_order:
-            waves = layer_waves(shards[0], forward_order)
-            loads_cache = replace(loads_cache, layer_waves={group: waves for group in self.layouts})
+            loads_cache = replace(loads_cache, layer_waves=by_group)
         self._save_pipeline = SyncPipeline(
             default_save_graph(
-                self._rank_cache(staging.layouts(), byte_facts),
+                save_cache,
                 self.store,
                 enable_group_semantics=self.settings.enable_group_semantics,
                 max_buffers_per_call=self.settings.max_buffers_per_call,

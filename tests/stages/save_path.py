@@ -27,6 +27,7 @@ from kvpipe.stages import (
     TailStage,
     fingerprint,
 )
+from kvpipe.stages.layers import common_waves
 
 
 def put_params(**params: Any) -> PutParams:
@@ -84,7 +85,9 @@ async def run_save_path(
     filter_batch = batch_of(named_records)
     await FilterStage(store).process_batch(filter_batch)
     put_batch = batch_of(out for entry in filter_batch for out in entry.emit.emitted["out"])
-    put_stage = PutStage(put or put_params(), store, fingerprint=fingerprint(kv) if sealed else None)
+    put_stage = PutStage(
+        put or put_params(), store, fingerprint=fingerprint(kv) if sealed else None, layer_waves=common_waves(kv)
+    )
     try:
         await put_stage.process_batch(put_batch)
     finally:  # its seal memory is unregistered: the store outlives this helper

@@ -13,7 +13,8 @@ import pytest
 
 from kvpipe.connector.store.memory import MemoryStore
 from kvpipe.pipeline.testing import batch_of
-from kvpipe.stages import KVCache, LoadParams, LoadRequest, LoadStage, is_seal_key, object_key
+from kvpipe.stages import KVCache, LoadParams, LoadRequest, LoadStage, object_key, seal_key
+from kvpipe.stages.keys import is_object_key, layer_seal_key
 from kvpipe.stages.layers import GetSessions, wave_pieces
 from kvpipe.stages.model import Buffer
 from kvpipe.stages.store import Code
@@ -31,10 +32,11 @@ def _layered(fixture: KVFixture) -> KVCache:
     return replace(fixture.kv, layer_waves={0: tuple(((layer * region, region),) for layer in range(LAYERS))})
 
 
-async def _saved(store: MemoryStore) -> tuple[KVFixture, LoadRequest]:
+async def _saved(store: MemoryStore, *, layer_seals: bool = True) -> tuple[KVFixture, LoadRequest]:
+    """A request saved from a fresh cache (its writer leaving layer seals, unless not ``layer_seals``), and its load."""
     source = make_kv((FULL,), shards=2, layers=LAYERS, seed=0)
     saved = make_request(source.kv, 48)
-    await run_save_path(source.kv, store, [saved])
+    await run_save_path(_layered(source) if layer_seals else source.kv, store, [saved])
     request = LoadRequest("req-1", saved.block_hashes, (TARGET_BLOCKS,), 0, 48, layered=True)
     return source, request
 
@@ -46,13 +48,14 @@ class RangeRecorder:
         self.inner = inner
         self.ranged: list[tuple[list[str], list[list[int]]]] = []
         self.whole_object_keys: list[str] = []
+        self.told: list[int] = []  # per layer told, how many objects had been read whole by then
 
     def batch_get_into_multi_buffer_ranges(self, keys, ptrs, sizes, offsets):  # type: ignore[no-untyped-def]
         self.ranged.append((list(keys), [list(o) for o in offsets]))
         return self.inner.batch_get_into_multi_buffer_ranges(keys, ptrs, sizes, offsets)
 
     def batch_get_into_multi_buffers(self, keys, ptrs, sizes):  # type: ignore[no-untyped-def]
-        self.whole_object_keys.extend(key for key in keys if not is_seal_key(key))
+        self.whole_object_keys.extend(key for key in keys if is_object_key(key))
         return self.inner.batch_get_into_multi_buffers(keys, ptrs, sizes)
 
     def __getattr__(self, name):  # type: ignore[no-untyped-def]
@@ -159,15 +162,44 @@ async def test_a_missing_object_fails_its_block_and_the_others_load() -> None:
     assert any("-704" in failure for failure in emit.failures)
 
 
-async def test_an_object_damaged_in_the_store_is_judged_whole_and_fails_its_block() -> None:
+async def test_a_layer_damaged_in_the_store_fails_its_block_at_that_layer_before_the_layer_is_told() -> None:
     store = MemoryStore(lease_ttl_s=0)
     source, request = await _saved(store)
-    _write(store, _first_key(source, request), bytes(b ^ 0xFF for b in source.block_bytes(0, 0, 1)))
+    good = source.block_bytes(0, 0, 1)
+    region = len(good) // LAYERS
+    flipped = bytes(b ^ 0xFF for b in good[region : 2 * region])
+    _write(store, _first_key(source, request), good[:region] + flipped + good[2 * region :])
     target = make_kv((FULL,), shards=2, layers=LAYERS, seed=1)
 
     emit, failed = await _load(_layered(target), store, request)
 
     assert (emit.counts["integrity_corrupt"], emit.counts["loaded"], len(failed["req-1"])) == (1, 5, 1)
+    assert any("integrity: corrupt (layer 1)" in str(failure) for failure in emit.failures)
+    assert store.batch_is_exist([_first_key(source, request)]) == [0]  # removed, with its seals
+
+
+async def test_objects_sealed_without_layer_seals_are_read_whole_and_judged_before_the_first_layer() -> None:
+    store = MemoryStore(lease_ttl_s=0)
+    _, request = await _saved(store, layer_seals=False)
+    recorder = RangeRecorder(store)
+    target = make_kv((FULL,), shards=2, layers=LAYERS, seed=1)
+
+    emit, _ = await _load(
+        _layered(target), recorder, request, lambda _, wave: recorder.told.append(len(recorder.whole_object_keys))
+    )
+
+    assert recorder.ranged == []  # nothing left to read layer by layer
+    assert recorder.told == [6] * LAYERS  # all six judged whole before the first layer was told
+    assert (emit.counts["loaded"], emit.counts["integrity_verified"]) == (6, 6)
+
+
+async def test_a_writer_that_knows_the_layers_leaves_a_layer_seal_beside_each_seal() -> None:
+    store = MemoryStore(lease_ttl_s=0)
+    source, request = await _saved(store)
+    namespace = source.kv.shards[0].namespace
+    anchor = object_key(namespace, 0, request.block_hashes[0])
+
+    assert store.batch_is_exist([seal_key(anchor), layer_seal_key(anchor)]) == [1, 1]
 
 
 async def test_a_load_that_is_not_layered_reads_whole_objects_though_the_cache_knows_its_layers() -> None:

@@ -19,7 +19,7 @@ from kvpipe.connector.store.mooncake.admin import AdminClient, Replica, Segment
 from kvpipe.connector.store.mooncake.listening import is_listening
 from kvpipe.connector.store.mooncake.master_address import split_host_port
 from kvpipe.stages import KeyNamespace, StoreObject, key_model_name, object_key
-from kvpipe.stages.keys import is_seal_key, parse_object_key, sealed_key
+from kvpipe.stages.keys import is_layer_seal_key, is_seal_key, parse_object_key, sealed_key
 
 from .errors import InspectError, admin_errors
 from .figures import InspectReport, NodeFigures, ShardId, ShardSource
@@ -149,6 +149,8 @@ def _listing(keys: Sequence[str], model: str, cache_prefix: str) -> _Listing:
     """``keys`` sorted out for ``model`` under ``cache_prefix``: a seal counts with its object's model."""
     listing = _Listing(total=len(keys))
     for key in keys:
+        if is_layer_seal_key(key):
+            continue  # a seal's layer checksums (stages/layer_seals.py): read by layer-wise loads only
         parts = parse_object_key(sealed_key(key))
         if parts is None:
             listing.unparsed += 1

@@ -104,6 +104,19 @@ def stored_by(llm: Any, batch: list[list[int]]) -> tuple[dict[str, Any], list[An
     return result, records
 
 
+def read(holder: Any, key: str, size: int) -> Any:
+    """The ``size`` bytes of the object ``key`` (a uint8 tensor)."""
+    import torch
+
+    value = torch.zeros(size, dtype=torch.uint8)
+    assert holder.register_buffer(value.data_ptr(), size) == 0
+    try:
+        assert holder.batch_get_into([key], [value.data_ptr()], [size]) == [size]
+    finally:
+        holder.unregister_buffer(value.data_ptr())
+    return value
+
+
 def overwrite(holder: Any, keys: list[str], value: Any) -> None:
     """Replace each object under ``keys`` with the bytes of ``value`` (a uint8 tensor)."""
     size = value.numel()

@@ -76,14 +76,15 @@ def test_the_hand_made_views_are_the_views_vllm_makes(name: str) -> None:
     assert [v.stride() for v in ours.values()] == [v.stride() for v in theirs.values()]
 
 
-def worker(store: MemoryStore, name: str, device: str) -> WorkerSide:
+def worker(store: MemoryStore, name: str, device: str, settings: Mapping[str, object] | None = None) -> WorkerSide:
     if device == "cuda":  # make gpu-check's bare python3 has no vLLM; .venv has it, so a broken one fails
         pytest.importorskip("vllm")
     from kvpipe.connector.vllm.worker import WorkerSide
 
     layers = tuple(f"layer.{layer}" for layer in range(SHAPE["L"]))
     cache = engine_cache(layers, block_size=BLOCK, num_blocks=SHAPE["B"], layout_name=name)
-    return WorkerSide(cache, settings_from({"store": {"kind": "memory"}, "staging_blocks": 8}), store)
+    connector = settings_from({"store": {"kind": "memory"}, "staging_blocks": 8, **(settings or {})})
+    return WorkerSide(cache, connector, store)
 
 
 @pytest.mark.parametrize("device", DEVICES)
@@ -142,5 +143,41 @@ def test_the_worker_saves_and_loads_a_cache_on_its_device(name: str, device: str
     for layer in source:
         for saved, loaded in ((5, 1), (2, 3)):
             assert torch.equal(target[layer][loaded].view(BITS).cpu(), source[layer][saved].view(BITS).cpu())
+    saver.shutdown(owns_store=False)
+    loader.shutdown(owns_store=False)
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("name", list(ORDERS))
+def test_the_worker_saves_and_loads_a_cache_layer_by_layer_on_its_device(name: str, device: str) -> None:
+    """``save_layerwise`` and ``load_layerwise``: each layer copied after its attention, and in before it.
+
+    On a device each layer's copy runs on the side stream and the engine's stream
+    waits for that copy's event only, before its next kernel: the reads below.
+    """
+    if device == "cuda" and not torch.cuda.is_available():
+        pytest.skip("no CUDA device")
+    layerwise = {"save_layerwise": True, "load_layerwise": True}
+    store = MemoryStore(16 << 20)
+    hashes = chain_hashes(2, salt=f"layers-{name}")
+    source, target = layout_views(name, device, seed=5), layout_views(name, device, seed=6)
+    saver = worker(store, name, device, layerwise)
+    saver.register_kv_caches(source)
+    save = SimpleNamespace(saves=[SaveRequest("s", hashes, ((5, 2),), 2 * BLOCK)], loads=[], sync_loads=set())
+    saver.start_layered_saves(save)
+    for layer in source:
+        saver.save_kv_layer(layer)
+    saver.wait_for_save(save)
+    assert saver.drain(10.0) and (saver.stats["saves_layered"], saver.stats["objects_put"]) == (1, 2)
+    loader = worker(store, name, device, layerwise)
+    loader.register_kv_caches(target)
+    load = SimpleNamespace(loads=[LoadRequest("l", hashes, ((1, 3),), 0, 2 * BLOCK)], sync_loads={"l"}, saves=[])
+    loader.start_load_kv(load)
+    for layer in source:
+        loader.wait_for_layer_load(layer)
+        for saved, loaded in ((5, 1), (2, 3)):
+            assert torch.equal(target[layer][loaded].view(BITS).cpu(), source[layer][saved].view(BITS).cpu())
+    loader.wait_for_save(load)
+    assert loader.get_block_ids_with_load_errors() == set() and loader.stats["loads_layered"] == 1
     saver.shutdown(owns_store=False)
     loader.shutdown(owns_store=False)

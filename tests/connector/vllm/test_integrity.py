@@ -40,16 +40,6 @@ def llm(store_section: dict[str, Any], reference: dict[int, list[list[int]]]) ->
     close_llm(instance)
 
 
-def _read(holder: MooncakeStore, key: str, size: int) -> torch.Tensor:
-    value = torch.zeros(size, dtype=torch.uint8)
-    assert holder.register_buffer(value.data_ptr(), size) == 0
-    try:
-        assert holder.batch_get_into([key], [value.data_ptr()], [size]) == [size]
-    finally:
-        holder.unregister_buffer(value.data_ptr())
-    return value
-
-
 def _same_size_garbage(holder: MooncakeStore, keys: list[str], size: int) -> None:
     engine.overwrite(holder, keys, torch.randint(0, 255, (size,), dtype=torch.uint8))
 
@@ -57,7 +47,7 @@ def _same_size_garbage(holder: MooncakeStore, keys: list[str], size: int) -> Non
 def _torn(holder: MooncakeStore, keys: list[str], size: int) -> None:
     """The second half of each object other bytes: a writer that died half way through a put."""
     for key in keys:
-        value = _read(holder, key, size)
+        value = engine.read(holder, key, size)
         value[size // 2 :] = torch.randint(0, 255, (size - size // 2,), dtype=torch.uint8)
         engine.overwrite(holder, [key], value)
 
@@ -134,10 +124,10 @@ def _sealed_rightly(holder: MooncakeStore, keys: list[str], size: int) -> bool:
     for key, present in zip(seal_keys, holder.batch_is_exist(seal_keys), strict=True):
         if present != 1:
             continue
-        seal = Seal.unpack(bytes(_read(holder, key, SEAL_SIZE).tolist()))
+        seal = Seal.unpack(bytes(engine.read(holder, key, SEAL_SIZE).tolist()))
         entries.update({} if seal is None else {entry.key_id: entry for entry in seal.entries})
     for key in keys:
-        data = bytes(_read(holder, key, size).tolist())
+        data = bytes(engine.read(holder, key, size).tolist())
         entry = entries.get(key_id(key))
         if entry is None or (entry.size, entry.checksum) != (size, xxhash.xxh3_64_intdigest(data)):
             return False

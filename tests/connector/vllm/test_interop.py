@@ -5,8 +5,6 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
-import torch
-
 from kvpipe.connector.engines.launch import close_llm, kvpipe_transfer, mooncake_transfer, vllm_mooncake_env
 from kvpipe.connector.store.mooncake import MooncakeStore
 from kvpipe.connector.store.mooncake.master import LocalMaster
@@ -111,17 +109,7 @@ LAYERWISE = {"load_layerwise": True, "save_layerwise": True, "load_async": False
 
 def _objects(holder: MooncakeStore, keys: list[str]) -> dict[str, bytes]:
     """The bytes of each object under ``keys``."""
-    found = {}
-    for key in keys:
-        size = holder.get_size(key)
-        value = torch.zeros(size, dtype=torch.uint8)
-        assert holder.register_buffer(value.data_ptr(), size) == 0
-        try:
-            assert holder.batch_get_into([key], [value.data_ptr()], [size]) == [size]
-        finally:
-            holder.unregister_buffer(value.data_ptr())
-        found[key] = bytes(value.tolist())
-    return found
+    return {key: bytes(engine.read(holder, key, holder.get_size(key)).tolist()) for key in keys}
 
 
 def test_objects_moved_layer_by_layer_are_interchangeable_with_vllm_mooncake_connector(

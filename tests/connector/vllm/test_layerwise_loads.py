@@ -75,3 +75,24 @@ def test_an_object_damaged_in_the_store_fails_its_blocks_in_the_step_and_is_reco
     assert counts["integrity_failures_corrupt"] == PER_BATCH and counts["chunks_loaded"] == 0
     assert counts["objects_put"] == PER_BATCH  # removed, recomputed, stored anew (layer by layer)
     assert counts["object_failures_called_off"] == 0  # the step that failed had no save of its own
+
+
+def test_a_layer_damaged_in_the_store_fails_its_blocks_and_the_outputs_equal_an_engine_without_a_connector(
+    llm: Any, holder: MooncakeStore, reference: dict[int, list[list[int]]]
+) -> None:
+    """The last layer of every object other bytes, its seals intact: caught at that layer, before its attention."""
+    seed = _seed(llm, 77)
+    batch = engine.prompts(seed)
+    _, records = engine.stored_by(llm, batch)
+    keys = list(dict.fromkeys(record.key for record in records))
+    size = records[0].size
+    for key in keys:
+        value = engine.read(holder, key, size)
+        value[size // 2 :] ^= 0xFF  # the tiny model's second (last) layer
+        engine.overwrite(holder, [key], value)
+
+    again, counts = engine.rerun(llm, batch)
+
+    assert again["tokens"] == reference[seed]
+    assert counts["integrity_failures_corrupt"] == PER_BATCH and counts["chunks_loaded"] == 0
+    assert counts["objects_put"] == PER_BATCH  # removed, recomputed, stored anew

@@ -16,7 +16,8 @@ from vllm.v1.kv_cache_layout import KVCacheLayout
 from kvpipe.connector.store.memory import MemoryStore
 from kvpipe.connector.vllm.messages import KVPipeMetadata
 from kvpipe.connector.vllm.worker import WorkerSide
-from kvpipe.stages import LoadRequest, SaveRequest, is_seal_key
+from kvpipe.stages import LoadRequest, SaveRequest
+from kvpipe.stages.keys import is_object_key
 
 from ...stages.stores import StalledRanges
 from .test_kv_layout import LAYERS, engine_views
@@ -28,9 +29,11 @@ SAVED_FROM = ((4, 0), (1, 2), (5, 3))  # (source block, target block)
 
 
 def _loader(
-    store: MemoryStore, layout: KVCacheLayout, settings: dict | None = None
+    store: MemoryStore, layout: KVCacheLayout, settings: dict | None = None, *, layer_seals: bool = True
 ) -> tuple[WorkerSide, dict[str, torch.Tensor], dict[str, torch.Tensor]]:
-    source = save_three_blocks(store, layout)
+    """Three blocks saved (by a layer-wise writer, which leaves layer seals, unless not ``layer_seals``),
+    and a layer-wise loader over fresh memory: (it, the source views, its views)."""
+    source = save_three_blocks(store, layout, LAYERWISE if layer_seals else None)
     target = engine_views(layout)
     loader = worker(store, layout, {**LAYERWISE, **(settings or {})})
     loader.register_kv_caches(target)
@@ -69,6 +72,17 @@ def test_each_layer_is_in_the_engines_blocks_when_its_wait_returns(layout: KVCac
     assert landed == [True] * len(LAYERS)
     assert loader.get_block_ids_with_load_errors() == set()
     assert (loader.stats["loads_layered"], loader.stats["chunks_loaded"], loader.stats["loads_layer_late"]) == (1, 3, 0)
+    loader.shutdown(owns_store=False)
+
+
+def test_objects_sealed_without_layer_seals_load_verified_whole() -> None:
+    """Their writer knew no layers: each is read whole and judged before the forward, as a whole load would."""
+    loader, source, target = _loader(MemoryStore(16 << 20), KVCacheLayout.LBHNC, layer_seals=False)
+
+    _step(loader, KVPipeMetadata(loads=[LOAD], sync_loads={"l"}))
+
+    assert all(_layer_in(source, target, name) for name in LAYERS)
+    assert loader.get_block_ids_with_load_errors() == set() and loader.stats["chunks_verified"] == 3
     loader.shutdown(owns_store=False)
 
 
@@ -197,4 +211,4 @@ def test_a_layer_wise_save_of_a_request_whose_load_failed_in_the_step_is_revoked
 
 def _stored(store: MemoryStore) -> dict[str, bytes]:
     """Every object (seals aside) the store holds, by key."""
-    return {key: bytes(obj.data) for key, obj in store._objects.items() if not is_seal_key(key)}
+    return {key: bytes(obj.data) for key, obj in store._objects.items() if is_object_key(key)}

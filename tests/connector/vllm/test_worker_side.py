@@ -49,9 +49,9 @@ def wait_finished(side: WorkerSide, timeout_s: float = 10.0) -> set[str]:
     return finished
 
 
-def save_three_blocks(store: MemoryStore, layout: KVCacheLayout) -> dict[str, torch.Tensor]:
+def save_three_blocks(store: MemoryStore, layout: KVCacheLayout, settings: dict | None = None) -> dict[str, torch.Tensor]:
     views = engine_views(layout)
-    saver = worker(store, layout)
+    saver = worker(store, layout, settings)
     saver.register_kv_caches(views)
     saver.wait_for_save(KVPipeMetadata(saves=[SaveRequest("s", HASHES, ((4, 1, 5),), 3 * BLOCK)]))
     assert saver.drain(10.0)
