@@ -332,25 +332,44 @@ class MemoryStore:
         sizes: Sequence[Sequence[int]],
         offsets: Sequence[Sequence[int]],
     ) -> list[int]:
+        return self._ranged("get", self._sessions, keys, ptrs, sizes, offsets)
+
+    def _ranged(
+        self,
+        op: Op,
+        open_: dict[str, _Object],
+        keys: Sequence[str],
+        ptrs: Sequence[Sequence[int]],
+        sizes: Sequence[Sequence[int]],
+        offsets: Sequence[Sequence[int]],
+    ) -> list[int]:
+        """A ranged ``op`` (get: the object's bytes into the buffers; put: the other way) on keys ``open_`` holds."""
         _check_unsigned(ptrs, sizes)
         if not _same_lengths(keys, ptrs, sizes, offsets):
             return [Code.INVALID_PARAMS] * len(keys)
-        if (failed := self._unavailable("get", len(keys))) is not None:
+        if (failed := self._unavailable(op, len(keys))) is not None:
             return failed
         with self._lock:
-            return [self._get_ranges(*per_key) for per_key in zip(keys, ptrs, sizes, offsets, strict=True)]
+            return [
+                self._ranges(op, open_.get(key), key_ptrs, key_sizes, key_offsets)
+                for key, key_ptrs, key_sizes, key_offsets in zip(keys, ptrs, sizes, offsets, strict=True)
+            ]
 
-    def _get_ranges(self, key: str, ptrs: Sequence[int], sizes: Sequence[int], offsets: Sequence[int]) -> int:
-        obj = self._sessions.get(key)
+    def _ranges(
+        self, op: Op, obj: _Object | None, ptrs: Sequence[int], sizes: Sequence[int], offsets: Sequence[int]
+    ) -> int:
         if obj is None or not len(ptrs) == len(sizes) == len(offsets):
             return Code.INVALID_PARAMS  # the real client's answer to a key with no session
-        if (code := self.faults.draw("get")) is not None:
+        if (code := self.faults.draw(op)) is not None:
             return code
         if any(offset < 0 or offset + size > len(obj.data) for offset, size in zip(offsets, sizes, strict=True)):
             return Code.INVALID_PARAMS
         base = _address(obj.data)
         for ptr, size, offset in zip(ptrs, sizes, offsets, strict=True):
-            ctypes.memmove(ptr, base + offset, size)
+            if op == "get":
+                ctypes.memmove(ptr, base + offset, size)
+            else:
+                ctypes.memmove(base + offset, ptr, size)
         return sum(sizes)
 
     def batch_get_session_end(self, keys: Sequence[str]) -> int:
@@ -392,26 +411,7 @@ class MemoryStore:
         sizes: Sequence[Sequence[int]],
         offsets: Sequence[Sequence[int]],
     ) -> list[int]:
-        _check_unsigned(ptrs, sizes)
-        if not _same_lengths(keys, ptrs, sizes, offsets):
-            return [Code.INVALID_PARAMS] * len(keys)
-        if (failed := self._unavailable("put", len(keys))) is not None:
-            return failed
-        with self._lock:
-            return [self._put_ranges(*per_key) for per_key in zip(keys, ptrs, sizes, offsets, strict=True)]
-
-    def _put_ranges(self, key: str, ptrs: Sequence[int], sizes: Sequence[int], offsets: Sequence[int]) -> int:
-        obj = self._pending.get(key)
-        if obj is None or not len(ptrs) == len(sizes) == len(offsets):
-            return Code.INVALID_PARAMS  # the real client's answer to a key with no put session
-        if (code := self.faults.draw("put")) is not None:
-            return code
-        if any(offset < 0 or offset + size > len(obj.data) for offset, size in zip(offsets, sizes, strict=True)):
-            return Code.INVALID_PARAMS
-        base = _address(obj.data)
-        for ptr, size, offset in zip(ptrs, sizes, offsets, strict=True):
-            ctypes.memmove(base + offset, ptr, size)
-        return sum(sizes)
+        return self._ranged("put", self._pending, keys, ptrs, sizes, offsets)
 
     def batch_put_session_end(self, keys: Sequence[str]) -> list[int]:
         if (failed := self._unavailable("put", len(keys))) is not None:

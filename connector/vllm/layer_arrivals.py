@@ -23,40 +23,49 @@ JOB_POLL_S = 0.005
 
 
 class LayerArrivals:
-    """The waves told per submitted load request (thread-safe); the stage's :class:`~kvpipe.stages.LayerObserver`."""
+    """The waves told per submitted load request (thread-safe); the stage's :class:`~kvpipe.stages.LayerObserver`.
+
+    Each entry holds its request, so no later request can take its id while the
+    entry is there (a given-up load's stage may still tell waves after it was
+    forgotten: it is forgotten again when its call ends).
+    """
 
     def __init__(self) -> None:
         self._changed = threading.Condition()
-        self._landed: dict[int, int] = {}  # id(submitted request) -> waves told
-        self._at: dict[int, list[float]] = {}  # id(submitted request) -> when each wave was told
+        # id(submitted request) -> it, and when each of its waves was told (time.monotonic)
+        self._told: dict[int, tuple[LoadRequest, list[float]]] = {}
 
     def __call__(self, request: LoadRequest, wave: int) -> None:
         now = time.monotonic()
         with self._changed:
-            self._landed[id(request)] = wave + 1
-            self._at.setdefault(id(request), []).append(now)
+            self._told.setdefault(id(request), (request, []))[1].append(now)
             self._changed.notify_all()
+
+    def _waves(self, job: Job) -> list[float]:
+        """The told times of ``job``'s request (the lock held)."""
+        held = self._told.get(id(job.item))
+        return held[1] if held is not None and held[0] is job.item else []
 
     def told_at(self, job: Job, wave: int) -> float | None:
         """When wave ``wave`` of ``job``'s request was told (``time.monotonic``); None: not yet."""
         with self._changed:
-            told = self._at.get(id(job.item), [])
+            told = self._waves(job)
             return told[wave] if wave < len(told) else None
 
     def wait(self, job: Job, wave: int, timeout_s: float) -> bool:
         """Until wave ``wave`` of ``job``'s request is told, the job ends, or ``timeout_s`` passes: whether told."""
-        key = id(job.item)
         deadline = time.monotonic() + timeout_s
         with self._changed:
-            while self._landed.get(key, 0) <= wave:
+            while len(self._waves(job)) <= wave:
                 left = deadline - time.monotonic()
                 if job.done or left <= 0:
-                    return self._landed.get(key, 0) > wave
+                    return len(self._waves(job)) > wave
                 self._changed.wait(min(left, JOB_POLL_S))
         return True
 
     def forget(self, job: Job) -> None:
-        """The load has settled: its waves are no longer asked about."""
+        """The load has settled (or its given-up call ended): its waves are no longer asked about."""
         with self._changed:
-            self._landed.pop(id(job.item), None)
-            self._at.pop(id(job.item), None)
+            held = self._told.get(id(job.item))
+            if held is not None and held[0] is job.item:
+                del self._told[id(job.item)]

@@ -560,6 +560,8 @@ class Loads:
                 continue
             assert load.job is not None  # a given-up load had started
             self._failures.take_told(load.job.item)  # too late to matter
+            if load.layered:
+                self._arrivals.forget(load.job)  # the waves it told after it was given up
             self._staging.give_back([copy.slot for copy in load.bounce])
         self._given_up = running
 

@@ -340,6 +340,7 @@ class WorkerSide:
             return
         if (self._layered_step is not None and self._layered_step[0] is meta) or not self.cache.puts_from(self.tp_rank):
             return
+        self._reap()  # the slots the last step's saves gave back
         step = StepLayers(self._save_waves)
         saves: list[tuple[_StagedSave, SaveLayers]] = []
         for save in meta.saves:
@@ -402,7 +403,8 @@ class WorkerSide:
             if staged.request.request_id in failed_loads:
                 layers.call_off()
                 self.stats[SAVES_DROPPED_FAILED_LOAD] += 1
-            self._forward_ended[staged.job_id] = ended
+            if staged.job_id in self._job_slots:  # not failed and reaped already
+                self._forward_ended[staged.job_id] = ended
         step.end()
 
     def _submit(self, staged: _StagedSave, ready: Callable[[], object] | None) -> int:
@@ -590,6 +592,11 @@ class WorkerSide:
         The loads stay: the load failures recorded and not yet taken are still
         told (:meth:`get_block_ids_with_load_errors`, :meth:`take_failed_requests`).
         """
+        if self._layered_step is not None:  # a step that never ended: its layer-wise saves are called off
+            for _, layers in self._layered_step[2]:
+                layers.call_off()
+            self._layered_step[1].end()
+            self._layered_step = None
         stops: list[Callable[[float], object]] = [] if self._save_pipeline is None else [self._save_pipeline.stop]
         if self._loads is not None:
             stops.append(self._loads.stop)

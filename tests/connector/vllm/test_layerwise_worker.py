@@ -212,3 +212,18 @@ def test_a_layer_wise_save_of_a_request_whose_load_failed_in_the_step_is_revoked
 def _stored(store: MemoryStore) -> dict[str, bytes]:
     """Every object (seals aside) the store holds, by key."""
     return {key: bytes(obj.data) for key, obj in store._objects.items() if is_object_key(key)}
+
+
+def test_a_worker_shut_down_mid_step_calls_its_layer_wise_saves_off() -> None:
+    store = MemoryStore(16 << 20)
+    saver = worker(store, KVCacheLayout.LBHNC, {"save_layerwise": True})
+    saver.register_kv_caches(engine_views(KVCacheLayout.LBHNC))
+    meta = KVPipeMetadata(saves=[SAVE])
+    saver.submit_loads(meta)
+    saver.start_layered_saves(meta)
+    saver.save_kv_layer(LAYERS[0])
+
+    saver.shutdown(owns_store=False)  # the step never ends
+
+    assert _stored(store) == {}
+    assert saver.stats["object_failures_called_off"] == 3
