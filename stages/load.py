@@ -22,7 +22,7 @@ from __future__ import annotations
 
 import itertools
 from collections import Counter, OrderedDict
-from collections.abc import Sequence
+from collections.abc import Collection, Sequence
 from dataclasses import dataclass, field
 from typing import Any, ClassVar, Protocol, runtime_checkable
 
@@ -330,7 +330,7 @@ class LoadStage(BatchStage):
             if live:
                 # an object whose session never opened read nothing: it fails whatever its seals say
                 known = [witnesses.get(id(target.record), Witness(None)) for _, target in live] if witnesses else None
-                await self._load(live, [read[id(target.record)] or 0 for _, target in live], known)
+                await self._load(live, [read[id(target.record)] or 0 for _, target in live], known, checks.keys())
         if damaged:
             await self._remove_damaged(damaged)
 
@@ -510,12 +510,14 @@ class LoadStage(BatchStage):
         call: list[tuple[_Pending, LoadTarget]],
         read: list[int] | None = None,
         known: list[Witness] | None = None,
+        checked: Collection[int] = (),
     ) -> None:
         """One store call (the objects and, with integrity on, the seals that may vouch for them); settle each record.
 
         ``read``: the objects were read already (layer by layer), each's bytes or
         code: the call reads only the seals, if any; ``known``: what the seals say of
-        each object, read already (then no seal is read).
+        each object, read already (then no seal is read); ``checked``: the ids of the
+        records whose every wave its layer seal vouched for (verified, not hashed again).
         """
         records = [target.record for _, target in call]
         keys: list[str] = []
@@ -544,7 +546,7 @@ class LoadStage(BatchStage):
             witnesses: list[Witness] = known or []
             verdicts: list[Verdict | None] = [None] * len(records)
             if known is not None:
-                verdicts = await self._judged(records, results, known)
+                verdicts = await self._judged_unless_checked(records, results, known, checked)
             if slab is not None:
                 vouchers = Vouchers()
                 seal_results = results[len(records) :]
@@ -655,6 +657,28 @@ class LoadStage(BatchStage):
         except StoreCallError:
             return []
         return [(key, places[key]) for key, answer in zip(keys, present, strict=True) if answer == EXISTS]
+
+    async def _judged_unless_checked(
+        self,
+        records: Sequence[StoreObject],
+        results: Sequence[int],
+        witnesses: Sequence[Witness],
+        checked: Collection[int],
+    ) -> list[Verdict | None]:
+        """:meth:`_judged`, but an object read whole whose every wave was checked (its id in ``checked``) is verified."""
+        verdicts: list[Verdict | None] = [None] * len(records)
+        judging = []
+        for index, (record, result) in enumerate(zip(records, results, strict=True)):
+            if id(record) not in checked:
+                judging.append(index)
+            elif result == record.size:
+                verdicts[index] = Verdict.VERIFIED
+        judged = await self._judged(
+            [records[i] for i in judging], [results[i] for i in judging], [witnesses[i] for i in judging]
+        )
+        for index, verdict in zip(judging, judged, strict=True):
+            verdicts[index] = verdict
+        return verdicts
 
     async def _judged(
         self, records: Sequence[StoreObject], results: Sequence[int], witnesses: Sequence[Witness]

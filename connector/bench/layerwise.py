@@ -17,9 +17,12 @@ fresh prompt and:
    whole block in vLLM's own cache, what a reload is held to.
 
 Engines (:data:`ENGINES`): sync loads and whole saves; async loads (even on an idle
-engine, ``load_sync_when_idle: false``); layer-wise loads and saves. The layer-wise
-engine's last reload at each length leaves its *timeline*: per layer, when the
-forward reached it, when its bytes had landed, when its attention could start.
+engine, ``load_sync_when_idle: false``); layer-wise loads and saves; and sync and
+layer-wise loads straight into the CPU cache's blocks (``load_via_staging: false``:
+no copy home from the staging slots, which a layer-wise load makes on the engine's
+thread between layers). A layer-wise engine's last reload at each length leaves its
+*timeline*: per layer, when the forward reached it, when its bytes had landed, when
+its attention could start.
 
 On 2 shared cores a layer's transfer (the store's threads, the copy home) and the
 forward's compute take turns on the same cores, so overlap buys little here; the
@@ -54,10 +57,15 @@ SEGMENT = "2GB"
 #: staging slots: a 16k-token prompt's 128 objects, and a step's saves beside them
 STAGING_BLOCKS = 160
 
+LAYERWISE = {"load_async": False, "load_layerwise": True, "save_layerwise": True}
+#: through the staging slots (the default, and a device cache's only way), then straight into
+#: the CPU cache's blocks: a layer-wise load's copy home runs on the engine's thread between layers
 ENGINES: dict[str, dict[str, Any]] = {
     "sync": {"load_async": False},
     "async": {"load_async": True, "load_sync_when_idle": False},
-    "layer-wise": {"load_async": False, "load_layerwise": True, "save_layerwise": True},
+    "layer-wise": LAYERWISE,
+    "sync, in place": {"load_async": False, "load_via_staging": False},
+    "layer-wise, in place": {**LAYERWISE, "load_via_staging": False},
 }
 
 
@@ -156,7 +164,7 @@ def run(options: BenchOptions) -> WorkloadResult:
     targets: list[Target] = []
     notes: list[str] = []
     for length in lengths:
-        sync, async_, layered = (found[(name, length)] for name in ENGINES)
+        sync, layered = found[("sync", length)], found[("layer-wise", length)]
         local_ms = _ms(sync["local"])
         for name in ENGINES:
             measured = found[(name, length)]
@@ -167,7 +175,7 @@ def run(options: BenchOptions) -> WorkloadResult:
                     "reload TTFT p50 ms": _ms(measured["reload"]),
                     "local hit p50 ms": local_ms if name == "sync" else "-",
                     "reloaded tokens": measured["cached"],
-                    "save landing p50 ms": _ms(measured["landing"]) if name != "async" else "-",
+                    "save landing p50 ms": _ms(measured["landing"]) if name in ("sync", "layer-wise") else "-",
                 }
             )
         ratio = _ms(layered["reload"]) / max(_ms(sync["reload"]), 1e-9)
@@ -183,8 +191,9 @@ def run(options: BenchOptions) -> WorkloadResult:
                     op="<=",
                 )
             )
-        notes.append(f"layer-wise reload timeline, {length} tokens (ms from the forward reaching layer 0):")
-        notes.extend(_timeline_rows(layered["timeline"]))
+        for name in ("layer-wise", "layer-wise, in place"):
+            notes.append(f"{name} reload timeline, {length} tokens (ms from the forward reaching layer 0):")
+            notes.extend(_timeline_rows(found[(name, length)]["timeline"]))
     return WorkloadResult(
         workload="vllm-layerwise",
         description=(
