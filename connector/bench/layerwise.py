@@ -150,7 +150,7 @@ def _timeline_rows(timeline: list[Any]) -> list[str]:
 def run(options: BenchOptions) -> WorkloadResult:
     os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"  # the engine steps in this thread: its hooks are ours
     lengths = LENGTHS[:1] if options.quick else LENGTHS
-    repeats = 2 if options.quick else 3
+    repeats = 1 if options.quick else 3
     found: dict[tuple[str, int], dict[str, Any]] = {}
     with LocalMaster() as master:
         assert master.endpoints is not None
