@@ -125,6 +125,8 @@ _SMALL_BODY: dict[str, Any] = {
     "vocab_size": 1024,
     "max_position_embeddings": 4096,
 }
+#: A tiny Qwen3: grouped-query attention (4 query heads over 2 KV heads, q/k norms), one KV-cache group.
+TINY_QWEN3: dict[str, Any] = {**_SMALL_BODY, "architectures": ["Qwen3ForCausalLM"], "model_type": "qwen3"}
 #: A tiny Gemma 3: sliding-window layers (a 256-token window) between full-attention ones,
 #: two KV-cache groups; past its window a request's sliding-window blocks are the null block.
 TINY_GEMMA3: dict[str, Any] = {

@@ -181,7 +181,7 @@ class ConnectorSettings(BaseModel):
             "before each attention layer for that layer's bytes only, so the transfer overlaps the "
             "layers before it. The objects are judged whole by the step's end, and a layer that is "
             "late or damaged fails its blocks in that step (vLLM recomputes them; nothing computed "
-            "from it is stored). Models with mamba layers load whole."
+            "from it is stored). Models with several KV-cache groups, or mamba layers, load whole."
         ),
     )
     save_layerwise: StrictFlag = Field(

@@ -272,13 +272,16 @@ class WorkerSide:
         """The layers in the order the forward runs them, if loads go layer by layer; else none.
 
         Only attention layers are waited for one by one (vLLM wraps their attention
-        in the connector's hooks); a model with mamba layers loads whole. Store
+        in the connector's hooks), and only a load in its request's step can go
+        layer by layer: a model with several KV-cache groups loads asynchronously
+        (vLLM 0.32 takes a failed load of such a model only from an async load), and
+        one with mamba layers has layers no hook waits for: both load whole. Store
         shards of one rank must split their objects alike.
         """
         if not self.settings.load_layerwise:
             return []
-        if any(group.kind is GroupKind.MAMBA for group in self.cache.groups):
-            log.info("load_layerwise: a model with mamba layers loads whole objects")
+        if len(self.cache.groups) > 1 or any(group.kind is GroupKind.MAMBA for group in self.cache.groups):
+            log.info("load_layerwise: a model with several KV-cache groups or mamba layers loads whole objects")
             return []
         if len({layer_waves(shard, layers) for shard in shards}) != 1:
             log.info("load_layerwise: the rank's store shards split their objects differently; loads go whole")
