@@ -9,8 +9,10 @@ on a real master, and prints one ``RESULT {json}`` line. It never imports vLLM
 
 SPEC: ``tp_rank``, ``tp_size``, ``tp_replicas``, ``store`` (kvpipe's store
 section), ``action`` (``"save"`` or ``"load"``), ``seed`` (the request's hashes),
-optionally ``store_tp_size`` (objects sharded for that store TP size) and
-``dcp_size`` (the ranks are DCP ranks too: ``tp_rank % dcp_size``).
+optionally ``store_tp_size`` (objects sharded for that store TP size),
+``dcp_size`` (the ranks are DCP ranks too: ``tp_rank % dcp_size``) and
+``layerwise`` (the save or load runs in one step, layer by layer, as vLLM
+drives a step's hooks with ``save_layerwise`` and ``load_layerwise``).
 """
 
 from __future__ import annotations
@@ -73,7 +75,9 @@ def main(spec: dict[str, Any]) -> dict[str, Any]:
     from ...stages.kv_fixtures import chain_hashes
 
     tp_rank, tp_size, replicas = spec["tp_rank"], spec["tp_size"], spec["tp_replicas"]
-    settings = settings_from({"store": spec["store"], "enable_group_semantics": True, "staging_blocks": 8})
+    layerwise = spec.get("layerwise", False)
+    modes = {"load_layerwise": True, "save_layerwise": True, "load_async": False} if layerwise else {}
+    settings = settings_from({"store": spec["store"], "enable_group_semantics": True, "staging_blocks": 8, **modes})
     cache = ranked_cache(tp_size, replicas, spec.get("store_tp_size"), spec.get("dcp_size", 1))
     store, _ = open_store(settings, mount_segment=False)
     side = WorkerSide(cache, settings, store, tp_rank)
@@ -83,16 +87,22 @@ def main(spec: dict[str, Any]) -> dict[str, Any]:
     blocks = ((2, 5, 7),)
     result: dict[str, Any] = {}
     if spec["action"] == "save":
-        side.wait_for_save(SimpleNamespace(saves=[SaveRequest("r", hashes, blocks, CHUNKS * BLOCK)]))
+        meta = SimpleNamespace(saves=[SaveRequest("r", hashes, blocks, CHUNKS * BLOCK)], loads=[], sync_loads=set())
+        if layerwise:
+            step(side, meta)
+        else:
+            side.wait_for_save(meta)
         assert side.drain(20.0)
         result["put"] = [(r.key, r.group_id) for r, status in side.observed if status.value == "put"]
     else:
-        side.start_load_kv(
-            SimpleNamespace(loads=[LoadRequest("r", hashes, blocks, 0, CHUNKS * BLOCK)], sync_loads=set())
-        )
-        deadline = time.monotonic() + 20
-        while not side.get_finished() and time.monotonic() < deadline:
-            time.sleep(0.01)
+        load = LoadRequest("r", hashes, blocks, 0, CHUNKS * BLOCK)
+        if layerwise:
+            step(side, SimpleNamespace(loads=[load], saves=[], sync_loads={"r"}))
+        else:
+            side.start_load_kv(SimpleNamespace(loads=[load], sync_loads=set()))
+            deadline = time.monotonic() + 20
+            while not side.get_finished() and time.monotonic() < deadline:
+                time.sleep(0.01)
         expected = views(tp_rank, tp_size, replicas > 1, fill=None)
         result["failed_blocks"] = sorted(side.get_block_ids_with_load_errors())
         result["identical"] = all(
@@ -100,8 +110,21 @@ def main(spec: dict[str, Any]) -> dict[str, Any]:
             for name in engine
             for b in blocks[0]
         )
+    if layerwise:
+        result["layered"] = side.stats["loads_layered"] + side.stats["saves_layered"]
     side.shutdown(owns_store=True)
     return result
+
+
+def step(side: Any, meta: Any) -> None:
+    """One step as vLLM drives it: the metadata bound, loads started, each layer waited for and saved, its end."""
+    side.submit_loads(meta)
+    side.start_layered_saves(meta)
+    side.start_load_kv(meta)
+    for name in LAYERS:
+        side.wait_for_layer_load(name)
+        side.save_kv_layer(name)
+    side.wait_for_save(meta)
 
 
 if __name__ == "__main__":

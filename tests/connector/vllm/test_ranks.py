@@ -38,6 +38,7 @@ def rank(
     tp_size: int = 2,
     store_tp_size: int | None = None,
     dcp_size: int = 1,
+    layerwise: bool = False,
 ) -> dict[str, Any]:
     spec = {
         "tp_rank": tp_rank,
@@ -48,6 +49,7 @@ def rank(
         "seed": seed,
         "store_tp_size": store_tp_size,
         "dcp_size": dcp_size,
+        "layerwise": layerwise,
     }
     done = subprocess.run(
         [sys.executable, "-m", "tests.connector.vllm.rank_half", json.dumps(spec)],
@@ -172,6 +174,29 @@ def test_dcp_ranks_store_under_their_own_dcp_key_and_a_hit_needs_every_one(
     for tp_rank in (0, 1):
         loaded = rank(store_section, tp_rank, "load", seed=7, dcp_size=2)
         assert loaded == {"failed_blocks": [], "identical": True}
+
+
+def test_tp4_ranks_save_head_shards_layer_by_layer_that_tp2_ranks_load_layer_by_layer(
+    store_section: dict[str, Any],
+) -> None:
+    """store_tp_size 4: each TP 4 rank writes its shard a layer at a time; each TP 2 rank reads its two shards so."""
+    for tp_rank in range(4):
+        saved = rank(store_section, tp_rank, "save", seed=8, tp_size=4, store_tp_size=4, layerwise=True)
+        assert (len(saved["put"]), saved["layered"]) == (CHUNKS, 1)
+    assert hit_tokens(store_section, seed=8, tp_size=2, store_tp_size=4) == CHUNKS * BLOCK
+    for tp_rank in (0, 1):
+        loaded = rank(store_section, tp_rank, "load", seed=8, tp_size=2, store_tp_size=4, layerwise=True)
+        assert loaded == {"failed_blocks": [], "identical": True, "layered": 1}
+
+
+def test_dcp_ranks_save_and_load_their_shares_layer_by_layer(store_section: dict[str, Any]) -> None:
+    for tp_rank in (0, 1):
+        saved = rank(store_section, tp_rank, "save", seed=9, dcp_size=2, layerwise=True)
+        assert (len(saved["put"]), saved["layered"]) == (CHUNKS, 1)
+    assert hit_tokens(store_section, seed=9, dcp_size=2) == CHUNKS * BLOCK
+    for tp_rank in (0, 1):
+        loaded = rank(store_section, tp_rank, "load", seed=9, dcp_size=2, layerwise=True)
+        assert loaded == {"failed_blocks": [], "identical": True, "layered": 1}
 
 
 def kv_cache_config(spec: Any, *more: Any) -> Any:
