@@ -591,7 +591,8 @@ class PutStage(BatchStage):
         )
         open_ = {}
         for position, code in zip(positions, reserved, strict=True):
-            codes[position] = code
+            # -600: another writer's session holds the key; its object, as a whole put's 0 takes it
+            codes[position] = Code.ALREADY_EXISTS if code == Code.INVALID_PARAMS else code
             if code == Code.OK:
                 open_[position] = layered[position]
         failed = self._write_layers(open_, layout, codes)

@@ -154,6 +154,21 @@ async def test_a_save_called_off_midway_writes_no_further_layer() -> None:
     assert store.batch_is_exist(_keys(source, request)) == [0]
 
 
+async def test_a_chunk_another_writer_is_saving_layer_by_layer_counts_as_existing_not_as_a_store_error() -> None:
+    """Its session holds the key (a reservation answers -600): it is the other writer's, as a whole put
+    of a reserved key is (the store answers that put 0 and keeps the reservation)."""
+    source = make_kv((FULL,), shards=1, layers=LAYERS, seed=0)
+    request = make_request(source.kv, 16)
+    store = MemoryStore()
+    (key,) = _keys(source, request)
+    assert store.batch_put_session_start([key], [1], store.new_replicate_config()) == [0]
+
+    run = await run_save_path(source.kv, store, [replace(request, layers=Steps(_waves(source)))])
+
+    assert (run.counts["existing"], run.counts["failed_store_error"], run.counts["put"]) == (1, 0, 0)
+    assert store.batch_is_exist([key]) == [0]  # still the other writer's, until it ends its session
+
+
 def _read(store: MemoryStore, key: str) -> bytes:
     size = store.get_size(key)
     buffer = ctypes.create_string_buffer(size)

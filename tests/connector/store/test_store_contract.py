@@ -243,6 +243,16 @@ def test_a_session_on_a_key_another_session_holds_is_600(kv: Kv) -> None:
     kv.store.batch_put_session_revoke(["k"])
 
 
+def test_a_whole_put_of_a_key_a_session_holds_is_0_and_leaves_the_reservation(kv: Kv) -> None:
+    kv.store.batch_put_session_start(["k"], [6], kv.store.new_replicate_config())
+    src = kv.buffer(b"abcdef")
+
+    assert kv.store.batch_put_from_multi_buffers(["k"], [[src]], [[6]], kv.store.new_replicate_config()) == [0]
+    assert kv.exists("k") == [0]
+    kv.store.batch_put_session_revoke(["k"])
+    assert kv.exists("k") == [0]
+
+
 def test_a_ranged_put_without_a_session_is_600(kv: Kv) -> None:
     assert _write_ranges(kv, "k", (0, b"abc")) == Code.INVALID_PARAMS
 
