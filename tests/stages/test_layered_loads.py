@@ -178,6 +178,37 @@ async def test_a_layer_damaged_in_the_store_fails_its_block_at_that_layer_before
     assert store.batch_is_exist([_first_key(source, request)]) == [0]  # removed, with its seals
 
 
+class FailsOneWave(RangeRecorder):
+    """A store whose ranged get of ``key`` at source offset ``offset`` fails its transfer (-800)."""
+
+    def __init__(self, inner: MemoryStore, key: str, offset: int) -> None:
+        super().__init__(inner)
+        self.failing = (key, offset)
+
+    def batch_get_into_multi_buffer_ranges(self, keys, ptrs, sizes, offsets):  # type: ignore[no-untyped-def]
+        codes = super().batch_get_into_multi_buffer_ranges(keys, ptrs, sizes, offsets)
+        return [
+            Code.TRANSFER_FAILED if (key, offset[0]) == self.failing else code
+            for key, offset, code in zip(keys, offsets, codes, strict=True)
+        ]
+
+
+async def test_a_layer_the_store_fails_to_transfer_fails_its_block_and_the_others_load() -> None:
+    store = MemoryStore(lease_ttl_s=0)
+    source, request = await _saved(store)
+    region = len(source.block_bytes(0, 0, 1)) // LAYERS
+    key = _first_key(source, request)
+    failing = FailsOneWave(store, key, region)  # its layer 1
+    target = make_kv((FULL,), shards=2, layers=LAYERS, seed=1)
+
+    emit, failed = await _load(_layered(target), failing, request)
+
+    assert (emit.counts["loaded"], emit.counts["failed"], len(failed["req-1"])) == (5, 1, 1)
+    assert any("-800" in failure for failure in emit.failures)
+    assert [keys.count(key) for keys, _ in failing.ranged] == [1, 1, 0]  # no layer of it read after the failure
+    assert store.batch_is_exist([key]) == [1]  # a failed transfer says nothing against the object
+
+
 async def test_objects_sealed_without_layer_seals_are_read_whole_and_judged_before_the_first_layer() -> None:
     store = MemoryStore(lease_ttl_s=0)
     _, request = await _saved(store, layer_seals=False)

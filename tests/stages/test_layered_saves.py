@@ -16,6 +16,7 @@ import anyio
 from kvpipe.connector.store.memory import MemoryStore
 from kvpipe.pipeline.testing import batch_of
 from kvpipe.stages import LoadParams, LoadRequest, LoadStage, SaveRequest, object_key
+from kvpipe.stages.store import Code
 
 from .kv_fixtures import FULL, KVFixture, make_kv, make_request
 from .save_path import run_save_path
@@ -152,6 +153,29 @@ async def test_a_save_called_off_midway_writes_no_further_layer() -> None:
     assert writes == [0]
     assert run.counts["failed_called_off"] == 1
     assert store.batch_is_exist(_keys(source, request)) == [0]
+
+
+async def test_a_layer_the_store_fails_to_write_revokes_its_object_unseen_and_the_chunk_is_saved_again_later() -> None:
+    source = make_kv((FULL,), shards=1, layers=LAYERS, seed=0)
+    request = make_request(source.kv, 16)
+    store = MemoryStore()
+    (key,) = _keys(source, request)
+    real = store.batch_put_from_multi_buffer_ranges
+    failing_wave = _waves(source)[1][0][0]
+
+    def fails_layer_1(keys, ptrs, sizes, offsets):  # type: ignore[no-untyped-def]
+        if offsets[0][0] == failing_wave:
+            return [Code.TRANSFER_FAILED] * len(keys)
+        return real(keys, ptrs, sizes, offsets)
+
+    store.batch_put_from_multi_buffer_ranges = fails_layer_1  # type: ignore[method-assign]
+    run = await run_save_path(source.kv, store, [replace(request, layers=Steps(_waves(source)))])
+
+    assert (run.counts["failed_store_error"], run.counts["put"]) == (1, 0)
+    assert store.batch_is_exist([key]) == [0]
+    store.batch_put_from_multi_buffer_ranges = real  # type: ignore[method-assign]
+    again = await run_save_path(source.kv, store, [replace(request, layers=Steps(_waves(source)))])
+    assert again.counts["put"] == 1 and store.batch_is_exist([key]) == [1]
 
 
 async def test_a_chunk_another_writer_is_saving_layer_by_layer_counts_as_existing_not_as_a_store_error() -> None:
