@@ -48,25 +48,6 @@ def test_an_eagle_engine_gets_from_the_store_the_hit_its_own_prefix_cache_gives(
     assert from_store["tokens"] == first["tokens"]
 
 
-def test_under_an_eagle_head_a_prefix_loads_and_saves_layer_by_layer_with_the_same_tokens(
-    store_section: dict[str, Any],
-) -> None:
-    """The head's attention layer is one more layer of every object, which the drafter reads after the
-    target's forward: its bytes are in by then, checked, like every other layer's."""
-    layerwise = {"load_layerwise": True, "save_layerwise": True, "load_async": False}
-    transfer = launch.kvpipe_transfer({"store": store_section, **layerwise}, load_failure_policy="recompute")
-    with engine.running(transfer, speculative_config=SPECULATIVE) as llm:
-        batch = engine.prompts(909)
-        first, _ = engine.stored_by(llm, batch)
-        again, counts = engine.rerun(llm, batch)
-
-    assert again["connector_hits"] == 2 * SHORT_HIT
-    assert again["tokens"] == first["tokens"]
-    assert (counts["loads_layered"], counts["loads_layer_late"], counts["chunks_load_failed"]) == (2, 0, 0)
-    assert counts["chunks_verified"] == 2 * SHORT_HIT // engine.BLOCK
-    assert counts["saves_layered"] == 2
-
-
 def test_vllms_connector_and_kvpipe_load_what_the_other_stored_and_both_leave_the_last_block(
     llm: Any, mooncake_json: Path
 ) -> None:
