@@ -443,12 +443,16 @@ class LoadStage(BatchStage):
         if not checking:
             return set()
         ranges = [self._waves[self._engine_group[target.record.store_group]][wave] for _, target, _ in checking]
-        intact = await self.run_blocking(
-            lambda: [
-                not wave_ranges or wave_intact(entry, wave, target.record.buffers, wave_ranges)
-                for (_, target, entry), wave_ranges in zip(checking, ranges, strict=True)
-            ]
-        )
+        intact = [False] * len(checking)
+
+        def check(start: int, end: int) -> None:
+            for index in range(start, end):
+                _, target, entry = checking[index]
+                intact[index] = not ranges[index] or wave_intact(entry, wave, target.record.buffers, ranges[index])
+
+        async with anyio.create_task_group() as group:  # xxh3 lets go of the GIL: a share per worker thread
+            for start, end in _shares(len(checking), self.thread_limit):
+                group.start_soon(self.run_blocking, check, start, end)
         damaged: set[str] = set()
         for (holder, target, _), ok in zip(checking, intact, strict=True):
             if ok:
@@ -491,16 +495,32 @@ class LoadStage(BatchStage):
             reading.append((holder, target))
         if not keys:
             return
-        try:
-            codes = await call_per_key(
-                self, self._store.batch_get_into_multi_buffer_ranges, keys, ptrs, sizes, offsets
-            )
-        except StoreCallError as error:
-            for holder, target in reading:
-                self._failed(holder, target, f"load {target.record.key}: {error}")
+        codes: list[int | StoreCallError] = [0] * len(keys)
+
+        async def get(start: int, end: int) -> None:
+            try:
+                codes[start:end] = await call_per_key(
+                    self,
+                    self._store.batch_get_into_multi_buffer_ranges,
+                    keys[start:end],
+                    ptrs[start:end],
+                    sizes[start:end],
+                    offsets[start:end],
+                )
+            except StoreCallError as error:
+                codes[start:end] = [error] * (end - start)
+
+        # One ranged get per worker thread, each of a share of the keys: a store
+        # client moves one call's ranges one after another (measured on Mooncake's
+        # TCP transfer: two calls of half the keys each took 0.57x one call's time).
+        async with anyio.create_task_group() as group:
+            for start, end in _shares(len(keys), self.thread_limit):
+                group.start_soon(get, start, end)
+        for (holder, target), code in zip(reading, codes, strict=True):
+            if isinstance(code, StoreCallError):
+                self._failed(holder, target, f"load {target.record.key}: {code}")
                 read[id(target.record)] = None
-            return
-        for (_, target), code in zip(reading, codes, strict=True):
+                continue
             so_far = read[id(target.record)]
             assert so_far is not None  # only records still whole were read
             read[id(target.record)] = code if code < 0 else so_far + code
@@ -688,15 +708,13 @@ class LoadStage(BatchStage):
         xxh3 lets go of the GIL, and a sync load's engine waits for the verdicts:
         two threads halve that wait on two idle cores.
         """
-        parts = max(1, min(self.thread_limit, len(records)))
-        bounds = [len(records) * part // parts for part in range(parts + 1)]
         verdicts: list[Verdict | None] = [None] * len(records)
 
         async def judge(start: int, end: int) -> None:
             verdicts[start:end] = await self.run_blocking(self._judge_range, records, results, witnesses, start, end)
 
         async with anyio.create_task_group() as group:
-            for start, end in itertools.pairwise(bounds):
+            for start, end in _shares(len(records), self.thread_limit):
                 group.start_soon(judge, start, end)
         return verdicts
 
@@ -756,3 +774,9 @@ class LoadStage(BatchStage):
     def _failed(self, holder: _Pending, target: LoadTarget, message: str) -> None:
         holder.failures.append(message)
         holder.failed_block_ids.add(target.block_id)
+
+
+def _shares(count: int, parts: int) -> list[tuple[int, int]]:
+    """``range(count)`` cut into at most ``parts`` runs of near-equal length, as ``(start, end)`` pairs."""
+    parts = max(1, min(parts, count))
+    return list(itertools.pairwise(count * part // parts for part in range(parts + 1)))
