@@ -495,32 +495,17 @@ class LoadStage(BatchStage):
             reading.append((holder, target))
         if not keys:
             return
-        codes: list[int | StoreCallError] = [0] * len(keys)
-
-        async def get(start: int, end: int) -> None:
-            try:
-                codes[start:end] = await call_per_key(
-                    self,
-                    self._store.batch_get_into_multi_buffer_ranges,
-                    keys[start:end],
-                    ptrs[start:end],
-                    sizes[start:end],
-                    offsets[start:end],
-                )
-            except StoreCallError as error:
-                codes[start:end] = [error] * (end - start)
-
-        # One ranged get per worker thread, each of a share of the keys: a store
-        # client moves one call's ranges largely one after another (bench
-        # vllm-layerwise, the store alone over TCP on 2 cores: 0.73-0.97x one call's time).
-        async with anyio.create_task_group() as group:
-            for start, end in _shares(len(keys), self.thread_limit):
-                group.start_soon(get, start, end)
-        for (holder, target), code in zip(reading, codes, strict=True):
-            if isinstance(code, StoreCallError):
-                self._failed(holder, target, f"load {target.record.key}: {code}")
+        # one call, in one worker thread: a call that hangs (a node cut off) leaves the other to other loads
+        try:
+            codes = await call_per_key(
+                self, self._store.batch_get_into_multi_buffer_ranges, keys, ptrs, sizes, offsets
+            )
+        except StoreCallError as error:
+            for holder, target in reading:
+                self._failed(holder, target, f"load {target.record.key}: {error}")
                 read[id(target.record)] = None
-                continue
+            return
+        for (_, target), code in zip(reading, codes, strict=True):
             so_far = read[id(target.record)]
             assert so_far is not None  # only records still whole were read
             read[id(target.record)] = code if code < 0 else so_far + code

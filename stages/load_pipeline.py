@@ -21,9 +21,6 @@ from .registry import KV_STAGES
 from .retention import LoadedKeys
 from .store import LoadingStore
 
-#: worker threads of the load stage: seals are judged, and a layer's ranged gets made, in all of them
-LOAD_THREADS = 2
-
 DEFAULT_LOAD_PIPELINE: dict[str, Any] = {
     "stages": [
         {
@@ -33,7 +30,7 @@ DEFAULT_LOAD_PIPELINE: dict[str, Any] = {
             # a store call that hangs (a read from a node cut off by the network waits for the
             # kernel's connect) holds one worker; later loads go on in the other
             "workers": 2,
-            "threads": LOAD_THREADS,  # a sync load's engine waits for the verdicts, a layer-wise one for each layer
+            "threads": 2,  # seals and layers are checked in both: the engine waits for the verdicts
             "params": {"max_buffers_per_call": MAX_BUFFERS_PER_CALL, "integrity": "verify"},
         },
     ]

@@ -24,9 +24,9 @@ thread between layers). A layer-wise engine's last reload at each length leaves 
 *timeline*: per layer, when the forward reached it, when its bytes had landed, when
 its attention could start.
 
-Before the engines, the store alone: the longest prompt's objects read a wave (a layer) at
-a time, as one ranged get per wave against one per load thread, each of a share of the
-objects (what the load stage makes), with nothing else running on the cores.
+Before the engines, the store alone: the longest prompt's objects read a layer at a time,
+one ranged get per layer as a layer-wise load reads them, with nothing else running: what a
+layer's transfer costs when it does not share the cores with a forward.
 
 On 2 shared cores a layer's transfer (the store's threads, the copy home) and the
 forward's compute take turns on the same cores, so overlap buys little here; the
@@ -40,7 +40,6 @@ import random
 import statistics
 import time
 from collections.abc import Iterator
-from concurrent.futures import ThreadPoolExecutor
 from contextlib import contextmanager
 from typing import Any
 
@@ -49,7 +48,6 @@ import torch
 from kvpipe.connector.engines import launch
 from kvpipe.connector.store.mooncake.master import LocalMaster
 from kvpipe.connector.vllm.metrics import SAVE_LANDING_SECONDS
-from kvpipe.stages.load_pipeline import LOAD_THREADS
 
 from .result import BenchOptions, Target, WorkloadResult
 from .vllm_prefix import BIGGER
@@ -142,20 +140,19 @@ RANGED_WAVES = 8
 RANGED_OBJECT_BYTES = 2 << 20
 
 
-def _ranged_gets(master: LocalMaster, repeats: int) -> tuple[list[float], list[float]]:
-    """Seconds to read :data:`RANGED_OBJECTS` objects a wave at a time: one call per wave, and
-    :data:`~kvpipe.stages.load_pipeline.LOAD_THREADS` calls per wave in as many threads."""
+def _ranged_gets(master: LocalMaster, repeats: int) -> list[float]:
+    """Seconds to read :data:`RANGED_OBJECTS` objects a layer at a time, one ranged get per layer, as a
+    layer-wise load reads them, with nothing else running: what a layer's transfer costs on free cores."""
     assert master.endpoints is not None
     keys = [f"kvpipe-bench-ranged-{index}" for index in range(RANGED_OBJECTS)]
     wave = RANGED_OBJECT_BYTES // RANGED_WAVES
     source = torch.randint(0, 255, (RANGED_OBJECTS * RANGED_OBJECT_BYTES,), dtype=torch.uint8)
     landing = torch.zeros_like(source)
-    one: list[float] = []
-    shared: list[float] = []
-    with launch.segment_holder(master.endpoints, 0) as client, ThreadPoolExecutor(LOAD_THREADS) as pool:
+    addresses = [RANGED_OBJECT_BYTES * index for index in range(RANGED_OBJECTS)]
+    seconds: list[float] = []
+    with launch.segment_holder(master.endpoints, 0) as client:
         for memory in (source, landing):
             assert client.register_buffer(memory.data_ptr(), memory.numel()) == 0
-        addresses = [RANGED_OBJECT_BYTES * index for index in range(RANGED_OBJECTS)]
         codes = client.batch_put_from_multi_buffers(
             keys,
             [[source.data_ptr() + at] for at in addresses],
@@ -163,34 +160,23 @@ def _ranged_gets(master: LocalMaster, repeats: int) -> tuple[list[float], list[f
             client.new_replicate_config(),
         )
         assert codes == [0] * RANGED_OBJECTS, codes
-
-        def get(layer: int, start: int, end: int) -> None:
-            codes = client.batch_get_into_multi_buffer_ranges(
-                keys[start:end],
-                [[landing.data_ptr() + at + layer * wave] for at in addresses[start:end]],
-                [[wave]] * (end - start),
-                [[layer * wave]] * (end - start),
-            )
-            assert all(code == wave for code in codes), codes
-
-        def timed(threads: int) -> float:
-            bounds = [RANGED_OBJECTS * part // threads for part in range(threads + 1)]
+        for _ in range(repeats + 1):  # the first: connections
             assert client.batch_get_session_start(keys) == [0] * RANGED_OBJECTS
             started = time.perf_counter()
             for layer in range(RANGED_WAVES):
-                for done in [pool.submit(get, layer, bounds[i], bounds[i + 1]) for i in range(threads)]:
-                    done.result()
-            seconds = time.perf_counter() - started
+                codes = client.batch_get_into_multi_buffer_ranges(
+                    keys,
+                    [[landing.data_ptr() + at + layer * wave] for at in addresses],
+                    [[wave]] * RANGED_OBJECTS,
+                    [[layer * wave]] * RANGED_OBJECTS,
+                )
+                assert codes == [wave] * RANGED_OBJECTS, codes
+            seconds.append(time.perf_counter() - started)
             client.batch_get_session_end(keys)
-            return seconds
-
-        for _ in range(repeats + 1):  # the first: connections
-            one.append(timed(1))
-            shared.append(timed(LOAD_THREADS))
         assert torch.equal(source, landing)
         for key in keys:
             client.remove(key, force=True)
-    return one[1:], shared[1:]
+    return seconds[1:]
 
 
 def _ms(values: list[float]) -> float:
@@ -220,7 +206,7 @@ def run(options: BenchOptions) -> WorkloadResult:
     with LocalMaster() as master:
         assert master.endpoints is not None
         with launch.segment_holder(master.endpoints, SEGMENT):
-            one_call, per_thread = _ranged_gets(master, repeats)
+            alone = _ranged_gets(master, repeats)
             for index, (name, settings) in enumerate(ENGINES.items()):
                 with _engine(master, settings) as llm:
                     _timed(llm, _prompt(random.Random(index), 256))  # first kernels, first connections
@@ -230,9 +216,8 @@ def run(options: BenchOptions) -> WorkloadResult:
     targets: list[Target] = []
     notes: list[str] = [
         f"the store alone, {RANGED_OBJECTS} objects of {RANGED_OBJECT_BYTES >> 20} MiB read a layer at a time "
-        f"({RANGED_WAVES} ranged gets): one call per layer {_ms(one_call)} ms, {LOAD_THREADS} calls per layer "
-        f"in {LOAD_THREADS} threads {_ms(per_thread)} ms "
-        f"({_ms(per_thread) / max(_ms(one_call), 1e-9):.2f}x)"
+        f"({RANGED_WAVES} ranged gets) with nothing else running: {_ms(alone)} ms, "
+        f"{_ms(alone) / RANGED_WAVES:.1f} ms a layer"
     ]
     for length in lengths:
         sync, layered = found[("sync", length)], found[("layer-wise", length)]
