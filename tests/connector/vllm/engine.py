@@ -24,6 +24,9 @@ BLOCK = 128
 FULL_HIT = PROMPT_TOKENS // BLOCK * BLOCK
 
 
+#: layer by layer both ways, every load in its request's step (``load_async: false``: one KV-cache group)
+LAYERWISE = {"load_layerwise": True, "save_layerwise": True, "load_async": False}
+
 #: the prefix every prompt of a :func:`family` shares: four whole chunks (the rest of a prompt: no whole one)
 SHARED = 4 * BLOCK
 
@@ -115,6 +118,11 @@ def read(holder: Any, key: str, size: int) -> Any:
     finally:
         holder.unregister_buffer(value.data_ptr())
     return value
+
+
+def objects(holder: Any, keys: list[str]) -> dict[str, bytes]:
+    """The bytes of each object under ``keys``, by key."""
+    return {key: bytes(read(holder, key, holder.get_size(key)).tolist()) for key in keys}
 
 
 def overwrite(holder: Any, keys: list[str], value: Any) -> None:

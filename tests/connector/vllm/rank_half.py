@@ -73,6 +73,7 @@ def main(spec: dict[str, Any]) -> dict[str, Any]:
     from kvpipe.stages import LoadRequest, SaveRequest
 
     from ...stages.kv_fixtures import chain_hashes
+    from .vllm_step import run_step
 
     tp_rank, tp_size, replicas = spec["tp_rank"], spec["tp_size"], spec["tp_replicas"]
     layerwise = spec.get("layerwise", False)
@@ -89,7 +90,7 @@ def main(spec: dict[str, Any]) -> dict[str, Any]:
     if spec["action"] == "save":
         meta = SimpleNamespace(saves=[SaveRequest("r", hashes, blocks, CHUNKS * BLOCK)], loads=[], sync_loads=set())
         if layerwise:
-            step(side, meta)
+            run_step(side, meta, LAYERS)
         else:
             side.wait_for_save(meta)
         assert side.drain(20.0)
@@ -97,7 +98,7 @@ def main(spec: dict[str, Any]) -> dict[str, Any]:
     else:
         load = LoadRequest("r", hashes, blocks, 0, CHUNKS * BLOCK)
         if layerwise:
-            step(side, SimpleNamespace(loads=[load], saves=[], sync_loads={"r"}))
+            run_step(side, SimpleNamespace(loads=[load], saves=[], sync_loads={"r"}), LAYERS)
         else:
             side.start_load_kv(SimpleNamespace(loads=[load], sync_loads=set()))
             deadline = time.monotonic() + 20
@@ -114,17 +115,6 @@ def main(spec: dict[str, Any]) -> dict[str, Any]:
         result["layered"] = side.stats["loads_layered"] + side.stats["saves_layered"]
     side.shutdown(owns_store=True)
     return result
-
-
-def step(side: Any, meta: Any) -> None:
-    """One step as vLLM drives it: the metadata bound, loads started, each layer waited for and saved, its end."""
-    side.submit_loads(meta)
-    side.start_layered_saves(meta)
-    side.start_load_kv(meta)
-    for name in LAYERS:
-        side.wait_for_layer_load(name)
-        side.save_kv_layer(name)
-    side.wait_for_save(meta)
 
 
 if __name__ == "__main__":

@@ -103,15 +103,6 @@ def test_a_sharded_store_is_interchangeable_with_vllm_mooncake_connector(
     assert back["tokens"] == reference[6] == own["tokens"]
 
 
-#: layer by layer both ways: every load in its request's step, every save written as the forward computes it
-LAYERWISE = {"load_layerwise": True, "save_layerwise": True, "load_async": False}
-
-
-def _objects(holder: MooncakeStore, keys: list[str]) -> dict[str, bytes]:
-    """The bytes of each object under ``keys``."""
-    return {key: bytes(engine.read(holder, key, holder.get_size(key)).tolist()) for key in keys}
-
-
 def test_objects_moved_layer_by_layer_are_interchangeable_with_vllm_mooncake_connector(
     master: LocalMaster,
     holder: MooncakeStore,
@@ -121,7 +112,7 @@ def test_objects_moved_layer_by_layer_are_interchangeable_with_vllm_mooncake_con
 ) -> None:
     """kvpipe saves layer by layer, vLLM's connector loads them whole; it saves whole, kvpipe loads layer
     by layer; and what kvpipe writes layer by layer is byte for byte what vLLM's connector wrote."""
-    kvpipe = kvpipe_transfer({"store": store_section, **LAYERWISE})
+    kvpipe = kvpipe_transfer({"store": store_section, **engine.LAYERWISE})
     llm = engine.make_llm(kvpipe)
     try:
         before = set(stored_keys(master))
@@ -148,7 +139,7 @@ def test_objects_moved_layer_by_layer_are_interchangeable_with_vllm_mooncake_con
         assert back["tokens"] == reference[76] == own["tokens"]
         assert (counts["loads_layered"], counts["chunks_unverified"]) == (2, PER_BATCH)
         # the same prompts computed and saved by kvpipe, layer by layer, over vLLM's objects removed
-        written_by_vllm = _objects(holder, theirs)
+        written_by_vllm = engine.objects(holder, theirs)
         for key in theirs:
             assert holder.remove(key, force=True) == 0
         assert llm.reset_prefix_cache()
@@ -156,6 +147,6 @@ def test_objects_moved_layer_by_layer_are_interchangeable_with_vllm_mooncake_con
         assert engine.worker(llm).drain(10.0)
     finally:
         close_llm(llm)
-    assert _objects(holder, theirs) == written_by_vllm
+    assert engine.objects(holder, theirs) == written_by_vllm
     assert holder.batch_is_exist([seal_key(key) for key in theirs]).count(1) >= 1  # kvpipe's seals now name them
 

@@ -18,7 +18,6 @@ object whose last layers were damaged in the store is caught and recomputed.
 
 from __future__ import annotations
 
-from collections import Counter
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -35,14 +34,13 @@ from . import engine
 from .conftest import stored_keys, wait_for_keys
 from .kinds import CPU_MLA, ENGINE, GQA, HYBRID, MAX_TOKENS, Engine, Kind, prompts, vllm_connector
 
-LAYERWISE = {"load_layerwise": True, "save_layerwise": True}
-
 
 @pytest.fixture(scope="module", params=[GQA, CPU_MLA, HYBRID], ids=lambda kind: kind.name)
 def kvpipe(request: pytest.FixtureRequest, store_section: dict[str, Any]) -> Iterator[Engine]:
     kind: Kind = request.param
-    in_step = {"load_async": False} if kind.groups == 1 else {}  # several groups: vLLM needs async loads
-    transfer = launch.kvpipe_transfer({"store": store_section, **LAYERWISE, **in_step}, load_failure_policy="recompute")
+    # several groups: vLLM 0.32 takes their failed loads only from async ones
+    layerwise = engine.LAYERWISE if kind.groups == 1 else {**engine.LAYERWISE, "load_async": True}
+    transfer = launch.kvpipe_transfer({"store": store_section, **layerwise}, load_failure_policy="recompute")
     llm = launch.make_llm(kind.model, transfer, **ENGINE, **kind.engine_args)
     yield Engine(kind, llm)
     launch.close_llm(llm)
@@ -51,10 +49,6 @@ def kvpipe(request: pytest.FixtureRequest, store_section: dict[str, Any]) -> Ite
 def _layered_loads(kvpipe: Engine) -> int:
     """The layer-wise loads a batch of two hits makes: one per prompt, where loads run in their step."""
     return 2 if kvpipe.kind.groups == 1 else 0
-
-
-def _objects(holder: MooncakeStore, keys: list[str]) -> dict[str, bytes]:
-    return {key: bytes(engine.read(holder, key, holder.get_size(key)).tolist()) for key in keys}
 
 
 def _contents(kvpipe: Engine, objects: dict[str, bytes]) -> dict[str, bytes]:
@@ -78,14 +72,6 @@ def _contents(kvpipe: Engine, objects: dict[str, bytes]) -> dict[str, bytes]:
     return contents
 
 
-def _rerun(kvpipe: Engine, batch: list[list[int]]) -> tuple[dict[str, Any], Counter[str]]:
-    before = Counter(engine.worker(kvpipe.llm).stats)
-    assert kvpipe.llm.reset_prefix_cache()
-    result = kvpipe.generate(batch)
-    assert engine.worker(kvpipe.llm).drain(10.0)
-    return result, Counter(engine.worker(kvpipe.llm).stats) - before
-
-
 def test_objects_moved_layer_by_layer_are_interchangeable_with_vllms_connector(
     kvpipe: Engine, master: LocalMaster, holder: MooncakeStore, mooncake_json: Path
 ) -> None:
@@ -103,20 +89,20 @@ def test_objects_moved_layer_by_layer_are_interchangeable_with_vllms_connector(
     written_by_vllm = sorted(set(wait_for_keys(master, len(before) + 2 * kvpipe.objects_per_prompt)) - before)
     assert len(written_by_vllm) == 2 * kvpipe.objects_per_prompt
 
-    back, counts = _rerun(kvpipe, theirs)
+    back, counts = engine.rerun(kvpipe.llm, theirs)
     assert back["cached"] == [kvpipe.full_hit] * 2
     assert back["tokens"] == own["tokens"]
     assert counts["loads_layered"] == _layered_loads(kvpipe)
     assert counts["chunks_unverified"] == 2 * kvpipe.loads_per_prompt  # vLLM's connector writes no seals
 
     # the same prompts computed again and saved by kvpipe, layer by layer, over vLLM's objects removed
-    vllms_bytes = _objects(holder, written_by_vllm)
+    vllms_bytes = engine.objects(holder, written_by_vllm)
     for key in written_by_vllm:
         assert holder.remove(key, force=True) == 0
-    again, counts = _rerun(kvpipe, theirs)
+    again, counts = engine.rerun(kvpipe.llm, theirs)
     assert again["cached"] == [0, 0]
     assert counts["saves_layered"] >= 2
-    assert _contents(kvpipe, _objects(holder, written_by_vllm)) == _contents(kvpipe, vllms_bytes)
+    assert _contents(kvpipe, engine.objects(holder, written_by_vllm)) == _contents(kvpipe, vllms_bytes)
 
 
 def test_objects_whose_last_layers_were_damaged_are_caught_and_recomputed(
@@ -130,7 +116,7 @@ def test_objects_whose_last_layers_were_damaged_are_caught_and_recomputed(
         value[value.numel() // 2 :] ^= 0xFF
         engine.overwrite(holder, [key], value)
 
-    again, counts = _rerun(kvpipe, batch)
+    again, counts = engine.rerun(kvpipe.llm, batch)
 
     assert again["tokens"] == stored["tokens"]
     assert counts["loads_layered"] == _layered_loads(kvpipe)

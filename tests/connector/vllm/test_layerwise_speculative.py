@@ -20,8 +20,7 @@ def test_under_an_eagle_head_a_prefix_loads_and_saves_layer_by_layer_with_the_sa
     store_section: dict[str, Any],
 ) -> None:
     """Its bytes are in by the time the drafter reads them, checked like every other layer's."""
-    layerwise = {"load_layerwise": True, "save_layerwise": True, "load_async": False}
-    transfer = launch.kvpipe_transfer({"store": store_section, **layerwise}, load_failure_policy="recompute")
+    transfer = launch.kvpipe_transfer({"store": store_section, **engine.LAYERWISE}, load_failure_policy="recompute")
     with engine.running(transfer, speculative_config=SPECULATIVE) as llm:
         batch = engine.prompts(909)
         first, _ = engine.stored_by(llm, batch)

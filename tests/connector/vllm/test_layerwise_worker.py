@@ -22,6 +22,7 @@ from kvpipe.stages.keys import is_object_key
 from ...stages.stores import StalledRanges
 from .test_kv_layout import LAYERS, engine_views
 from .test_worker_side import BITS, BLOCK, GIVEN_UP, HASHES, QUICK_DEADLINE, save_three_blocks, worker
+from .vllm_step import run_step
 
 LAYERWISE = {"load_layerwise": True}
 LOAD = LoadRequest("l", HASHES, ((0, 2, 3),), 0, 3 * BLOCK)  # the chunks saved from blocks 4, 1, 5
@@ -42,18 +43,6 @@ def _loader(
 
 def _layer_in(source: dict[str, torch.Tensor], target: dict[str, torch.Tensor], name: str) -> bool:
     return all(torch.equal(target[name][loaded].view(BITS), source[name][saved].view(BITS)) for saved, loaded in SAVED_FROM)
-
-
-def _step(loader: WorkerSide, meta: KVPipeMetadata, layers: tuple[str, ...] = LAYERS) -> None:
-    """A step's forward as vLLM runs it: its metadata bound, its loads started, each layer
-    waited for and saved, its end."""
-    loader.submit_loads(meta)
-    loader.start_layered_saves(meta)
-    loader.start_load_kv(meta)
-    for name in layers:
-        loader.wait_for_layer_load(name)
-        loader.save_kv_layer(name)
-    loader.wait_for_save(meta)
 
 
 @pytest.mark.parametrize("via_staging", [False, True], ids=["into-blocks", "via-staging"])
@@ -79,7 +68,7 @@ def test_objects_sealed_without_layer_seals_load_verified_whole() -> None:
     """Their writer knew no layers: each is read whole and judged before the forward, as a whole load would."""
     loader, source, target = _loader(MemoryStore(16 << 20), KVCacheLayout.LBHNC, layer_seals=False)
 
-    _step(loader, KVPipeMetadata(loads=[LOAD], sync_loads={"l"}))
+    run_step(loader, KVPipeMetadata(loads=[LOAD], sync_loads={"l"}), LAYERS)
 
     assert all(_layer_in(source, target, name) for name in LAYERS)
     assert loader.get_block_ids_with_load_errors() == set() and loader.stats["chunks_verified"] == 3
@@ -89,7 +78,7 @@ def test_objects_sealed_without_layer_seals_load_verified_whole() -> None:
 def test_a_layer_the_forward_never_waited_for_fails_the_load_whole_in_its_step() -> None:
     loader, _, _ = _loader(MemoryStore(16 << 20), KVCacheLayout.LBHNC)
 
-    _step(loader, KVPipeMetadata(loads=[LOAD], sync_loads={"l"}), layers=LAYERS[:-1])
+    run_step(loader, KVPipeMetadata(loads=[LOAD], sync_loads={"l"}), LAYERS[:-1])
 
     assert loader.get_block_ids_with_load_errors() == GIVEN_UP
     assert loader.stats["loads_layer_late"] == 1
@@ -102,7 +91,7 @@ def test_a_layer_late_past_the_deadline_fails_the_load_whole_and_never_reaches_t
     meta = KVPipeMetadata(loads=[LOAD], sync_loads={"l"})
     before = target[LAYERS[1]][list(GIVEN_UP)].clone()
 
-    _step(loader, meta)
+    run_step(loader, meta, LAYERS)
 
     assert _layer_in(source, target, LAYERS[0])
     assert torch.equal(target[LAYERS[1]][list(GIVEN_UP)].view(BITS), before.view(BITS))
@@ -115,7 +104,7 @@ def test_a_layer_late_past_the_deadline_fails_the_load_whole_and_never_reaches_t
 def test_an_async_load_stays_async() -> None:
     loader, _, _ = _loader(MemoryStore(16 << 20), KVCacheLayout.LBHNC)
 
-    _step(loader, KVPipeMetadata(loads=[LOAD]))
+    run_step(loader, KVPipeMetadata(loads=[LOAD]), LAYERS)
 
     assert loader.stats["loads_layered"] == 0
     loader.shutdown(owns_store=False)
@@ -130,7 +119,7 @@ def test_a_request_whose_load_failed_in_the_step_saves_nothing_the_step_computed
     missing = LoadRequest("r", HASHES, ((0, 2, 3),), 0, 2 * BLOCK)  # nothing is stored
     save = SaveRequest("r", HASHES, ((0, 2, 3),), 3 * BLOCK, 2 * BLOCK)
 
-    _step(loader, KVPipeMetadata(loads=[missing], sync_loads={"r"}, saves=[save]))
+    run_step(loader, KVPipeMetadata(loads=[missing], sync_loads={"r"}, saves=[save]), LAYERS)
 
     assert loader.drain(10.0)
     assert loader.get_block_ids_with_load_errors() == {0, 2}
@@ -169,7 +158,7 @@ def test_blocks_saved_layer_by_layer_are_the_objects_a_whole_save_stores(layout:
     for store, settings in ((whole, {}), (layered, {"save_layerwise": True})):
         saver = worker(store, layout, settings)
         saver.register_kv_caches(views)
-        _step(saver, KVPipeMetadata(saves=[SAVE]))
+        run_step(saver, KVPipeMetadata(saves=[SAVE]), LAYERS)
         assert saver.drain(10.0)
         saver.shutdown(owns_store=False)
 
@@ -201,7 +190,7 @@ def test_a_layer_wise_save_of_a_request_whose_load_failed_in_the_step_is_revoked
     saver.register_kv_caches(engine_views(KVCacheLayout.LBHNC))
     missing = LoadRequest("s", HASHES, ((4, 1, 5),), 0, BLOCK)  # nothing is stored: it fails
 
-    _step(saver, KVPipeMetadata(loads=[missing], sync_loads={"s"}, saves=[SAVE]))
+    run_step(saver, KVPipeMetadata(loads=[missing], sync_loads={"s"}, saves=[SAVE]), LAYERS)
 
     assert saver.drain(10.0)
     assert _stored(store) == {}
